@@ -1,0 +1,1 @@
+"""gRPC services of the Kervan mesh."""

@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny Hugging Face models from a seeded random init, saved with
+safetensors into a temporary folder, so tests need no download."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            # a wide init keeps the top logits apart, so greedy choices are not coin flips
+            initializer_range=0.1, eos_token_id=2, bos_token_id=1)
+
+
+def _configs():
+    from transformers import (Glm4MoeConfig, LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig)
+    llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    return {
+        "llama": LlamaConfig(**TINY, rope_scaling=llama3_rope),
+        "qwen2": Qwen2Config(**TINY, tie_word_embeddings=True),
+        "mixtral": MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
+        "qwen2_moe": Qwen2MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=48),
+        "glm4_moe": Glm4MoeConfig(**TINY, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                                  first_k_dense_replace=1, n_group=2, topk_group=1, head_dim=16,
+                                  routed_scaling_factor=1.5),
+    }
+
+
+MODEL_KINDS = ["llama", "qwen2", "mixtral", "qwen2_moe", "glm4_moe"]
+
+
+def build_hf_model(kind: str, seed: int = 0):
+    import transformers
+    cfg = _configs()[kind]
+    torch.manual_seed(seed)
+    model = getattr(transformers, _ARCH[kind])(cfg).eval()
+    if kind == "glm4_moe":  # a non-zero correction bias, so routing really depends on it
+        g = torch.Generator().manual_seed(seed)
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.rand(8, generator=g) * 0.2 - 0.1)
+    return model
+
+
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+         "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """kind -> (transformers model, directory it was saved to), built lazily."""
+    cache: dict = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            model = build_hf_model(kind)
+            path = tmp_path_factory.mktemp(kind)
+            model.save_pretrained(path)
+            cache[kind] = (model, path)
+        return cache[kind]
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama(hf_models):
+    return hf_models("llama")
+
+
+def make_engine(model_dir, **options):
+    from worker import Engine
+    options = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 128, **options}
+    return Engine.from_pretrained(model_dir, **options)
+
+
+def make_prompts(lengths, seed=0, vocab=128):
+    g = torch.Generator().manual_seed(seed)
+    # avoid the EOS id (2) so prompts never look finished
+    return [(torch.randint(3, vocab, (n,), generator=g)).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt, max_new_tokens):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

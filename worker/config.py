@@ -1,0 +1,230 @@
+"""Configuration for the engine: the model's shape (read from a Hugging Face
+``config.json``) and the engine's own knobs. Both are frozen and validated on
+construction; values discovered at run time (the number of KV blocks that fit a
+memory budget) come back as a new object via ``dataclasses.replace``."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+# architectures -> the model family that serves them (worker/models/registry.py)
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Glm4MoeForCausalLM",
+)
+
+
+class ConfigError(ValueError):
+    """A model directory or an engine option that Kervan cannot serve."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rotary_dim: int = 0  # the first rotary_dim channels of each head rotate
+    scaling_type: str = "default"  # "default" | "llama3" | "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Routed experts of one MoE layer type.
+
+    scoring "softmax" is Mixtral / Qwen2-MoE; "sigmoid" is DeepSeek-V3 (scores plus a
+    per-expert correction bias choose the experts, the raw scores weight them)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    scoring: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    has_correction_bias: bool = False
+    shared_intermediate_size: int = 0
+    has_shared_expert_gate: bool = False
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    moe: MoeConfig | None = None
+    moe_layers: tuple[int, ...] = ()  # layer indices whose MLP is the MoE block
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        if self.rope.rotary_dim % 2 or self.rope.rotary_dim > self.head_dim:
+            raise ConfigError(f"rotary dim {self.rope.rotary_dim} invalid for head_dim {self.head_dim}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    @staticmethod
+    def from_dir(model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
+        return ModelConfig.from_hf_dict(json.loads(path.read_text()))
+
+    @staticmethod
+    def from_hf_dict(cfg: dict) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"Kervan serves {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if cfg.get("use_qk_norm"):
+            raise ConfigError(f"{arch} with use_qk_norm=true is not supported")
+        if cfg.get("use_sliding_window"):
+            raise ConfigError(f"{arch} with use_sliding_window=true is not supported")
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        num_layers = cfg["num_hidden_layers"]
+        moe, moe_layers = _parse_moe(arch, cfg, num_layers)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg.get("intermediate_size", 0),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position=cfg.get("max_position_embeddings", 4096),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope=_parse_rope(cfg, head_dim),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch == "Qwen2ForCausalLM"))),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            moe=moe,
+            moe_layers=moe_layers,
+            eos_token_ids=eos_ids,
+        )
+
+
+def _parse_rope(cfg: dict, head_dim: int) -> RopeConfig:
+    # transformers >= 5 writes "rope_parameters"; older configs "rope_theta" + "rope_scaling"
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "llama3", "linear"):
+        raise ConfigError(f"rope type {kind!r} is not supported (default, linear, llama3)")
+    return RopeConfig(
+        theta=float(theta),
+        rotary_dim=int(head_dim * partial),
+        scaling_type=kind,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _parse_moe(arch: str, cfg: dict, num_layers: int) -> tuple[MoeConfig | None, tuple[int, ...]]:
+    if arch == "MixtralForCausalLM":
+        moe = MoeConfig(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                        intermediate_size=cfg["intermediate_size"])
+        return moe, tuple(range(num_layers))
+    if arch == "Qwen2MoeForCausalLM":
+        moe = MoeConfig(num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+                        intermediate_size=cfg["moe_intermediate_size"],
+                        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                        shared_intermediate_size=cfg.get("shared_expert_intermediate_size", 0),
+                        has_shared_expert_gate=True)
+        step = cfg.get("decoder_sparse_step", 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        return moe, layers
+    if arch == "Glm4MoeForCausalLM":
+        moe = MoeConfig(num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"],
+                        intermediate_size=cfg["moe_intermediate_size"], scoring="sigmoid",
+                        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                        num_groups=cfg.get("n_group", 1), topk_groups=cfg.get("topk_group", 1),
+                        has_correction_bias=True,
+                        shared_intermediate_size=cfg["moe_intermediate_size"] * cfg.get("n_shared_experts", 0))
+        return moe, tuple(range(cfg.get("first_k_dense_replace", 0), num_layers))
+    return None, ()
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's knobs. ``num_kv_blocks`` None means: size the cache from
+    ``kv_cache_memory_bytes`` (a budget for K and V of all layers)."""
+
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the model's max_position
+    enable_prefix_caching: bool = True
+    max_n: int = 16  # bound on SamplingParams.n (a client must not fan out unboundedly)
+    seed: int = 0  # for requests without a seed of their own
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, str):
+            if self.dtype not in DTYPES:
+                raise ConfigError(f"dtype {self.dtype!r} unknown; choose one of {sorted(DTYPES)}")
+            object.__setattr__(self, "dtype", DTYPES[self.dtype])
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_n"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ConfigError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+
+    def bytes_per_block(self, model: ModelConfig) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * elem
+
+    def resolve(self, model: ModelConfig) -> "EngineConfig":
+        """Fill the values that depend on the model; returns a new config."""
+        num_blocks = self.num_kv_blocks or max(2, self.kv_cache_memory_bytes // self.bytes_per_block(model))
+        max_len = min(self.max_model_len or model.max_position, model.max_position)
+        if self.max_model_len and self.max_model_len > model.max_position:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
+                              f"max_position_embeddings {model.max_position}")
+        return replace(self, num_kv_blocks=num_blocks, max_model_len=max_len)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)

@@ -1,0 +1,1 @@
+"""The engine: requests, the iteration scheduler, and the step loop."""

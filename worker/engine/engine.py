@@ -1,0 +1,172 @@
+"""The engine: add requests, ``step()``, read outputs. No gRPC in here.
+
+    step = schedule -> execute -> update -> emit
+
+``generate`` is the offline API on top of the same loop; the services drive
+``add_request`` / ``step`` / ``abort`` themselves."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from worker.config import ConfigError, EngineConfig, ModelConfig
+from worker.engine.outputs import CompletionOutput, RequestOutput
+from worker.engine.request import Request
+from worker.engine.sampling_params import InvalidRequest, SamplingParams
+from worker.engine.scheduler import StepScheduler
+from worker.kv.events import KVEvent
+from worker.kv.kv_cache_manager import KVCacheManager
+from worker.loader import load_model
+from worker.runner.model_runner import ModelRunner
+from worker.tokenizer import Tokenizer
+
+Prompt = list[int] | str
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig):
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.config = _resolve(config, self.model_config)
+        model = load_model(model_dir, self.config.dtype, self.config.max_model_len, self.config.device)
+        self.kv = KVCacheManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = StepScheduler(self.config, self.kv)
+        self.runner = ModelRunner(model, self.config)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.groups: dict[str, list[Request]] = {}  # request id -> its sequences (n of them once forked)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **options) -> "Engine":
+        return cls(model_dir, EngineConfig(**options))
+
+    # -- the step-level interface -------------------------------------------------
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None, cache_salt: bytes = b"") -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.groups:
+            raise InvalidRequest(f"request_id {request_id!r} is already in use")
+        token_ids = self._validate(prompt, params)
+        req = Request(request_id, token_ids, params, self.config.block_size,
+                      self.model_config.eos_token_ids, cache_salt)
+        self.groups[request_id] = [req]
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks; False if unknown."""
+        seqs = self.groups.pop(request_id, None)
+        if seqs is None:
+            return False
+        self.scheduler.abort(seqs)
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.sequences:
+            return []
+        result = self.runner.execute(batch)
+        progressed = self.scheduler.update(batch, result.samples)
+        touched: dict[str, None] = {}
+        for req in progressed:
+            group = self.groups[req.parent_id]
+            if req not in group:
+                group.append(req)
+            touched[req.parent_id] = None
+        return [self._output(rid) for rid in touched]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def take_events(self) -> list[KVEvent]:
+        return self.kv.take_events()
+
+    # -- the offline interface ----------------------------------------------------
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequest(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.add_request(prompt, p))
+        except Exception:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    # -- internals ----------------------------------------------------------------
+
+    def _validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("prompt is text but the model has no tokenizer; pass token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        if not token_ids:
+            raise InvalidRequest("prompt is empty")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        params.validate_for(vocab, self.config.max_n)
+        limit = self.config.max_model_len
+        if len(token_ids) + params.max_tokens > limit:
+            raise InvalidRequest(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                                 f"exceeds the maximum model length {limit}")
+        return token_ids
+
+    def _output(self, request_id: str) -> RequestOutput:
+        seqs = self.groups[request_id]
+        first = seqs[0]
+        completions = []
+        for seq in sorted(seqs, key=lambda s: s.sample_index):
+            tokens = seq.output_token_ids
+            new = tokens[seq.num_emitted:]
+            seq.num_emitted = len(tokens)
+            text = self.tokenizer.decode(tokens) if self.tokenizer and seq.is_finished else None
+            completions.append(CompletionOutput(seq.sample_index, tokens, list(seq.logprobs) if seq.params.logprobs
+                                                else None, seq.status.finish_reason, new, text))
+        finished = len(seqs) == first.params.n and all(s.is_finished for s in seqs)
+        if finished:
+            del self.groups[request_id]
+        return RequestOutput(request_id, first.token_ids[:first.num_prompt_tokens], completions,
+                             max(first.num_cached_tokens, 0), finished)
+
+    def kv_slot_usage(self) -> tuple[int, int]:
+        """(slots allocated to running sequences, slots holding their KV); shared blocks
+        count once per sequence."""
+        allocated = used = 0
+        for req in self.scheduler.running:
+            allocated += len(self.kv.tables.get(req.request_id, ())) * self.config.block_size
+            used += req.num_computed_tokens
+        return allocated, used
+
+
+def _resolve(config: EngineConfig, model: ModelConfig) -> EngineConfig:
+    explicit = config.max_model_len is not None
+    config = config.resolve(model)
+    capacity = config.num_kv_blocks * config.block_size
+    if config.max_model_len > capacity:
+        if explicit:
+            raise ConfigError(f"max_model_len {config.max_model_len} does not fit the KV cache "
+                              f"({config.num_kv_blocks} blocks x {config.block_size} = {capacity} tokens)")
+        config = replace(config, max_model_len=capacity)  # one sequence must always fit
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {config.device!r} requested but CUDA is not available")
+    return config

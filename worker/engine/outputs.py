@@ -1,0 +1,43 @@
+"""What the engine hands back: one ``RequestOutput`` per request, holding one
+``CompletionOutput`` per sample (``n`` of them). ``step()`` returns outputs for
+requests that progressed, with the tokens new since the last step in ``.new_token_ids``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    new_token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    finished: bool = False
+
+    # a single-sample request reads like its only completion
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text

@@ -1,0 +1,104 @@
+"""A request inside the engine: its tokens, how many have KV in the cache, its
+status, and the hashes of its full blocks (kept current as tokens are appended).
+
+``n > 1`` requests run as one *sequence* per sample: the first sequence carries
+the request id, the rest are forked from it after the prompt is computed and
+share its blocks (copy-on-write). ``parent_id`` names the request a sequence
+belongs to; ``sample_index`` is its place among the request's samples."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from worker.engine.sampling_params import SamplingParams
+from worker.kv.block_hash import ROOT_HASH, BlockHash, hash_blocks
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # finished statuses sort last
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 block_size: int, eos_token_ids: tuple[int, ...] = (), cache_salt: bytes = b"",
+                 parent_id: str | None = None, sample_index: int = 0):
+        self.request_id = request_id
+        self.parent_id = parent_id or request_id
+        self.sample_index = sample_index
+        self.params = params
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt, then outputs
+        self.logprobs: list[float] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
+        self.status = RequestStatus.WAITING
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                              else frozenset(eos_token_ids))
+        self.block_size = block_size
+        self.cache_salt = cache_salt
+        self.block_hashes: list[BlockHash] = []
+        self._update_block_hashes()
+        # one random stream per sample, independent of the batch; None when unseeded
+        self.sample_generators = [None if params.seed is None else torch.Generator().manual_seed(params.seed + k)
+                                  for k in range(params.n)]
+        self.num_emitted = 0  # output tokens already reported by step()
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.sample_generators[self.sample_index]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output(self, token_id: int, logprob: float | None) -> None:
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        done = len(self.block_hashes)
+        if self.num_tokens // self.block_size > done:
+            parent = self.block_hashes[-1] if done else ROOT_HASH
+            self.block_hashes += hash_blocks(self.token_ids, self.block_size, self.cache_salt, parent, done)
+
+    def fork(self, sample_index: int) -> "Request":
+        """A sibling sample sharing everything computed so far (the prompt)."""
+        child = Request.__new__(Request)
+        child.__dict__.update(self.__dict__)
+        child.request_id = f"{self.parent_id}#{sample_index}"
+        child.sample_index = sample_index
+        child.token_ids = list(self.token_ids)
+        child.logprobs = list(self.logprobs)
+        child.block_hashes = list(self.block_hashes)
+        return child

@@ -1,0 +1,59 @@
+"""Per-request sampling parameters, validated on construction so a bad request
+fails alone, before anything is scheduled. Rules follow vLLM's."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses; the message names the field to fix."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1: disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False  # return the log-probability of each chosen token
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+               f"temperature must be finite and >= 0, got {self.temperature!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1,
+               f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+               f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate_for(self, vocab_size: int, max_n: int) -> None:
+        _check(self.n <= max_n, f"n must be <= {max_n}, got {self.n}")
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        _check(not bad, f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequest(message)

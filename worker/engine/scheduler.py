@@ -1,0 +1,144 @@
+"""The engine's iteration scheduler: which sequences run this step, and how many
+of their tokens.
+
+There are no prefill and decode phases. Every sequence has ``num_tokens`` (prompt
+plus outputs) and ``num_computed_tokens`` (those with KV in the cache), and each
+step moves the second towards the first under one token budget. That one rule
+gives continuous batching, chunked prefill (a long prompt takes several steps)
+and prefix reuse (cached blocks start ``num_computed_tokens`` ahead).
+
+Running sequences go first, in arrival order; when blocks run out the latest
+arrival is preempted (its blocks freed, recomputed later). Waiting sequences are
+admitted while budget, sequence slots and blocks last; none is admitted in a step
+that had to preempt. (Not to be confused with the mesh-level ``Placer``.)"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from worker.config import EngineConfig
+from worker.engine.request import Request, RequestStatus
+from worker.kv.kv_cache_manager import BlockCopy, KVCacheManager
+
+
+@dataclass
+class ScheduledSequence:
+    request: Request
+    num_computed: int  # tokens with KV before this step
+    num_new_tokens: int
+    block_ids: list[int]
+    num_samples: int  # 0: a prompt chunk that does not reach the end; n: first sample of an n > 1 request
+
+
+@dataclass
+class ScheduledBatch:
+    sequences: list[ScheduledSequence]
+    block_copies: list[BlockCopy]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.sequences)
+
+
+class StepScheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, n) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append(self._scheduled(req, req.num_computed_tokens, n))
+                budget -= n
+                i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - hit.num_tokens, budget)
+            if self.kv.allocate_slots(req, n, hit.blocks) is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = hit.num_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit.num_tokens
+            self.running.append(req)
+            scheduled.append(self._scheduled(req, hit.num_tokens, n))
+            budget -= n
+        return ScheduledBatch(scheduled, self.kv.take_copies())
+
+    def _scheduled(self, req: Request, num_computed: int, n: int) -> ScheduledSequence:
+        reaches_end = num_computed + n == req.num_tokens
+        first_of_many = req.num_output_tokens == 0 and req.params.n > 1 and req.sample_index == 0
+        samples = (req.params.n if first_of_many else 1) if reaches_end else 0
+        return ScheduledSequence(req, num_computed, n, self.kv.get_block_ids(req.request_id), samples)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def update(self, batch: ScheduledBatch, samples: dict[str, list[tuple[int, float | None]]]) -> list[Request]:
+        """Apply a step's results; returns the sequences that gained a token (forked
+        samples included). Finished sequences leave the running set and free their blocks."""
+        progressed = []
+        for seq in batch.sequences:
+            req = seq.request
+            req.num_computed_tokens = seq.num_computed + seq.num_new_tokens
+            if seq.num_samples == 0:
+                continue
+            drawn = samples[req.request_id]
+            for k in range(1, seq.num_samples):
+                child = req.fork(k)
+                self.kv.fork(req, child)
+                self.running.append(child)
+                self._append(child, *drawn[k])
+                progressed.append(child)
+            self._append(req, *drawn[0])
+            progressed.append(req)
+        if any(r.is_finished for r in progressed):
+            self.running = [r for r in self.running if not r.is_finished]
+        return progressed
+
+    def _append(self, req: Request, token: int, logprob: float | None) -> None:
+        req.append_output(token, logprob)
+        if token in req.stop_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.config.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+        if req.is_finished:
+            self.kv.free(req)
+
+    def abort(self, requests: list[Request]) -> None:
+        for req in requests:
+            if req.is_finished:
+                continue
+            req.status = RequestStatus.FINISHED_ABORTED
+            self.kv.free(req)
+        self.waiting = deque(r for r in self.waiting if not r.is_finished)
+        self.running = [r for r in self.running if not r.is_finished]

@@ -1,0 +1,135 @@
+"""Per-request block tables on top of the ``BlockPool``.
+
+A request's table covers its tokens in order; block ``i`` holds tokens
+``[i * block_size, (i + 1) * block_size)``:
+
+    tokens    |0 ......... 15|16 ........ 31|32 .. 37        |
+    blocks    |   block 7    |   block 2    |  block 9 (partial)
+    state      hashed (cached) hashed         written up to 37, no hash yet
+
+Only full blocks get a hash, so only a partial last block is ever written again;
+when that block is shared (a forked ``n > 1`` sample), the writer first copies it
+to a private block (copy-on-write; the copy is queued for the runner).
+
+``allocate_slots`` returns None when the pool cannot cover the request: the
+caller preempts or waits, nothing is half-allocated."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from worker.engine.request import Request
+from worker.kv.block_pool import BlockPool, KVBlock
+from worker.kv.events import KVEvent
+
+
+class BlockCopy(NamedTuple):
+    src: int
+    dst: int
+
+
+class ComputedBlocks(NamedTuple):
+    blocks: list[KVBlock]
+    num_tokens: int
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, block_size, enable_caching)
+        self.tables: dict[str, list[KVBlock]] = {}
+        self.num_hashed: dict[str, int] = {}  # leading blocks of a request already in the cache map
+        self._copies: list[BlockCopy] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.tables.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest cached prefix of full blocks; at least one token is always left
+        to compute, since the last prompt token's logits are needed."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for h in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        return ComputedBlocks(hits, len(hits) * self.block_size)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed: list[KVBlock] = ()) -> list[KVBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens after the request's computed
+        ones (plus ``computed`` prefix-hit blocks when admitting it)."""
+        table = self.tables.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        total = num_computed + num_new_tokens
+        num_needed = -(-total // self.block_size) - len(table) - len(computed)
+        cow = self._shared_partial_block(table, num_computed)
+        # cached hits with no other user sit in the free queue: taking them shrinks it
+        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if max(num_needed, 0) + (cow is not None) > self.pool.num_free_blocks - num_evictable_hits:
+            if not table:
+                del self.tables[request.request_id]
+            return None
+        if computed:
+            self.pool.touch(list(computed))
+            table.extend(computed)
+            self.num_hashed[request.request_id] = len(table)
+        if cow is not None:
+            [fresh] = self.pool.get_new_blocks(1)
+            self._copies.append(BlockCopy(table[cow].block_id, fresh.block_id))
+            self.pool.free_blocks([table[cow]])
+            table[cow] = fresh
+        new_blocks = self.pool.get_new_blocks(num_needed) if num_needed > 0 else []
+        table.extend(new_blocks)
+        self._cache_full_blocks(request, table, total)
+        return new_blocks
+
+    def _shared_partial_block(self, table: list[KVBlock], num_computed: int) -> int | None:
+        index = num_computed // self.block_size
+        if num_computed % self.block_size and index < len(table) and table[index].ref_cnt > 1:
+            return index
+        return None
+
+    def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_tokens: int) -> None:
+        rid = request.request_id
+        start = self.num_hashed.get(rid, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        if end <= start:
+            return
+        parent = request.block_hashes[start - 1] if start else None
+        tokens = request.token_ids[start * self.block_size:end * self.block_size]
+        self.pool.cache_blocks(table[start:end], request.block_hashes[start:end], parent, tokens)
+        self.num_hashed[rid] = end
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares all of the parent's blocks (one more reference each)."""
+        blocks = list(self.tables[parent.request_id])
+        self.pool.touch(blocks)
+        self.tables[child.request_id] = blocks
+        self.num_hashed[child.request_id] = self.num_hashed.get(parent.request_id, 0)
+
+    def free(self, request: Request) -> None:
+        table = self.tables.pop(request.request_id, [])
+        self.num_hashed.pop(request.request_id, None)
+        # tail first: a request's last blocks are the least likely to be shared, evict them first
+        self.pool.free_blocks(list(reversed(table)))
+
+    def take_copies(self) -> list[BlockCopy]:
+        copies, self._copies = self._copies, []
+        return copies
+
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+        for rid in self.num_hashed:
+            self.num_hashed[rid] = 0

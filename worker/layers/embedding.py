@@ -1,0 +1,36 @@
+"""Vocabulary-parallel embedding and LM head: each rank owns a contiguous slice
+of the vocabulary. Lookups of ids outside the slice give zeros and the ranks'
+results are summed; the head's partial logits are gathered on the last dim."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.layers.linear import check_shape
+from worker.parallel import all_gather_last_dim, all_reduce, get_parallel_state
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.start, self.end = get_parallel_state().shard(vocab_size, "vocab_size")
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+
+    def load(self, tensor: torch.Tensor) -> None:
+        check_shape(tensor, (self.vocab_size, self.weight.shape[1]))
+        self.weight.data.copy_(tensor[self.start:self.end])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if get_parallel_state().tp_size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = (ids >= self.start) & (ids < self.end)
+        out = nn.functional.embedding((ids - self.start) * local, self.weight)
+        return all_reduce(out * local.unsqueeze(-1).to(out.dtype))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return all_gather_last_dim(nn.functional.linear(hidden, self.weight))

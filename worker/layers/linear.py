@@ -1,0 +1,79 @@
+"""Tensor-parallel linears.
+
+Column-parallel: the output dimension is split across ranks, no communication.
+Row-parallel: the input dimension is split, partial products are all-reduced.
+A merged column-parallel linear stacks several logical outputs (q/k/v, or gate/up)
+in one matmul; each logical part is sharded on its own, so rank r holds
+``[q_r; k_r; v_r]``. Weights arrive whole from the checkpoint and each layer keeps
+its rank's slice in ``load``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.parallel import all_reduce, get_parallel_state
+
+
+class MergedColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype):
+        super().__init__()
+        ps = get_parallel_state()
+        self.out_sizes = list(out_sizes)
+        self.local_sizes = [ps.shard(n, "output features")[1] - ps.shard(n, "output features")[0]
+                            for n in out_sizes]
+        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features, dtype=dtype),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(sum(self.local_sizes), dtype=dtype), requires_grad=False)
+                     if bias else None)
+
+    def load(self, part: int, tensor: torch.Tensor) -> None:
+        """Copy this rank's slice of logical output ``part`` from a whole tensor."""
+        start, end = get_parallel_state().shard(self.out_sizes[part], "output features")
+        offset = sum(self.local_sizes[:part])
+        target = self.bias if tensor.dim() == 1 else self.weight
+        if target is None:
+            raise ValueError("checkpoint has a bias but the layer has none")
+        expected = (self.out_sizes[part],) + tuple(target.shape[1:])
+        check_shape(tensor, expected)
+        target.data[offset:offset + end - start].copy_(tensor[start:end])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(MergedColumnParallelLinear):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__(in_features, [out_features], bias, dtype)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.in_features = in_features
+        start, end = get_parallel_state().shard(in_features, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, end - start, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def load(self, tensor: torch.Tensor) -> None:
+        if tensor.dim() == 1:
+            check_shape(tensor, tuple(self.bias.shape))
+            self.bias.data.copy_(tensor)
+            return
+        check_shape(tensor, (self.weight.shape[0], self.in_features))
+        start, end = get_parallel_state().shard(self.in_features, "input features")
+        self.weight.data.copy_(tensor[:, start:end])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = all_reduce(nn.functional.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+def check_shape(tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"shape {tuple(tensor.shape)} does not match the expected {tuple(expected)}")
+
+
+def copy_checked(target: torch.Tensor, tensor: torch.Tensor) -> None:
+    check_shape(tensor, tuple(target.shape))
+    target.copy_(tensor)

@@ -1,0 +1,31 @@
+"""SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up merged
+into one column-parallel matmul and down row-parallel."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+Loader = Callable[[torch.Tensor], None]
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, False, dtype)
+        self.down = RowParallelLinear(intermediate_size, hidden_size, False, dtype)
+
+    def loaders(self, prefix: str) -> dict[str, Loader]:
+        return {
+            f"{prefix}gate_proj.weight": lambda t: self.gate_up.load(0, t),
+            f"{prefix}up_proj.weight": lambda t: self.gate_up.load(1, t),
+            f"{prefix}down_proj.weight": self.down.load,
+        }
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(nn.functional.silu(gate) * up)

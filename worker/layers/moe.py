@@ -1,0 +1,122 @@
+"""Mixture-of-experts feed-forward: a router picks ``top_k`` experts per token,
+the chosen SwiGLU experts run on their tokens, and their outputs are summed with
+the routing weights; optional shared experts run on every token.
+
+Routing (``select_experts``, a pure function):
+- softmax (Mixtral, Qwen2-MoE): softmax over all experts, top-k, optionally
+  renormalised;
+- sigmoid (DeepSeek-V3, GLM-4.5): sigmoid scores plus a per-expert correction bias
+  *choose* the experts (within the best ``topk_groups`` groups), the unbiased
+  scores *weight* them, renormalised and scaled by ``routed_scaling_factor``.
+
+Expert parallel: the layer owns the experts ``[first_expert, first_expert +
+num_local_experts)`` of its rank; tokens routed elsewhere contribute zero here and
+the ranks' partial sums are all-reduced."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.config import MoeConfig
+from worker.layers.linear import copy_checked
+from worker.layers.mlp import Loader, SwiGLU
+from worker.parallel import all_reduce, get_parallel_state
+
+# checkpoint names of an expert's three matrices, per family: (gate, up, down)
+EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "default": ("gate_proj", "up_proj", "down_proj")}
+
+
+def select_experts(logits: torch.Tensor, cfg: MoeConfig,
+                   correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [num_tokens, num_experts] float32 -> (weights, ids), each [num_tokens, top_k]."""
+    if cfg.scoring == "softmax":
+        probs = logits.softmax(dim=-1)
+        weights, ids = probs.topk(cfg.top_k, dim=-1)
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+    scores = logits.sigmoid()
+    choice = scores + correction_bias if correction_bias is not None else scores
+    if cfg.num_groups > 1:
+        grouped = choice.view(-1, cfg.num_groups, cfg.num_experts // cfg.num_groups)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [num_tokens, num_groups]
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(cfg.topk_groups, dim=-1).indices, 1)
+        choice = choice.masked_fill(~keep.bool().repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+    ids = choice.topk(cfg.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, hidden_size: int, cfg: MoeConfig, dtype: torch.dtype, family: str):
+        super().__init__()
+        self.cfg = cfg
+        self.names = EXPERT_NAMES.get(family, EXPERT_NAMES["default"])
+        start, end = get_parallel_state().shard(cfg.num_experts, "num_experts")
+        self.first_expert, self.num_local_experts = start, end - start
+        inter = cfg.intermediate_size
+        self.gate = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=dtype), requires_grad=False)
+        self.correction_bias = (nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
+                                if cfg.has_correction_bias else None)
+        # [local_experts, 2 * intermediate, hidden] and [local_experts, hidden, intermediate]
+        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * inter, hidden_size, dtype=dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, inter, dtype=dtype),
+                               requires_grad=False)
+        self.shared = SwiGLU(hidden_size, cfg.shared_intermediate_size, dtype) if cfg.shared_intermediate_size else None
+        self.shared_gate = (nn.Parameter(torch.empty(1, hidden_size, dtype=dtype), requires_grad=False)
+                            if cfg.has_shared_expert_gate and self.shared else None)
+
+    def loaders(self, prefix: str, shared_name: str) -> dict[str, Loader]:
+        out: dict[str, Loader] = {f"{prefix}gate.weight": self._copier(self.gate)}
+        if self.correction_bias is not None:
+            out[f"{prefix}gate.e_score_correction_bias"] = self._copier(self.correction_bias)
+        for local in range(self.num_local_experts):
+            e = self.first_expert + local
+            gate, up, down = (f"{prefix}experts.{e}.{n}.weight" for n in self.names)
+            inter = self.cfg.intermediate_size
+            out[gate] = self._copier(self.w13, local, slice(0, inter))
+            out[up] = self._copier(self.w13, local, slice(inter, 2 * inter))
+            out[down] = self._copier(self.w2, local, slice(None))
+        if self.shared is not None:
+            out.update(self.shared.loaders(f"{prefix}{shared_name}."))
+        if self.shared_gate is not None:
+            out[f"{prefix}shared_expert_gate.weight"] = self._copier(self.shared_gate)
+        return out
+
+    @staticmethod
+    def _copier(param: nn.Parameter, expert: int | None = None, rows: slice | None = None) -> Loader:
+        target = param.data if expert is None else param.data[expert][rows]
+        return lambda tensor: copy_checked(target, tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, hidden]
+        logits = nn.functional.linear(x.float(), self.gate.float())
+        weights, ids = select_experts(logits, self.cfg, self.correction_bias)
+        out = torch.zeros_like(x)
+        flat = ids.flatten() - self.first_expert  # [num_tokens * top_k]
+        nl = self.num_local_experts
+        flat = torch.where((flat >= 0) & (flat < nl), flat, nl)  # other ranks' experts sort last
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=nl + 1).tolist()
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        for local in range(nl):
+            if counts[local] == 0:
+                continue
+            sel = order[starts[local]:starts[local + 1]]  # flat (token, slot) indices of this expert
+            tokens = sel // self.cfg.top_k
+            gate, up = nn.functional.linear(x[tokens], self.w13[local]).chunk(2, dim=-1)
+            y = nn.functional.linear(nn.functional.silu(gate) * up, self.w2[local])
+            out.index_add_(0, tokens, y * weights.flatten()[sel, None].to(y.dtype))
+        out = all_reduce(out)
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(nn.functional.linear(x, self.shared_gate)) * shared
+            out = out + shared
+        return out

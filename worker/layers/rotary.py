@@ -1,0 +1,55 @@
+"""Rotary position embedding (rotate-half convention), with Llama-3 and linear
+frequency scaling and partial rotation (only the first ``rotary_dim`` channels of
+each head turn, as in GLM-4.5). cos/sin are computed in float32 for every
+position once, then cast to the model dtype, matching Hugging Face."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from worker.config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig) -> torch.Tensor:
+    dim = rope.rotary_dim
+    inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.scaling_type == "linear":
+        return inv / rope.factor
+    if rope.scaling_type != "llama3":
+        return inv
+    low_wavelen = rope.original_max_position / rope.low_freq_factor
+    high_wavelen = rope.original_max_position / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+    smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, rope: RopeConfig, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        self.rotary_dim = rope.rotary_dim
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inverse_frequencies(rope)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rotary_dim]
+        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
+        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, rotary_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    rot, keep = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos + rotated * sin
+    return out if keep.shape[-1] == 0 else torch.cat((out, keep), dim=-1)

@@ -1,0 +1,52 @@
+"""Hugging Face directory -> a ready ``DecoderModel``.
+
+Reads ``config.json`` and ``*.safetensors`` (one file, or shards listed in
+``model.safetensors.index.json``) with ``safetensors``, never pickle. Tensors are
+streamed one at a time, cast to the serving dtype and handed to the model's
+loaders, which keep this rank's slice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from worker.config import ConfigError, ModelConfig
+from worker.models.decoder import DecoderModel, load_weights
+
+
+def safetensor_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / n for n in names]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise ConfigError(f"shards listed in {index.name} are missing: {absent}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{model_dir}: no *.safetensors files (Kervan never loads pickled weights)")
+    return files
+
+
+def iter_tensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensor_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                # routing biases stay float32 (their small differences decide experts)
+                yield name, (t if name.endswith("e_score_correction_bias") else t.to(dtype))
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int,
+               device: str = "cpu") -> DecoderModel:
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    with torch.device(device):
+        model = DecoderModel(cfg, dtype, max_positions)
+    load_weights(model, iter_tensors(model_dir, dtype))
+    return model.eval()

@@ -1,0 +1,1 @@
+"""Decoder models served by Kervan."""

@@ -1,0 +1,155 @@
+"""The Llama-family decoder, dense or mixture-of-experts.
+
+Llama, Mistral, Qwen2 (attention biases, tied embeddings), Mixtral, Qwen2-MoE
+(shared expert with a sigmoid gate) and GLM-4.5-style MoE (DeepSeek-V3 routing,
+partial rotary) differ only in their config and tensor names, so one module
+serves them all. The model is flat: it takes one step's tokens as a single
+sequence ``[num_tokens]`` with their positions and the paged-attention metadata,
+and returns hidden states; the runner picks which rows become logits."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from worker.config import ModelConfig
+from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear, copy_checked
+from worker.layers.mlp import Loader, SwiGLU
+from worker.layers.moe import SparseMoe
+from worker.layers.norm import RMSNorm
+from worker.layers.paged_attention import AttentionMetadata, paged_attention
+from worker.layers.rotary import RotaryEmbedding
+from worker.parallel import get_parallel_state
+
+# architecture -> (MLP prefix in the checkpoint, expert naming family, shared-expert prefix)
+MOE_NAMING = {
+    "MixtralForCausalLM": ("block_sparse_moe", "mixtral", ""),
+    "Qwen2MoeForCausalLM": ("mlp", "default", "shared_expert"),
+    "Glm4MoeForCausalLM": ("mlp", "default", "shared_experts"),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        ps = get_parallel_state()
+        self.num_heads = cfg.num_heads // ps.tp_size
+        self.num_kv_heads = max(1, cfg.num_kv_heads // ps.tp_size)
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv = MergedColumnParallelLinear(cfg.hidden_size, [q, kv, kv], cfg.attention_bias, dtype)
+        self.o_proj = RowParallelLinear(q, cfg.hidden_size, False, dtype)
+        self.rotary = rotary
+
+    def loaders(self, prefix: str, has_bias: bool) -> dict[str, Loader]:
+        out: dict[str, Loader] = {}
+        for part, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            out[f"{prefix}{name}.weight"] = lambda t, p=part: self.qkv.load(p, t)
+            if has_bias:
+                out[f"{prefix}{name}.bias"] = lambda t, p=part: self.qkv.load(p, t)
+        out[f"{prefix}o_proj.weight"] = self.o_proj.load
+        return out
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k = self.rotary(positions, q.view(n, self.num_heads, self.head_dim),
+                           k.view(n, self.num_kv_heads, self.head_dim))
+        out = paged_attention(q, k, v.view(n, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale)
+        return self.o_proj(out.view(n, q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, rotary, dtype)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if index in cfg.moe_layers:
+            self.mlp: nn.Module = SparseMoe(cfg.hidden_size, cfg.moe, dtype, MOE_NAMING[cfg.architecture][1])
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+    def loaders(self, prefix: str, cfg: ModelConfig) -> dict[str, Loader]:
+        out = {f"{prefix}input_layernorm.weight": _copier(self.input_norm.weight),
+               f"{prefix}post_attention_layernorm.weight": _copier(self.post_attn_norm.weight)}
+        out.update(self.attn.loaders(f"{prefix}self_attn.", cfg.attention_bias))
+        if isinstance(self.mlp, SparseMoe):
+            mlp_prefix, _, shared = MOE_NAMING[cfg.architecture]
+            out.update(self.mlp.loaders(f"{prefix}{mlp_prefix}.", shared))
+        else:
+            out.update(self.mlp.loaders(f"{prefix}mlp."))
+        return out
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.attn(positions, self.input_norm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        rotary = RotaryEmbedding(cfg.rope, max_positions, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed(input_ids)  # [num_tokens, hidden]
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [rows, vocab]
+
+    def loaders(self) -> dict[str, Loader]:
+        out = {"model.embed_tokens.weight": self.embed.load, "model.norm.weight": _copier(self.norm.weight)}
+        if not self.cfg.tie_word_embeddings:
+            out["lm_head.weight"] = self.lm_head.load
+        for i, layer in enumerate(self.layers):
+            out.update(layer.loaders(f"model.layers.{i}.", self.cfg))
+        return out
+
+    def is_ignored_tensor(self, name: str) -> bool:
+        """Tensors a checkpoint may carry that this model does not use."""
+        if "rotary_emb.inv_freq" in name or (self.cfg.tie_word_embeddings and name == "lm_head.weight"):
+            return True
+        parts = name.split(".")
+        # multi-token-prediction layers past the decoder stack (GLM-4.5, DeepSeek-V3)
+        return len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= self.cfg.num_layers
+
+
+def _copier(param: nn.Parameter) -> Loader:
+    return lambda tensor: copy_checked(param.data, tensor)
+
+
+def load_weights(model: DecoderModel, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into the model; every expected tensor must appear once."""
+    loaders = model.loaders()
+    missing = set(loaders)
+    for name, tensor in tensors:
+        fn = loaders.get(name)
+        if fn is None:
+            if model.is_ignored_tensor(name):
+                continue
+            raise ValueError(f"unexpected tensor {name!r} for {model.cfg.architecture}")
+        try:
+            fn(tensor)
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r}: {exc}") from None
+        missing.discard(name)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")

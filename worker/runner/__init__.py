@@ -1,0 +1,1 @@
+"""The model runner: batch tensors in, sampled tokens out."""

@@ -1,0 +1,85 @@
+"""Turns a ``ScheduledBatch`` into tensors, runs the model, samples.
+
+Owns the KV cache tensors, one per layer: [2, num_blocks, block_size,
+num_kv_heads, head_dim]. Sequences are laid out decodes first (one new token
+each), then prompt chunks, which is the layout ``paged_attention`` expects. Only
+rows that sample become logits: the last token of each sequence that reaches its
+end this step (repeated ``n`` times for the first sample of an ``n > 1`` request)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.config import EngineConfig
+from worker.engine.scheduler import ScheduledBatch, ScheduledSequence
+from worker.layers.paged_attention import AttentionMetadata
+from worker.models.decoder import DecoderModel
+from worker.runner.sampler import Sampler, SamplingRow
+
+
+@dataclass
+class RunnerOutput:
+    # request id -> one (token, logprob) per sample drawn for it this step
+    samples: dict[str, list[tuple[int, float | None]]]
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, config: EngineConfig):
+        self.model = model
+        self.config = config
+        self.device = torch.device(config.device)
+        cfg = model.cfg
+        num_kv_heads = model.layers[0].attn.num_kv_heads
+        shape = (2, config.num_kv_blocks, config.block_size, num_kv_heads, cfg.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=config.dtype, device=self.device)
+                          for _ in range(cfg.num_layers)]
+        self.sampler = Sampler(config.seed)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        for copy in batch.block_copies:
+            for cache in self.kv_caches:
+                cache[:, copy.dst].copy_(cache[:, copy.src])
+        seqs = sorted(batch.sequences, key=lambda s: s.num_new_tokens > 1)  # decodes first (stable)
+        input_ids, positions, meta, last_rows = self._prepare(seqs)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        rows, row_index = [], []
+        for seq, last in zip(seqs, last_rows):
+            for k in range(seq.num_samples):
+                req = seq.request
+                rows.append(SamplingRow(req.params, req.sample_generators[req.sample_index + k]))
+                row_index.append(last)
+        if not rows:
+            return RunnerOutput({})
+        logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=self.device)])
+        tokens, logprobs = self.sampler(logits.cpu(), rows)
+        out: dict[str, list[tuple[int, float | None]]] = {}
+        i = 0
+        for seq in seqs:
+            for _ in range(seq.num_samples):
+                out.setdefault(seq.request.request_id, []).append(
+                    (tokens[i], logprobs[i] if logprobs is not None and seq.request.params.logprobs else None))
+                i += 1
+        return RunnerOutput(out)
+
+    def _prepare(self, seqs: list[ScheduledSequence]):
+        bs = self.config.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        decode_tables, decode_lens, prefills, last_rows = [], [], [], []
+        for seq in seqs:
+            start, end = seq.num_computed, seq.num_computed + seq.num_new_tokens
+            ids += seq.request.token_ids[start:end]
+            pos += range(start, end)
+            slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            if seq.num_new_tokens == 1:
+                decode_tables.append(seq.block_ids)
+                decode_lens.append(end)
+            else:
+                prefills.append((len(ids) - seq.num_new_tokens, seq.num_new_tokens, start, seq.block_ids))
+            last_rows.append(len(ids) - 1)
+        meta = AttentionMetadata.build(slots, decode_tables, decode_lens, prefills, bs, self.device)
+        return (torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta, last_rows)

@@ -1,0 +1,29 @@
+"""Text <-> token ids, from a model directory's ``tokenizer.json`` (Hugging Face
+``tokenizers``). The engine works on ids; text is a convenience of the offline
+API and, in the mesh, the router's job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, tok: HFTokenizer):
+        self._tok = tok
+
+    @staticmethod
+    def from_dir(model_dir: str | Path) -> "Tokenizer | None":
+        path = Path(model_dir) / "tokenizer.json"
+        return Tokenizer(HFTokenizer.from_file(str(path))) if path.is_file() else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True)
