@@ -1,0 +1,187 @@
+"""The engine end to end on a tiny Llama: batching, caching, chunking and
+preemption never change greedy output; aborts and finishes return every block."""
+
+import dataclasses
+
+import pytest
+
+from tests.conftest import hf_greedy, make_engine, make_prompts
+from worker import InvalidRequest, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def assert_idle(engine):
+    engine.kv.pool.check_integrity()
+    assert engine.kv.num_free_blocks == engine.config.num_kv_blocks
+    assert not engine.kv.tables and not engine.groups and not engine.has_unfinished_requests()
+
+
+def test_request_alone_equals_request_in_a_mixed_batch(llama):
+    _, path = llama
+    engine = make_engine(path)
+    target = make_prompts([11], seed=5)[0]
+    [alone] = engine.generate([target], GREEDY)
+    others = make_prompts([3, 29, 17, 8, 40], seed=6)
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (4, 15, 7, 12, 3)]
+    batch = engine.generate(others[:2] + [target] + others[2:], params[:2] + [GREEDY] + params[2:])
+    assert batch[2].token_ids == alone.token_ids
+    assert_idle(engine)
+
+
+def test_seeded_sample_is_the_same_alone_and_in_a_batch(llama):
+    _, path = llama
+    engine = make_engine(path)
+    target = make_prompts([14], seed=7)[0]
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
+    [alone] = engine.generate([target], seeded)
+    noisy = SamplingParams(max_tokens=12, temperature=1.2, ignore_eos=True)
+    batch = engine.generate(make_prompts([6, 21], seed=8) + [target], [noisy, noisy, seeded])
+    assert batch[2].token_ids == alone.token_ids
+    # a different seed gives a different sample
+    [other] = engine.generate([target], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=43,
+                                                       ignore_eos=True))
+    assert other.token_ids != alone.token_ids
+
+
+def test_prefix_cache_hit_reports_cached_tokens_and_keeps_output(llama):
+    hf, path = llama
+    engine = make_engine(path)
+    shared = make_prompts([18], seed=9)[0]
+    first, second = shared + [5, 6, 7], shared + [9, 10]
+    [a] = engine.generate([first], GREEDY)
+    [b] = engine.generate([second], GREEDY)
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 16  # four full blocks of 4
+    assert b.token_ids == hf_greedy(hf, second, 10)
+    [again] = engine.generate([first], GREEDY)
+    assert again.num_cached_tokens == 20 and again.token_ids == a.token_ids
+    assert_idle(engine)
+
+
+def test_chunked_prefill_keeps_output(llama):
+    hf, path = llama
+    engine = make_engine(path, max_num_batched_tokens=7)  # a 45-token prompt takes 7 steps
+    prompts = make_prompts([45, 20], seed=10)
+    outs = engine.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 10)
+    assert_idle(engine)
+
+
+def test_preemption_by_recompute_keeps_output(llama):
+    hf, path = llama
+    # 24 blocks of 4 tokens cannot hold four 20-token prompts growing by 10 tokens each
+    engine = make_engine(path, num_kv_blocks=24, enable_prefix_caching=False)
+    prompts = make_prompts([20, 19, 21, 18], seed=11)
+    outs = engine.generate(prompts, GREEDY)
+    assert engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 10)
+    assert_idle(engine)
+
+
+def test_abort_frees_every_block_wherever_the_request_is(llama):
+    _, path = llama
+    engine = make_engine(path, max_num_batched_tokens=8, max_num_seqs=2)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=30, ignore_eos=True, n=2 if i == 0 else 1))
+           for i, p in enumerate(make_prompts([12, 30, 9], seed=12))]
+    for _ in range(4):
+        engine.step()
+    running = {r.parent_id for r in engine.scheduler.running}
+    waiting = {r.parent_id for r in engine.scheduler.waiting}
+    assert running and waiting  # one aborted while running (forked), one mid-prefill or waiting
+    for rid in ids:
+        assert engine.abort(rid)
+    assert not engine.abort("never-added")
+    assert engine.step() == []
+    assert_idle(engine)
+
+
+def test_n_samples_share_the_prompt_blocks(llama):
+    _, path = llama
+    engine = make_engine(path)
+    prompt = make_prompts([10], seed=13)[0]  # 2 full blocks + a partial one
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=1.0, n=3, seed=1, ignore_eos=True))
+    engine.step()  # prefill + first token of each sample
+    seqs = engine.groups[rid]
+    assert len(seqs) == 3
+    tables = [engine.kv.get_block_ids(s.request_id) for s in seqs]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+    assert [b.ref_cnt for b in engine.kv.tables[rid][:2]] == [3, 3]
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    [out] = outs
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 6 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert_idle(engine)
+    # the same seed gives the same three samples
+    [again] = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, n=3, seed=1, ignore_eos=True))
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_stop_token_and_eos(llama):
+    _, path = llama
+    engine = make_engine(path)
+    prompt = make_prompts([7], seed=14)[0]
+    [free] = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    stop = free.token_ids[3]
+    [stopped] = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop],
+                                                         ignore_eos=True))
+    first = free.token_ids.index(stop)
+    assert stopped.token_ids == free.token_ids[:first + 1] and stopped.finish_reason == "stop"
+    # the model's EOS stops unless ignore_eos: declare the same token the model's EOS
+    engine.model_config = dataclasses.replace(engine.model_config, eos_token_ids=(stop,))
+    [eos] = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0))
+    assert eos.token_ids == stopped.token_ids and eos.finish_reason == "stop"
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("prompt, params, field", [
+    ([], SamplingParams(), "prompt is empty"),
+    ([1, 128], SamplingParams(), "outside the vocabulary"),
+    ([-1, 5], SamplingParams(), "outside the vocabulary"),
+    ([1] * 500, SamplingParams(max_tokens=100), "exceeds the maximum model length"),
+    ([1, 2], SamplingParams(n=1000), "n must be <="),
+    ([1, 2], SamplingParams(stop_token_ids=[999]), "stop_token_ids"),
+])
+def test_invalid_requests_fail_alone_before_scheduling(llama, prompt, params, field):
+    _, path = llama
+    engine = make_engine(path)
+    with pytest.raises(InvalidRequest, match=field):
+        engine.add_request(prompt, params)
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p"), ({"n": 0}, "n must"), ({"seed": -1}, "seed"),
+    ({"stop_token_ids": [-3]}, "stop_token_ids"),
+])
+def test_sampling_params_are_validated_on_construction(kwargs, field):
+    with pytest.raises(InvalidRequest, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_duplicate_request_id_is_refused(llama):
+    _, path = llama
+    engine = make_engine(path)
+    engine.add_request([3, 4, 5], request_id="x")
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.add_request([3, 4, 5], request_id="x")
+    engine.abort("x")
+    assert_idle(engine)
+
+
+def test_step_streams_new_tokens_incrementally(llama):
+    _, path = llama
+    engine = make_engine(path)
+    rid = engine.add_request(make_prompts([6])[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    streamed, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed += out.outputs[0].new_token_ids
+            final = out
+    assert final.finished and final.request_id == rid and streamed == final.token_ids

@@ -1,0 +1,61 @@
+"""The sampler's filters and draws, on hand-made logits."""
+
+import math
+
+import torch
+
+from worker import SamplingParams
+from worker.runner.sampler import Sampler, SamplingRow
+
+LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
+
+
+def draw(params, trials=4000, logits=LOGITS):
+    sampler = Sampler(seed=0)
+    rows = [SamplingRow(params, None)] * trials
+    tokens, _ = sampler(logits.expand(trials, -1).clone(), rows)
+    return torch.bincount(torch.tensor(tokens), minlength=logits.shape[1]).float() / trials
+
+
+def test_plain_sampling_follows_the_distribution():
+    freq = draw(SamplingParams(temperature=1.0))
+    assert torch.allclose(freq, LOGITS.exp()[0], atol=0.03)
+
+
+def test_top_k_keeps_the_k_best():
+    freq = draw(SamplingParams(temperature=1.0, top_k=2))
+    assert freq[2:].sum() == 0
+    assert math.isclose(freq[0].item(), 2 / 3, abs_tol=0.03)
+
+
+def test_top_p_keeps_the_smallest_set_covering_p():
+    freq = draw(SamplingParams(temperature=1.0, top_p=0.7))  # 0.5 + 0.25 covers 0.7
+    assert freq[2:].sum() == 0 and freq[1] > 0
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    freq = draw(SamplingParams(temperature=1.0, min_p=0.2))  # keeps p >= 0.1
+    assert freq[3:].sum() == 0 and freq[2] > 0
+
+
+def test_low_temperature_sharpens():
+    freq = draw(SamplingParams(temperature=0.1))
+    assert freq[0] > 0.99
+
+
+def test_greedy_and_sampled_rows_mix_in_one_batch():
+    sampler = Sampler(seed=0)
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 0.0, 0.0]])
+    rows = [SamplingRow(SamplingParams(temperature=0), None), SamplingRow(SamplingParams(temperature=1), None)]
+    tokens, logprobs = sampler(logits, rows)
+    assert tokens[0] == 1 and logprobs is None
+
+
+def test_seeded_row_ignores_its_neighbours():
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    alone = Sampler(0)(logits.clone(), [SamplingRow(seeded, torch.Generator().manual_seed(7))])[0]
+    batch = torch.cat([torch.randn(3, 50), logits])
+    rows = [SamplingRow(SamplingParams(temperature=1.0), None)] * 3 + [
+        SamplingRow(seeded, torch.Generator().manual_seed(7))]
+    assert Sampler(1)(batch, rows)[0][3] == alone[0]
