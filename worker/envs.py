@@ -11,3 +11,14 @@ KERVAN_CACHE_DIR = "KERVAN_CACHE_DIR"
 
 def cache_dir() -> Path:
     return Path(os.environ.get(KERVAN_CACHE_DIR) or Path.home() / ".cache" / "kervan")
+
+# "auto" (native CPU kernel when it builds, else PyTorch), "native" (fail if it
+# cannot build) or "torch" (always the PyTorch path)
+KERVAN_ATTENTION_BACKEND = "KERVAN_ATTENTION_BACKEND"
+
+
+def attention_backend() -> str:
+    value = os.environ.get(KERVAN_ATTENTION_BACKEND, "auto")
+    if value not in ("auto", "native", "torch"):
+        raise ValueError(f"{KERVAN_ATTENTION_BACKEND}={value!r}; expected auto, native or torch")
+    return value

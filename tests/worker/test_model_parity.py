@@ -7,6 +7,7 @@ from tests.conftest import MODEL_KINDS, hf_greedy, make_engine, make_prompts
 from worker import SamplingParams
 from worker.layers.paged_attention import AttentionMetadata
 from worker.loader import load_model
+from worker.runner.model_runner import allocate_kv_caches
 
 
 def prompt_logits(model_dir, prompt, block_size=4):
@@ -14,7 +15,8 @@ def prompt_logits(model_dir, prompt, block_size=4):
     cfg = model.cfg
     n = len(prompt)
     num_blocks = -(-n // block_size)
-    caches = [torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    caches = allocate_kv_caches(cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim,
+                                torch.float32, torch.device("cpu"))
     meta = AttentionMetadata.build(list(range(n)), [], [], [(0, n, 0, list(range(num_blocks)))],
                                    block_size, torch.device("cpu"))
     with torch.inference_mode():

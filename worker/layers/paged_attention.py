@@ -1,20 +1,25 @@
-"""Attention over a paged KV cache, in plain PyTorch, for mixed batches.
+"""Attention over a paged KV cache, correct for mixed batches.
 
 One step's tokens are laid out decodes first, then prefill chunks:
 
     tokens:  [ d0 d1 ... d(B-1) | p0 p0 p0 p0 | p1 p1 ... ]
               one query per      a chunk of a prompt, which may follow
-              decoding request   cached context (prefix hit or earlier chunk)
+              decoding sequence  cached context (prefix hit or earlier chunk)
 
 Every layer first writes the step's new K/V into their slots, then reads. So a
-request can attend to blocks another request of the same step is filling (two
+sequence can attend to blocks another sequence of the same step is filling (two
 requests sharing a prefix admitted together) and to its own earlier chunks.
-Decodes run as one padded SDPA call over K/V gathered through their block
-tables; each prefill chunk runs its own call with a causal mask offset by its
-cached context. The masks and gather indices are built once per step in
-``AttentionMetadata`` and reused by every layer.
 
-Cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+Decodes run together: on the CPU through the native kernel that reads blocks in
+place (``worker/kernels``, which also writes new K/V), elsewhere as one padded
+SDPA call over K/V gathered through the block tables. Each prefill chunk runs its own SDPA call, with a causal
+mask offset by its cached context. Index tensors and masks are built once per
+step in ``AttentionMetadata`` and shared by all layers.
+
+Cache layout per layer: [2, num_blocks, num_kv_heads, block_size * head_dim],
+head-major inside a block so that one (block, head) is contiguous; keys are
+stored transposed, [head_dim, block_size], values as [block_size, head_dim]
+(the native kernel then scores a whole block with vector instructions)."""
 
 from __future__ import annotations
 
@@ -35,24 +40,31 @@ class PrefillSpan:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] long: block_id * block_size + offset
+    native: bool  # use the native CPU kernels (write_kv, paged_decode)
+    slots: torch.Tensor  # [num_tokens] long: block_id * block_size + offset of each new token
+    slot_blocks: torch.Tensor  # [num_tokens] long: slots // block_size (torch path)
+    slot_offsets: torch.Tensor  # [num_tokens] long: slots % block_size (torch path)
     num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] long (padded with block 0)
+    decode_lens: torch.Tensor | None  # [num_decodes] long: tokens to attend to, the new one included
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool; torch path only
     prefills: list[PrefillSpan]
 
     @staticmethod
-    def build(slot_mapping: list[int], decode_tables: list[list[int]], decode_lens: list[int],
+    def build(slots: list[int], decode_tables: list[list[int]], decode_lens: list[int],
               prefills: list[tuple[int, int, int, list[int]]], block_size: int,
-              device: torch.device) -> "AttentionMetadata":
-        """prefills: (start, num_tokens, num_context, block_ids) per chunk."""
-        tables = mask = None
+              device: torch.device, native: bool = False) -> "AttentionMetadata":
+        """slots: block_id * block_size + offset per token; prefills: (start,
+        num_tokens, num_context, block_ids) per chunk."""
+        slot = torch.tensor(slots, dtype=torch.long, device=device)
+        tables = lens = mask = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
-                                  dtype=torch.long, device=device)
-            lens = torch.tensor(decode_lens, device=device)
-            mask = (torch.arange(width * block_size, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long,
+                                  device=device)
+            lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
+            if not native:
+                mask = (torch.arange(width * block_size, device=device)[None, :] < lens[:, None])[:, None, None, :]
         spans = []
         for start, n, ctx, blocks in prefills:
             if ctx == 0:
@@ -62,38 +74,54 @@ class AttentionMetadata:
             span_mask = torch.arange(ctx + n, device=device)[None, :] <= q_pos
             spans.append(PrefillSpan(start, n, ctx, torch.tensor(blocks, dtype=torch.long, device=device),
                                      span_mask))
-        return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device),
-                                 len(decode_tables), tables, mask, spans)
+        return AttentionMetadata(native, slot, slot // block_size, slot % block_size, len(decode_tables), tables,
+                                 lens, mask, spans)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
-    v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    k_flat.index_copy_(0, meta.slot_mapping, k)
-    v_flat.index_copy_(0, meta.slot_mapping, v)
+    k_cache, v_cache = cache_views(kv_cache, k.shape[-1])
+    if meta.native:
+        torch.ops.kervan.write_kv(kv_cache, k.contiguous(), v.contiguous(), meta.slots)
+    else:
+        k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
+        v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        # [num_decodes, max_blocks, block_size, kv_heads, head_dim] -> [num_decodes, kv_heads, S, head_dim]
-        kd = kv_cache[0][meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-        vd = kv_cache[1][meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-        o = sdpa(q[:nd].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        out[:nd] = o.squeeze(2)
+        out[:nd] = _decode(q[:nd], kv_cache, meta, scale)
     for span in meta.prefills:
         sl = slice(span.start, span.start + span.num_tokens)
         qs = q[sl].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
         if span.block_ids is None:
-            ks, vs = k[sl], v[sl]
-            o = sdpa(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+            o = sdpa(qs, k[sl].transpose(0, 1).unsqueeze(0), v[sl].transpose(0, 1).unsqueeze(0),
                      is_causal=True, scale=scale, enable_gqa=True)
         else:
             total = span.num_context + span.num_tokens
-            ks = kv_cache[0][span.block_ids].flatten(0, 1)[:total]
-            vs = kv_cache[1][span.block_ids].flatten(0, 1)[:total]
-            o = sdpa(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                     attn_mask=span.mask, scale=scale, enable_gqa=True)
+            # [blocks, kv_heads, block_size, head_dim] -> [1, kv_heads, total, head_dim]
+            ks = k_cache[span.block_ids].transpose(-1, -2).transpose(0, 1).flatten(1, 2)[:, :total].unsqueeze(0)
+            vs = v_cache[span.block_ids].transpose(0, 1).flatten(1, 2)[:, :total].unsqueeze(0)
+            o = sdpa(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
         out[sl] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if meta.native:
+        return torch.ops.kervan.paged_decode(q.contiguous(), kv_cache, meta.decode_tables, meta.decode_lens, scale)
+    k_cache, v_cache = cache_views(kv_cache, q.shape[-1])
+    # [num_decodes, max_blocks, kv_heads, block_size, head_dim] -> [num_decodes, kv_heads, S, head_dim]
+    kd = k_cache[meta.decode_tables].transpose(-1, -2).transpose(1, 2).flatten(2, 3)
+    vd = v_cache[meta.decode_tables].transpose(1, 2).flatten(2, 3)
+    o = sdpa(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+    return o.squeeze(2)
+
+
+def cache_views(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[2, blocks, kv_heads, block_size * head_dim] -> keys [blocks, kv_heads, head_dim,
+    block_size] and values [blocks, kv_heads, block_size, head_dim], sharing memory."""
+    num_blocks, num_kv_heads, width = kv_cache.shape[1:]
+    block_size = width // head_dim
+    return (kv_cache[0].view(num_blocks, num_kv_heads, head_dim, block_size),
+            kv_cache[1].view(num_blocks, num_kv_heads, block_size, head_dim))

@@ -1,19 +1,21 @@
 """Turns a ``ScheduledBatch`` into tensors, runs the model, samples.
 
-Owns the KV cache tensors, one per layer: [2, num_blocks, block_size,
-num_kv_heads, head_dim]. Sequences are laid out decodes first (one new token
+Owns the KV cache tensors, one per layer: [2, num_blocks, num_kv_heads,
+block_size * head_dim] (see ``paged_attention`` for the layout inside a block). Sequences are laid out decodes first (one new token
 each), then prompt chunks, which is the layout ``paged_attention`` expects. Only
 rows that sample become logits: the last token of each sequence that reaches its
 end this step (repeated ``n`` times for the first sample of an ``n > 1`` request)."""
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
 
 from worker.config import EngineConfig
 from worker.engine.scheduler import ScheduledBatch, ScheduledSequence
+from worker.kernels import has_native_kv_kernels
 from worker.layers.paged_attention import AttentionMetadata
 from worker.models.decoder import DecoderModel
 from worker.runner.sampler import Sampler, SamplingRow
@@ -31,10 +33,9 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         cfg = model.cfg
-        num_kv_heads = model.layers[0].attn.num_kv_heads
-        shape = (2, config.num_kv_blocks, config.block_size, num_kv_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=config.dtype, device=self.device)
-                          for _ in range(cfg.num_layers)]
+        self.kv_caches = allocate_kv_caches(cfg.num_layers, config.num_kv_blocks, model.layers[0].attn.num_kv_heads,
+                                            config.block_size, cfg.head_dim, config.dtype, self.device)
+        self.native_kernels = self.device.type == "cpu" and has_native_kv_kernels()
         self.sampler = Sampler(config.seed)
 
     @torch.inference_mode()
@@ -81,5 +82,22 @@ class ModelRunner:
             else:
                 prefills.append((len(ids) - seq.num_new_tokens, seq.num_new_tokens, start, seq.block_ids))
             last_rows.append(len(ids) - 1)
-        meta = AttentionMetadata.build(slots, decode_tables, decode_lens, prefills, bs, self.device)
+        meta = AttentionMetadata.build(slots, decode_tables, decode_lens, prefills, bs, self.device,
+                                       self.native_kernels)
         return (torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta, last_rows)
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """One zeroed [2, num_blocks, num_kv_heads, block_size * head_dim] tensor per layer.
+    On the CPU they share one anonymous mapping advised to use huge pages: decode
+    attention reads blocks scattered over the whole cache, and 4 KiB pages make
+    that a TLB miss per block."""
+    shape = (num_layers, 2, num_blocks, num_kv_heads, block_size * head_dim)
+    if device.type != "cpu":
+        return list(torch.zeros(shape, dtype=dtype, device=device).unbind(0))
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return list(torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape).unbind(0))

@@ -1,0 +1,170 @@
+// CPU kernels for the paged KV cache: writing new K/V into their slots, and
+// decode attention.
+//
+// Decode attention:
+//
+// One query token per sequence attends to its first lens[b] cached tokens, read
+// in place through the block table: no gathered copy of K/V is made. Work is
+// split over (sequence, kv head); the G = num_heads / num_kv_heads query heads of
+// a group share each K/V row they read. Inside a block the cache is head-major,
+// so one (block, head) is one contiguous run of memory: K as [head_dim,
+// block_size] (scores of a block accumulate as one vector, no horizontal sums),
+// V as [block_size, head_dim]. Accumulation is in float32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+// Element -> float, written so the compiler vectorises it (bf16 is the top half of a float).
+template <typename T>
+static inline float to_float(const T* p, int64_t i) { return static_cast<float>(p[i]); }
+template <>
+inline float to_float<c10::BFloat16>(const c10::BFloat16* p, int64_t i) {
+  uint16_t bits;
+  std::memcpy(&bits, p + i, 2);
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+constexpr int64_t kMaxD = 256, kMaxBS = 64;
+
+// Blocks sit at random places in the cache, beyond the hardware prefetcher's
+// reach: ask for the block kAhead places on while this one is being used (a
+// block is used for less time than a memory round trip takes).
+constexpr int64_t kAhead = 4;
+template <typename T>
+static inline void prefetch(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
+}
+
+// kD / kBS: head_dim and block_size fixed at compile time (0: read at run time), so
+// the common shapes compile to straight vector code whose accumulators stay in
+// registers. Each query head makes its own pass over the sequence's blocks; the
+// second pass finds them in L2.
+template <typename T, int64_t kD, int64_t kBS>
+static void decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
+                        const torch::Tensor& lens, torch::Tensor& out, double scale) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = kD ? kD : q.size(2);
+  const int64_t Hkv = kv.size(2), bs = kBS ? kBS : kv.size(3) / D, G = Hq / Hkv;
+  const int64_t max_blocks = tables.size(1);
+  const int64_t block_stride = bs * Hkv * D, half = kv.stride(0);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kv.data_ptr<T>();
+  const T* vp = kp + half;
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / Hkv, h = w % Hkv, len = lp[b];
+      const int64_t* table = tp + b * max_blocks;
+      scores.resize(len);
+      float* __restrict__ sg = scores.data();
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t head = b * Hq + h * G + g;
+        float qf[kMaxD];
+        for (int64_t d = 0; d < D; ++d) qf[d] = to_float(qp, head * D + d) * fscale;
+        // scores: K is [head_dim, block_size] per (block, head), so a block's scores
+        // accumulate as block_size-wide vectors; four chains hide the FMA latency
+        for (int64_t t0 = 0; t0 < std::min(len, kAhead * bs); t0 += bs) {
+          prefetch(kp + table[t0 / bs] * block_stride + h * D * bs, D * bs);
+          prefetch(vp + table[t0 / bs] * block_stride + h * bs * D, D * bs);
+        }
+        for (int64_t t0 = 0; t0 < len; t0 += bs) {
+          const T* __restrict__ kb = kp + table[t0 / bs] * block_stride + h * D * bs;
+          if (t0 + kAhead * bs < len) prefetch(kp + table[t0 / bs + kAhead] * block_stride + h * D * bs, D * bs);
+          float s0[kMaxBS], s1[kMaxBS], s2[kMaxBS], s3[kMaxBS];
+          for (int64_t i = 0; i < bs; ++i) s0[i] = s1[i] = s2[i] = s3[i] = 0.f;
+          for (int64_t d = 0; d < D; d += 4) {
+            const float q0 = qf[d], q1 = qf[d + 1], q2 = qf[d + 2], q3 = qf[d + 3];
+            for (int64_t i = 0; i < bs; ++i) s0[i] += q0 * to_float(kb, d * bs + i);
+            for (int64_t i = 0; i < bs; ++i) s1[i] += q1 * to_float(kb, (d + 1) * bs + i);
+            for (int64_t i = 0; i < bs; ++i) s2[i] += q2 * to_float(kb, (d + 2) * bs + i);
+            for (int64_t i = 0; i < bs; ++i) s3[i] += q3 * to_float(kb, (d + 3) * bs + i);
+          }
+          const int64_t n = std::min(bs, len - t0);
+          for (int64_t i = 0; i < n; ++i) sg[t0 + i] = (s0[i] + s1[i]) + (s2[i] + s3[i]);
+        }
+        const float mx = *std::max_element(sg, sg + len);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
+        const float inv = 1.f / sum;
+        // values: V is [block_size, head_dim] per (block, head)
+        float acc[kMaxD];
+        for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          const T* __restrict__ v = vp + table[t / bs] * block_stride + (h * bs + t % bs) * D;
+          if (t % bs == 0 && t + kAhead * bs < len)
+            prefetch(vp + table[t / bs + kAhead] * block_stride + h * bs * D, D * bs);
+          const float p = sg[t];
+          for (int64_t d = 0; d < D; ++d) acc[d] += p * to_float(v, d);
+        }
+        for (int64_t d = 0; d < D; ++d) op[head * D + d] = static_cast<T>(acc[d] * inv);
+      }
+    }
+  });
+}
+
+// q: [B, Hq, D]; kv: [2, num_blocks, Hkv, block_size * D] (K half [D, block_size], V half [block_size, D]); tables: [B, max_blocks] int64; lens: [B] int64
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch::Tensor lens,
+                           double scale) {
+  TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && tables.is_contiguous() && lens.is_contiguous());
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv cache dtypes differ");
+  TORCH_CHECK(q.size(2) <= kMaxD && q.size(2) % 4 == 0, "head_dim must be a multiple of 4, at most ", kMaxD);
+  TORCH_CHECK(kv.size(3) / q.size(2) <= kMaxBS, "block_size must be at most ", kMaxBS);
+  auto out = torch::empty_like(q);
+  const int64_t D = q.size(2), bs = kv.size(3) / D;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
+    if (D == 64 && bs == 16) decode_impl<scalar_t, 64, 16>(q, kv, tables, lens, out, scale);
+    else if (D == 128 && bs == 16) decode_impl<scalar_t, 128, 16>(q, kv, tables, lens, out, scale);
+    else decode_impl<scalar_t, 0, 0>(q, kv, tables, lens, out, scale);
+  });
+  return out;
+}
+
+template <typename T>
+static void write_impl(torch::Tensor& kv, const torch::Tensor& k, const torch::Tensor& v,
+                       const torch::Tensor& slots) {
+  const int64_t N = k.size(0), Hkv = k.size(1), D = k.size(2), bs = kv.size(3) / D;
+  const int64_t block_stride = Hkv * bs * D, half = kv.stride(0);
+  T* kc = kv.data_ptr<T>();
+  T* vc = kc + half;
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t blk = sp[t] / bs, off = sp[t] % bs;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        T* kdst = kc + blk * block_stride + h * D * bs + off;  // K: [head_dim, block_size]
+        T* vdst = vc + blk * block_stride + (h * bs + off) * D;  // V: [block_size, head_dim]
+        const T* ks = kp + (t * Hkv + h) * D;
+        const T* vs = vp + (t * Hkv + h) * D;
+        for (int64_t d = 0; d < D; ++d) kdst[d * bs] = ks[d];
+        std::memcpy(vdst, vs, D * sizeof(T));
+      }
+    }
+  });
+}
+
+// Store new tokens' K/V ([N, Hkv, D] each) at slots (block_id * block_size + offset).
+void write_kv(torch::Tensor kv, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {
+  TORCH_CHECK(kv.is_contiguous() && k.is_contiguous() && v.is_contiguous() && slots.is_contiguous());
+  TORCH_CHECK(k.scalar_type() == kv.scalar_type() && v.scalar_type() == kv.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, kv.scalar_type(), "write_kv",
+                                  [&] { write_impl<scalar_t>(kv, k, v, slots); });
+}
+
+TORCH_LIBRARY(kervan, m) {
+  m.def("write_kv(Tensor(a!) kv, Tensor k, Tensor v, Tensor slots) -> ()", &write_kv);
+  m.def("paged_decode(Tensor q, Tensor kv, Tensor tables, Tensor lens, float scale) -> Tensor", &paged_decode);
+}
