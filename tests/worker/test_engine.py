@@ -185,3 +185,28 @@ def test_step_streams_new_tokens_incrementally(llama):
             streamed += out.outputs[0].new_token_ids
             final = out
     assert final.finished and final.request_id == rid and streamed == final.token_ids
+
+
+def test_kv_events_announce_stored_and_evicted_blocks_in_sequence(llama):
+    from worker.kv.events import BlockRemoved, BlockStored
+    _, path = llama
+    engine = make_engine(path, num_kv_blocks=8)
+    first, second = make_prompts([17, 17], seed=15)
+    # 17 prompt tokens + 4 computed outputs: the prompt's 4 full blocks, then a 5th while decoding
+    engine.generate([first], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    stored = engine.take_events()
+    assert [type(e) for e in stored] == [BlockStored, BlockStored]
+    assert stored[0].block_hashes == engine_hashes(first, 4)[:4] and stored[0].parent_block_hash is None
+    assert stored[1].parent_block_hash == stored[0].block_hashes[-1]
+    engine.generate([second], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    events = engine.take_events()
+    seqs = [e.seq for e in stored + events]
+    assert seqs == list(range(1, len(seqs) + 1))  # one gap-free sequence per engine
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert removed and set(removed) <= {h for e in stored for h in e.block_hashes}
+    assert engine.take_events() == []
+
+
+def engine_hashes(tokens, block_size):
+    from worker.kv.block_hash import hash_blocks
+    return hash_blocks(tokens, block_size)

@@ -6,7 +6,7 @@
 // One query token per sequence attends to its first lens[b] cached tokens, read
 // in place through the block table: no gathered copy of K/V is made. Work is
 // split over (sequence, kv head); the G = num_heads / num_kv_heads query heads of
-// a group share each K/V row they read. Inside a block the cache is head-major,
+// a group share each K/V element they read. Inside a block the cache is head-major,
 // so one (block, head) is one contiguous run of memory: K as [head_dim,
 // block_size] (scores of a block accumulate as one vector, no horizontal sums),
 // V as [block_size, head_dim]. Accumulation is in float32.
@@ -32,7 +32,7 @@ inline float to_float<c10::BFloat16>(const c10::BFloat16* p, int64_t i) {
   return f;
 }
 
-constexpr int64_t kMaxD = 256, kMaxBS = 64;
+constexpr int64_t kMaxD = 256, kMaxBS = 64, kMaxG = 16;
 
 // Blocks sit at random places in the cache, beyond the hardware prefetcher's
 // reach: ask for the block kAhead places on while this one is being used (a
@@ -44,15 +44,16 @@ static inline void prefetch(const T* p, int64_t n) {
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
 }
 
-// kD / kBS: head_dim and block_size fixed at compile time (0: read at run time), so
-// the common shapes compile to straight vector code whose accumulators stay in
-// registers. Each query head makes its own pass over the sequence's blocks; the
-// second pass finds them in L2.
-template <typename T, int64_t kD, int64_t kBS>
+// kD / kBS / kG: head_dim, block_size and query heads per kv head fixed at compile
+// time (0: read at run time), so the common shapes compile to straight vector
+// code whose accumulators stay in registers. One pass over a sequence's blocks
+// serves all kG query heads of the group: each K/V element is loaded and
+// converted once.
+template <typename T, int64_t kD, int64_t kBS, int64_t kG>
 static void decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
                         const torch::Tensor& lens, torch::Tensor& out, double scale) {
   const int64_t B = q.size(0), Hq = q.size(1), D = kD ? kD : q.size(2);
-  const int64_t Hkv = kv.size(2), bs = kBS ? kBS : kv.size(3) / D, G = Hq / Hkv;
+  const int64_t Hkv = kv.size(2), bs = kBS ? kBS : kv.size(3) / D, G = kG ? kG : Hq / Hkv;
   const int64_t max_blocks = tables.size(1);
   const int64_t block_stride = bs * Hkv * D, half = kv.stride(0);
   const T* qp = q.data_ptr<T>();
@@ -63,53 +64,66 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const t
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores;  // [G, len]
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = w / Hkv, h = w % Hkv, len = lp[b];
+      const int64_t b = w / Hkv, h = w % Hkv, len = lp[b], nblocks = (len + bs - 1) / bs;
       const int64_t* table = tp + b * max_blocks;
-      scores.resize(len);
-      float* __restrict__ sg = scores.data();
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t head = b * Hq + h * G + g;
-        float qf[kMaxD];
-        for (int64_t d = 0; d < D; ++d) qf[d] = to_float(qp, head * D + d) * fscale;
-        // scores: K is [head_dim, block_size] per (block, head), so a block's scores
-        // accumulate as block_size-wide vectors; four chains hide the FMA latency
-        for (int64_t t0 = 0; t0 < std::min(len, kAhead * bs); t0 += bs) {
-          prefetch(kp + table[t0 / bs] * block_stride + h * D * bs, D * bs);
-          prefetch(vp + table[t0 / bs] * block_stride + h * bs * D, D * bs);
-        }
-        for (int64_t t0 = 0; t0 < len; t0 += bs) {
-          const T* __restrict__ kb = kp + table[t0 / bs] * block_stride + h * D * bs;
-          if (t0 + kAhead * bs < len) prefetch(kp + table[t0 / bs + kAhead] * block_stride + h * D * bs, D * bs);
-          float s0[kMaxBS], s1[kMaxBS], s2[kMaxBS], s3[kMaxBS];
-          for (int64_t i = 0; i < bs; ++i) s0[i] = s1[i] = s2[i] = s3[i] = 0.f;
-          for (int64_t d = 0; d < D; d += 4) {
-            const float q0 = qf[d], q1 = qf[d + 1], q2 = qf[d + 2], q3 = qf[d + 3];
-            for (int64_t i = 0; i < bs; ++i) s0[i] += q0 * to_float(kb, d * bs + i);
-            for (int64_t i = 0; i < bs; ++i) s1[i] += q1 * to_float(kb, (d + 1) * bs + i);
-            for (int64_t i = 0; i < bs; ++i) s2[i] += q2 * to_float(kb, (d + 2) * bs + i);
-            for (int64_t i = 0; i < bs; ++i) s3[i] += q3 * to_float(kb, (d + 3) * bs + i);
+      const int64_t head0 = b * Hq + h * G;
+      scores.resize(G * len);
+      float* __restrict__ sc = scores.data();
+      float qf[kMaxG * kMaxD];
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(qp, head0 * D + i) * fscale;
+      for (int64_t j = 0; j < std::min(nblocks, kAhead); ++j) {
+        prefetch(kp + table[j] * block_stride + h * D * bs, D * bs);
+        prefetch(vp + table[j] * block_stride + h * bs * D, D * bs);
+      }
+      // scores: K is [head_dim, block_size] per (block, head), so a block's scores
+      // for one query head accumulate as one block_size-wide vector (two chains)
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const T* __restrict__ kb = kp + table[j] * block_stride + h * D * bs;
+        if (j + kAhead < nblocks) prefetch(kp + table[j + kAhead] * block_stride + h * D * bs, D * bs);
+        float s0[kMaxG * kMaxBS], s1[kMaxG * kMaxBS];
+        for (int64_t i = 0; i < G * bs; ++i) s0[i] = s1[i] = 0.f;
+        for (int64_t d = 0; d < D; d += 2) {
+          float k0[kMaxBS], k1[kMaxBS];
+          for (int64_t i = 0; i < bs; ++i) k0[i] = to_float(kb, d * bs + i);
+          for (int64_t i = 0; i < bs; ++i) k1[i] = to_float(kb, (d + 1) * bs + i);
+          for (int64_t g = 0; g < G; ++g) {
+            const float q0 = qf[g * D + d], q1 = qf[g * D + d + 1];
+            for (int64_t i = 0; i < bs; ++i) s0[g * bs + i] += q0 * k0[i];
+            for (int64_t i = 0; i < bs; ++i) s1[g * bs + i] += q1 * k1[i];
           }
-          const int64_t n = std::min(bs, len - t0);
-          for (int64_t i = 0; i < n; ++i) sg[t0 + i] = (s0[i] + s1[i]) + (s2[i] + s3[i]);
         }
+        const int64_t t0 = j * bs, n = std::min(bs, len - t0);
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t i = 0; i < n; ++i) sc[g * len + t0 + i] = s0[g * bs + i] + s1[g * bs + i];
+      }
+      float inv[kMaxG];
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = sc + g * len;
         const float mx = *std::max_element(sg, sg + len);
         float sum = 0.f;
         for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
-        const float inv = 1.f / sum;
-        // values: V is [block_size, head_dim] per (block, head)
-        float acc[kMaxD];
-        for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          const T* __restrict__ v = vp + table[t / bs] * block_stride + (h * bs + t % bs) * D;
-          if (t % bs == 0 && t + kAhead * bs < len)
-            prefetch(vp + table[t / bs + kAhead] * block_stride + h * bs * D, D * bs);
-          const float p = sg[t];
-          for (int64_t d = 0; d < D; ++d) acc[d] += p * to_float(v, d);
-        }
-        for (int64_t d = 0; d < D; ++d) op[head * D + d] = static_cast<T>(acc[d] * inv);
+        inv[g] = 1.f / sum;
       }
+      // values: V is [block_size, head_dim] per (block, head)
+      float acc[kMaxG * kMaxD];
+      for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const T* __restrict__ vb = vp + table[j] * block_stride + h * bs * D;
+        if (j + kAhead < nblocks) prefetch(vp + table[j + kAhead] * block_stride + h * bs * D, D * bs);
+        const int64_t t0 = j * bs, n = std::min(bs, len - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          float v[kMaxD];
+          for (int64_t d = 0; d < D; ++d) v[d] = to_float(vb, i * D + d);
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = sc[g * len + t0 + i];
+            for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * v[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) op[(head0 + g) * D + d] = static_cast<T>(acc[g * D + d] * inv[g]);
     }
   });
 }
@@ -119,14 +133,20 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tabl
                            double scale) {
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && tables.is_contiguous() && lens.is_contiguous());
   TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv cache dtypes differ");
-  TORCH_CHECK(q.size(2) <= kMaxD && q.size(2) % 4 == 0, "head_dim must be a multiple of 4, at most ", kMaxD);
+  TORCH_CHECK(q.size(2) <= kMaxD && q.size(2) % 2 == 0, "head_dim must be a multiple of 2, at most ", kMaxD);
   TORCH_CHECK(kv.size(3) / q.size(2) <= kMaxBS, "block_size must be at most ", kMaxBS);
+  TORCH_CHECK(q.size(1) % kv.size(2) == 0 && q.size(1) / kv.size(2) <= kMaxG, "at most ", kMaxG,
+              " query heads per kv head");
   auto out = torch::empty_like(q);
-  const int64_t D = q.size(2), bs = kv.size(3) / D;
+  const int64_t D = q.size(2), bs = kv.size(3) / D, G = q.size(1) / kv.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
-    if (D == 64 && bs == 16) decode_impl<scalar_t, 64, 16>(q, kv, tables, lens, out, scale);
-    else if (D == 128 && bs == 16) decode_impl<scalar_t, 128, 16>(q, kv, tables, lens, out, scale);
-    else decode_impl<scalar_t, 0, 0>(q, kv, tables, lens, out, scale);
+    if (bs == 16 && D == 64 && G == 1) decode_impl<scalar_t, 64, 16, 1>(q, kv, tables, lens, out, scale);
+    else if (bs == 16 && D == 64 && G == 2) decode_impl<scalar_t, 64, 16, 2>(q, kv, tables, lens, out, scale);
+    else if (bs == 16 && D == 64 && G == 4) decode_impl<scalar_t, 64, 16, 4>(q, kv, tables, lens, out, scale);
+    else if (bs == 16 && D == 128 && G == 1) decode_impl<scalar_t, 128, 16, 1>(q, kv, tables, lens, out, scale);
+    else if (bs == 16 && D == 128 && G == 2) decode_impl<scalar_t, 128, 16, 2>(q, kv, tables, lens, out, scale);
+    else if (bs == 16 && D == 128 && G == 4) decode_impl<scalar_t, 128, 16, 4>(q, kv, tables, lens, out, scale);
+    else decode_impl<scalar_t, 0, 0, 0>(q, kv, tables, lens, out, scale);
   });
   return out;
 }

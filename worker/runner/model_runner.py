@@ -100,4 +100,6 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, num_kv_heads: int, bloc
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)
-    return list(torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape).unbind(0))
+    caches = torch.frombuffer(buf, dtype=torch.uint8)
+    caches.zero_()  # fault every page in now, not in the middle of the first prefills
+    return list(caches.view(dtype).view(shape).unbind(0))

@@ -1,0 +1,50 @@
+"""The native CPU kernels agree with the plain PyTorch path, shape by shape."""
+
+import pytest
+import torch
+
+from worker.kernels import has_native_kv_kernels
+from worker.layers.paged_attention import AttentionMetadata, paged_attention
+from worker.runner.model_runner import allocate_kv_caches
+
+pytestmark = pytest.mark.skipif(not has_native_kv_kernels(), reason="native kernels unavailable here")
+
+
+def run(native, dtype, heads, kv_heads, head_dim, block_size, decode_lens, prefill, seed=0):
+    """One step: decodes of the given lengths, plus one prefill chunk (n, context) if given."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 64
+    [cache] = allocate_kv_caches(1, num_blocks, kv_heads, block_size, head_dim, dtype, torch.device("cpu"))
+    cache.copy_(torch.randn(cache.shape, generator=g).to(dtype))
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, slots, spans = [], [], []
+    for n in decode_lens:
+        blocks = [perm.pop() for _ in range(-(-n // block_size))]
+        tables.append(blocks)
+        p = n - 1
+        slots.append(blocks[p // block_size] * block_size + p % block_size)
+    if prefill:
+        n, ctx = prefill
+        blocks = [perm.pop() for _ in range(-(-(n + ctx) // block_size))]
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + n)]
+        spans.append((len(decode_lens), n, ctx, blocks))
+    num_tokens = len(slots)
+    q = torch.randn(num_tokens, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype)
+    meta = AttentionMetadata.build(slots, tables, decode_lens, spans, block_size, torch.device("cpu"), native)
+    out = paged_attention(q, k, v, cache, meta, head_dim ** -0.5)
+    return out, cache
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [
+    (8, 4, 64, 16), (8, 8, 64, 16), (16, 4, 128, 16), (6, 2, 32, 4), (12, 4, 16, 8), (3, 1, 8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernels_match_torch(dtype, heads, kv_heads, head_dim, block_size):
+    lens = [1, 5, block_size, 3 * block_size + 1, 70]
+    args = (dtype, heads, kv_heads, head_dim, block_size, lens, (9, 2 * block_size + 3))
+    out_native, cache_native = run(True, *args)
+    out_torch, cache_torch = run(False, *args)
+    assert torch.equal(cache_native, cache_torch)  # the same bytes land in the same slots
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out_native, out_torch, rtol=tol, atol=tol)
