@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ def has_native_kv_kernels() -> bool:
     if attention_backend() == "torch":
         return False
     try:
+        _put_ninja_on_path()
         from torch.utils.cpp_extension import load
         build = cache_dir() / "kernels" / f"torch-{torch.__version__}"
         build.mkdir(parents=True, exist_ok=True)
@@ -40,3 +42,14 @@ def has_native_kv_kernels() -> bool:
             raise
         log.warning("native KV kernels unavailable (%s); using the PyTorch path", exc)
         return False
+
+
+def _put_ninja_on_path() -> None:
+    """The build runs ``ninja``; the PyPI package ships one that may not be on PATH."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path

@@ -74,10 +74,13 @@ class SparseMoe(nn.Module):
         out: dict[str, Loader] = {f"{prefix}gate.weight": self._copier(self.gate)}
         if self.correction_bias is not None:
             out[f"{prefix}gate.e_score_correction_bias"] = self._copier(self.correction_bias)
-        for local in range(self.num_local_experts):
-            e = self.first_expert + local
+        inter = self.cfg.intermediate_size
+        for e in range(self.cfg.num_experts):
             gate, up, down = (f"{prefix}experts.{e}.{n}.weight" for n in self.names)
-            inter = self.cfg.intermediate_size
+            local = e - self.first_expert
+            if not 0 <= local < self.num_local_experts:  # another rank's expert
+                out.update({gate: _skip, up: _skip, down: _skip})
+                continue
             out[gate] = self._copier(self.w13, local, slice(0, inter))
             out[up] = self._copier(self.w13, local, slice(inter, 2 * inter))
             out[down] = self._copier(self.w2, local, slice(None))
@@ -120,3 +123,7 @@ class SparseMoe(nn.Module):
                 shared = torch.sigmoid(nn.functional.linear(x, self.shared_gate)) * shared
             out = out + shared
         return out
+
+
+def _skip(tensor: torch.Tensor) -> None:
+    pass
