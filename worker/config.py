@@ -6,7 +6,6 @@ memory budget) come back as a new object via ``dataclasses.replace``."""
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -84,10 +83,6 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})")
         if self.rope.rotary_dim % 2 or self.rope.rotary_dim > self.head_dim:
             raise ConfigError(f"rotary dim {self.rope.rotary_dim} invalid for head_dim {self.head_dim}")
-
-    @property
-    def is_moe(self) -> bool:
-        return self.moe is not None
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> "ModelConfig":
@@ -225,6 +220,3 @@ class EngineConfig:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
                               f"max_position_embeddings {model.max_position}")
         return replace(self, num_kv_blocks=num_blocks, max_model_len=max_len)
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)
