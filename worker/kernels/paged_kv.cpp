@@ -37,7 +37,7 @@ constexpr int64_t kMaxD = 256, kMaxBS = 64, kMaxG = 16;
 // Blocks sit at random places in the cache, beyond the hardware prefetcher's
 // reach: ask for the block kAhead places on while this one is being used (a
 // block is used for less time than a memory round trip takes).
-constexpr int64_t kAhead = 4;
+constexpr int64_t kAhead = 8;
 template <typename T>
 static inline void prefetch(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -81,7 +81,10 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const t
       // for one query head accumulate as one block_size-wide vector (two chains)
       for (int64_t j = 0; j < nblocks; ++j) {
         const T* __restrict__ kb = kp + table[j] * block_stride + h * D * bs;
-        if (j + kAhead < nblocks) prefetch(kp + table[j + kAhead] * block_stride + h * D * bs, D * bs);
+        if (j + kAhead < nblocks) {
+          prefetch(kp + table[j + kAhead] * block_stride + h * D * bs, D * bs);
+          prefetch(vp + table[j + kAhead] * block_stride + h * bs * D, D * bs);  // ready for the V pass
+        }
         float s0[kMaxG * kMaxBS], s1[kMaxG * kMaxBS];
         for (int64_t i = 0; i < G * bs; ++i) s0[i] = s1[i] = 0.f;
         for (int64_t d = 0; d < D; d += 2) {
@@ -111,7 +114,6 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const t
       for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
       for (int64_t j = 0; j < nblocks; ++j) {
         const T* __restrict__ vb = vp + table[j] * block_stride + h * bs * D;
-        if (j + kAhead < nblocks) prefetch(vp + table[j + kAhead] * block_stride + h * bs * D, D * bs);
         const int64_t t0 = j * bs, n = std::min(bs, len - t0);
         for (int64_t i = 0; i < n; ++i) {
           float v[kMaxD];
