@@ -51,7 +51,7 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.groups:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
-        token_ids = self._validate(prompt, params)
+        token_ids = self.validate(prompt, params)
         req = Request(request_id, token_ids, params, self.config.block_size,
                       self.model_config.eos_token_ids, cache_salt)
         self.groups[request_id] = [req]
@@ -111,7 +111,9 @@ class Engine:
 
     # -- internals ----------------------------------------------------------------
 
-    def _validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+    def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """The prompt as token ids, or InvalidRequest naming what to fix. Reads only
+        configuration, so other threads may call it while the engine steps."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest("prompt is text but the model has no tokenizer; pass token ids")

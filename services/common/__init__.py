@@ -1,0 +1,1 @@
+"""What every Kervan service shares: server bootstrap, error mapping, protobuf conversion."""

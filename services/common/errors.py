@@ -1,0 +1,86 @@
+"""One interceptor maps exceptions to gRPC status codes, for every service.
+
+Servicers raise domain errors; clients see a clear status and message, never
+INTERNAL for their own mistakes:
+
+    InvalidRequest, ValueError  -> INVALID_ARGUMENT
+    Overloaded                  -> RESOURCE_EXHAUSTED
+    Unavailable                 -> UNAVAILABLE
+    anything else               -> INTERNAL (logged with its traceback)"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from worker.engine.sampling_params import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+
+class Overloaded(Exception):
+    """Admission refused: queues or KV are full. Retry later."""
+
+
+class Unavailable(Exception):
+    """No healthy backend can serve the request right now."""
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, (InvalidRequest, ValueError)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, Unavailable):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    code = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error")
+        await context.abort(code, f"internal error: {type(exc).__name__}")
+    await context.abort(code, str(exc))
+
+
+def _passes_through(exc: BaseException) -> bool:
+    # cancellations, and aborts a servicer already chose, are not ours to remap
+    return isinstance(exc, (asyncio.CancelledError, grpc.aio.AbortError)) or isinstance(exc, grpc.RpcError)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                try:
+                    return await inner(request, context)
+                except Exception as exc:
+                    if _passes_through(exc):
+                        raise
+                    await _abort(context, exc)
+
+            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer,
+                                                       handler.response_serializer)
+        if handler.unary_stream:
+            inner_stream = handler.unary_stream
+
+            async def stream(request, context):
+                try:
+                    async for response in inner_stream(request, context):
+                        yield response
+                except Exception as exc:
+                    if _passes_through(exc):
+                        raise
+                    await _abort(context, exc)
+
+            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
+                                                        handler.response_serializer)
+        return handler

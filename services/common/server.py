@@ -1,0 +1,93 @@
+"""Bootstrap shared by every service: a ``grpc.aio`` server on uvloop with the
+standard health service (NOT_SERVING until ready and again while draining),
+server reflection, the error interceptor, and a graceful stop on SIGTERM/SIGINT.
+
+Channels and servers are created only here and after any worker processes or
+threads are started (gRPC must not be forked)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import ErrorInterceptor
+
+log = logging.getLogger(__name__)
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class Service:
+    """One gRPC service to host: its full name, and how to add it to a server."""
+
+    name: str
+    register: Callable[[grpc.aio.Server], None]
+
+
+@dataclass
+class Server:
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    port: int
+    names: list[str] = field(default_factory=list)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ["", *self.names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+async def start_server(services: list[Service], host: str = "127.0.0.1", port: int = 0) -> Server:
+    """Start serving (health NOT_SERVING until ``set_serving(True)``); port 0 picks a free one."""
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=[
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    for service in services:
+        service.register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [s.name for s in services]
+    reflection.enable_server_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
+    handle = Server(server, health_servicer, bound, names)
+    await handle.set_serving(False)
+    return handle
+
+
+async def serve_until_signal(handle: Server, on_stop: Callable[[], Awaitable[None]] | None = None,
+                             grace: float = 5.0) -> None:
+    """Mark SERVING, wait for SIGTERM or SIGINT, then drain: NOT_SERVING, finish
+    in-flight calls for up to ``grace`` seconds, run ``on_stop``."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await handle.set_serving(True)
+    await stop.wait()
+    log.info("draining")
+    await handle.stop(grace)
+    if on_stop is not None:
+        await on_stop()
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    """Run a service's async main on uvloop."""
+    import uvloop
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    uvloop.run(main())

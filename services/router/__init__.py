@@ -1,0 +1,1 @@
+"""The router: Kervan's public API (tokenization, validation, streaming)."""

@@ -1,0 +1,118 @@
+"""RouterService: validate and tokenize, forward to a worker, stream text back.
+
+Placement is a single worker address for now; the scheduler service replaces it
+with KV-aware placement. Deadlines are passed on (Python gRPC does not propagate
+them by itself) and a client that goes away cancels the worker call, which
+aborts the request and frees its blocks there."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.convert import sampling_from_proto
+from services.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.router.detokenizer import Detokenizer
+from worker.engine.sampling_params import InvalidRequest
+from worker.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass
+class _Sample:
+    detok: Detokenizer
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+class RouterServicer(router_pb2_grpc.RouterServiceServicer):
+    def __init__(self, worker: worker_pb2_grpc.WorkerServiceStub, tokenizer: Tokenizer | None, limits: ModelLimits):
+        self.worker = worker
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.in_flight: set[str] = set()
+
+    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        start = time.perf_counter()
+        rid = request.request_id or uuid.uuid4().hex
+        prompt = self._prompt_ids(request)
+        params = sampling_from_proto(request.sampling)
+        if len(prompt) + params.max_tokens > self.limits.max_model_len:
+            raise InvalidRequest(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                                 f"the maximum model length {self.limits.max_model_len}")
+        if rid in self.in_flight:
+            raise InvalidRequest(f"request_id {rid!r} is already in flight")
+        self.in_flight.add(rid)
+        try:
+            call = self.worker.Execute(worker_pb2.ExecuteRequest(
+                request_id=rid, prompt=common_pb2.TokenIds(ids=prompt), sampling=request.sampling),
+                timeout=context.time_remaining())
+            samples: dict[int, _Sample] = {}
+            cached = 0
+            try:
+                async for msg in call:
+                    cached = max(cached, msg.cached_prompt_tokens)
+                    sample = samples.setdefault(msg.sample_index, _Sample(Detokenizer(self.tokenizer))
+                                                if self.tokenizer else _Sample(None))
+                    if msg.token_ids:
+                        yield self._delta(rid, msg, sample)
+                    if msg.finish_reason:
+                        yield self._finished(rid, msg, sample, len(prompt), cached, start)
+            except grpc.aio.AioRpcError as err:  # the worker's status is the client's answer
+                await context.abort(err.code(), err.details() or "worker failed")
+        finally:
+            self.in_flight.discard(rid)
+
+    def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            try:
+                text = request.text.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidRequest(f"prompt.text is not valid UTF-8 (byte {exc.start})") from None
+            if self.tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer: send prompt.token_ids")
+            ids = self.tokenizer.encode(text)
+        elif kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            bad = [t for t in ids if t >= self.limits.vocab_size]
+            if bad:
+                raise InvalidRequest(f"prompt.token_ids {bad[:5]} are outside the vocabulary "
+                                     f"[0, {self.limits.vocab_size})")
+        else:
+            raise InvalidRequest("prompt is missing: set prompt.text or prompt.token_ids")
+        if not ids:
+            raise InvalidRequest("prompt is empty")
+        return ids
+
+    def _delta(self, rid: str, msg: worker_pb2.ExecuteResponse, sample: _Sample) -> router_pb2.GenerateResponse:
+        now = time.perf_counter()
+        sample.first_token_at = sample.first_token_at or now
+        sample.last_token_at = now
+        sample.completion_tokens += len(msg.token_ids)
+        text = sample.detok.add(list(msg.token_ids), final=bool(msg.finish_reason)) if sample.detok else ""
+        return router_pb2.GenerateResponse(request_id=rid, delta=router_pb2.TokenDelta(
+            sample_index=msg.sample_index, index=msg.index, token_ids=msg.token_ids, text=text,
+            logprobs=msg.logprobs))
+
+    @staticmethod
+    def _finished(rid: str, msg: worker_pb2.ExecuteResponse, sample: _Sample, prompt_tokens: int, cached: int,
+                  start: float) -> router_pb2.GenerateResponse:
+        ttft = (sample.first_token_at - start) if sample.first_token_at else 0.0
+        tpot = 0.0
+        if sample.completion_tokens > 1:
+            tpot = (sample.last_token_at - sample.first_token_at) / (sample.completion_tokens - 1)
+        usage = common_pb2.Usage(prompt_tokens=prompt_tokens, cached_prompt_tokens=cached,
+                                 completion_tokens=sample.completion_tokens, time_to_first_token_s=ttft,
+                                 time_per_output_token_s=tpot)
+        return router_pb2.GenerateResponse(request_id=rid, finished=router_pb2.Finished(
+            sample_index=msg.sample_index, finish_reason=msg.finish_reason, usage=usage))

@@ -1,0 +1,1 @@
+"""The worker service: the engine behind gRPC (roles prefill, decode, both)."""

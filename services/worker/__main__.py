@@ -1,0 +1,57 @@
+"""``python -m services.worker``: a model worker serving WorkerService over gRPC.
+
+Only the aggregated role (``both``: prefill and decode here) exists so far; the
+disaggregated roles arrive with the KV transfer."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from services.common.server import Service, run, serve_until_signal, start_server
+from services.proto import worker_pb2, worker_pb2_grpc
+from services.worker.async_engine import AsyncEngine
+from services.worker.servicer import WorkerServicer
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m services.worker", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="Hugging Face model directory (default: embedded model)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
+    ap.add_argument("--role", choices=["both"], default="both")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    return ap.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from worker import Engine
+    from worker.default_model import ensure_default_model
+
+    engine = Engine.from_pretrained(args.model or ensure_default_model(), dtype=args.dtype,
+                                    num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs)
+    async_engine = AsyncEngine(engine)
+    async_engine.start()  # the engine thread exists before any gRPC object does
+    servicer = WorkerServicer(async_engine)
+    handle = await start_server(
+        [Service(SERVICE_NAME, lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, s))],
+        args.host, args.port)
+    print(f"worker ready on {args.host}:{handle.port}", flush=True)
+
+    async def on_stop() -> None:
+        await asyncio.to_thread(async_engine.stop)
+
+    await serve_until_signal(handle, on_stop)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    run(lambda: serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Drives the synchronous ``Engine`` from its own thread for asyncio callers.
+
+The engine is not thread-safe and a step can take hundreds of milliseconds, so
+it must neither run on the event loop nor be touched from it. Every call goes
+through an inbox the engine thread drains between steps; outputs come back to
+each request's asyncio queue via ``call_soon_threadsafe``.
+
+    event loop                         engine thread
+    generate() --add-->  inbox  --->   add_request
+    abort()    --abort-> inbox  --->   abort
+    queue.get() <--call_soon_threadsafe--  step() outputs"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from worker import Engine, InvalidRequest, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclass(frozen=True)
+class Load:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._active: set[str] = set()  # event loop only: ids in flight, for duplicate checks
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as the engine produces them; leaving early aborts it."""
+        if request_id in self._active:
+            raise InvalidRequest(f"request_id {request_id!r} is already in flight")
+        self.engine.validate(prompt, params)  # fail fast, before the engine thread sees it
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._active.add(request_id)
+        self._post(("add", request_id, prompt, params, stream))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._active.discard(request_id)
+            if not finished:
+                self._post(("abort", request_id))
+
+    def abort(self, request_id: str) -> bool:
+        known = request_id in self._active
+        self._post(("abort", request_id))
+        return known
+
+    def load(self) -> Load:
+        sched = self.engine.scheduler  # plain reads of sizes: good enough for load reports
+        return Load(len(sched.running), len(sched.waiting), self.engine.kv.num_free_blocks,
+                    self.engine.config.num_kv_blocks)
+
+    def _post(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._drain_inbox()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug, not a bad request: fail what is in flight, keep serving
+                log.exception("engine step failed")
+                for rid in list(self._streams):
+                    self._deliver(rid, exc)
+                    self.engine.abort(rid)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, rid, prompt, params, stream = command
+                self._streams[rid] = stream
+                try:
+                    self.engine.add_request(prompt, params, request_id=rid)
+                except Exception as exc:
+                    self._deliver(rid, exc)
+            else:
+                self.engine.abort(command[1])
+                self._streams.pop(command[1], None)
+
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if isinstance(item, Exception) or item.finished:
+            del self._streams[request_id]
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

@@ -1,0 +1,124 @@
+"""Router -> worker over real gRPC on loopback, with the real engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.proto import common_pb2, router_pb2, worker_pb2
+from tests.conftest import hf_greedy, make_engine, make_prompts
+from worker import SamplingParams
+
+
+def greedy(max_tokens, **kw):
+    return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+async def collect(stub, request, timeout=60):
+    deltas, finished = [], []
+    async for msg in stub.Generate(request, timeout=timeout):
+        (deltas if msg.WhichOneof("kind") == "delta" else finished).append(msg)
+    return deltas, finished
+
+
+def token_ids(deltas, sample=0):
+    return [t for d in deltas if d.delta.sample_index == sample for t in d.delta.token_ids]
+
+
+async def wait_idle(mesh, timeout=10.0):
+    load = None
+    for _ in range(int(timeout / 0.05)):
+        load = await mesh.worker.GetLoad(worker_pb2.GetLoadRequest())
+        if load.num_running == load.num_waiting == 0 and load.num_free_blocks == load.num_blocks:
+            return load
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"worker not idle: {load}")
+
+
+async def test_greedy_through_router_equals_engine_and_transformers(llama, llama_mesh):
+    hf, path = llama
+    prompts = make_prompts([23, 9], seed=21)  # longer than one block, and shorter
+    engine_out = make_engine(path).generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    for prompt, expected in zip(prompts, engine_out):
+        deltas, [fin] = await collect(llama_mesh.router, router_pb2.GenerateRequest(
+            token_ids=common_pb2.TokenIds(ids=prompt), sampling=greedy(10)))
+        assert token_ids(deltas) == expected.token_ids == hf_greedy(hf, prompt, 10)
+        indices = [d.delta.index for d in deltas]
+        assert indices == sorted(indices) and indices[0] == 0  # contiguous, in order
+        assert fin.finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        usage = fin.finished.usage
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), 10)
+        assert usage.time_to_first_token_s > 0
+    await wait_idle(llama_mesh)
+
+
+async def test_shared_prefix_reports_cached_prompt_tokens(llama_mesh):
+    shared = make_prompts([20], seed=22)[0]
+    await collect(llama_mesh.router, router_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=shared + [7, 8]), sampling=greedy(4)))
+    _, [fin] = await collect(llama_mesh.router, router_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=shared + [9]), sampling=greedy(4)))
+    assert fin.finished.usage.cached_prompt_tokens == 20
+
+
+async def test_concurrent_streams_all_finish_with_their_lengths(llama_mesh):
+    prompts = make_prompts([5 + i % 17 for i in range(32)], seed=23)
+
+    async def one(i, prompt):
+        deltas, [fin] = await collect(llama_mesh.router, router_pb2.GenerateRequest(
+            request_id=f"c{i}", token_ids=common_pb2.TokenIds(ids=prompt), sampling=greedy(3 + i % 8)))
+        return len(token_ids(deltas)), fin.finished.usage.completion_tokens, fin.request_id
+
+    results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    assert results == [(3 + i % 8, 3 + i % 8, f"c{i}") for i in range(32)]
+    await wait_idle(llama_mesh)
+
+
+async def test_cancel_mid_stream_frees_every_block(llama_mesh):
+    call = llama_mesh.router.Generate(router_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=make_prompts([30], seed=24)[0]), sampling=greedy(400)))
+    got = 0
+    async for msg in call:
+        got += len(msg.delta.token_ids)
+        if got >= 3:
+            break
+    load = await llama_mesh.worker.GetLoad(worker_pb2.GetLoadRequest())
+    assert load.num_free_blocks < load.num_blocks  # the request still holds blocks
+    call.cancel()
+    await wait_idle(llama_mesh)
+
+
+async def test_text_prompt_streams_text(text_mesh, default_model_dir):
+    from worker.tokenizer import Tokenizer
+    deltas, [fin] = await collect(text_mesh.router, router_pb2.GenerateRequest(
+        text="Once upon a time".encode(), sampling=common_pb2.SamplingParams(max_tokens=20, seed=5)))
+    ids = token_ids(deltas)
+    assert "".join(d.delta.text for d in deltas) == Tokenizer.from_dir(default_model_dir).decode(ids)
+    assert fin.finished.usage.prompt_tokens == len(Tokenizer.from_dir(default_model_dir).encode("Once upon a time"))
+
+
+@pytest.mark.parametrize("request_kwargs, field", [
+    ({"text": b"\xff\xfe bad"}, "UTF-8"),
+    ({"token_ids": common_pb2.TokenIds(ids=[])}, "prompt is empty"),
+    ({}, "prompt is missing"),
+    ({"token_ids": common_pb2.TokenIds(ids=[3, 128])}, "outside the vocabulary"),
+    ({"token_ids": common_pb2.TokenIds(ids=[3]), "sampling": common_pb2.SamplingParams(max_tokens=0)}, "max_tokens"),
+    ({"token_ids": common_pb2.TokenIds(ids=[3]), "sampling": common_pb2.SamplingParams(temperature=float("nan"))},
+     "temperature"),
+    ({"token_ids": common_pb2.TokenIds(ids=[3]), "sampling": common_pb2.SamplingParams(top_p=1.5)}, "top_p"),
+    ({"token_ids": common_pb2.TokenIds(ids=[3]), "sampling": common_pb2.SamplingParams(n=10_000)}, "n must"),
+    ({"token_ids": common_pb2.TokenIds(ids=[3] * 500), "sampling": common_pb2.SamplingParams(max_tokens=100)},
+     "maximum model length"),
+])
+async def test_bad_input_is_invalid_argument_naming_the_field(llama_mesh, request_kwargs, field):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(llama_mesh.router, router_pb2.GenerateRequest(**request_kwargs))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    await wait_idle(llama_mesh)
+    # and the mesh still serves
+    deltas, _ = await collect(llama_mesh.router, router_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=[3, 4, 5]), sampling=greedy(2)))
+    assert len(token_ids(deltas)) == 2
