@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,6 +25,15 @@ from worker.runner.model_runner import ModelRunner
 from worker.tokenizer import Tokenizer
 
 Prompt = list[int] | str
+
+
+@dataclass(frozen=True)
+class ImportedKV:
+    """What a prefill worker hands a decode worker for one request."""
+
+    first_token: int
+    first_logprob: float | None
+    data: torch.Tensor  # [layers, 2, prompt blocks, kv_heads, block_size * head_dim]
 
 
 class Engine:
@@ -46,25 +55,64 @@ class Engine:
     # -- the step-level interface -------------------------------------------------
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: bytes = b"") -> str:
+                    request_id: str | None = None, cache_salt: bytes = b"", *, hold_kv: bool = False,
+                    imported: ImportedKV | None = None) -> str:
+        """Queue a request. ``hold_kv``: keep its blocks after it finishes, for
+        ``export_kv``, until ``release_kv`` (the prefill side of a KV handoff).
+        ``imported``: the prompt's KV and first token were computed by another
+        worker; this engine continues from the second token (the decode side)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.groups:
+        if request_id in self.groups or request_id in self.scheduler.held:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
         token_ids = self.validate(prompt, params)
         req = Request(request_id, token_ids, params, self.config.block_size,
                       self.model_config.eos_token_ids, cache_salt)
+        req.hold_kv = hold_kv
+        if imported is not None:
+            self._check_import(imported, len(token_ids), params)
+            req.append_output(imported.first_token, imported.first_logprob if params.logprobs else None)
+            req.imported_kv = imported.data
+            req.num_emitted = 1  # the first token was streamed by the prefill side
         self.groups[request_id] = [req]
         self.scheduler.add(req)
         return request_id
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks; False if unknown."""
+        released = self.scheduler.release(request_id)
         seqs = self.groups.pop(request_id, None)
         if seqs is None:
-            return False
+            return released
         self.scheduler.abort(seqs)
         return True
+
+    def export_kv(self, request_id: str) -> torch.Tensor:
+        """The prompt's KV of a finished, held request: [layers, 2, prompt blocks,
+        kv_heads, block_size * head_dim]."""
+        req = self.scheduler.held.get(request_id)
+        if req is None:
+            raise KeyError(f"no held KV for request {request_id!r}")
+        num_blocks = -(-req.num_prompt_tokens // self.config.block_size)
+        return self.runner.read_blocks(self.kv.get_block_ids(request_id)[:num_blocks])
+
+    def release_kv(self, request_id: str) -> bool:
+        return self.scheduler.release(request_id)
+
+    def kv_block_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """Shape of the exported KV of ``num_tokens`` prompt tokens."""
+        cache = self.runner.kv_caches[0]
+        return (len(self.runner.kv_caches), 2, -(-num_tokens // self.config.block_size), *cache.shape[2:])
+
+    def _check_import(self, imported: ImportedKV, num_prompt_tokens: int, params: SamplingParams) -> None:
+        expected = self.kv_block_shape(num_prompt_tokens)
+        if tuple(imported.data.shape) != expected or imported.data.dtype != self.config.dtype:
+            raise InvalidRequest(f"imported KV is {tuple(imported.data.shape)} {imported.data.dtype}, this worker "
+                                 f"needs {expected} {self.config.dtype} (same model, block size and dtype)")
+        if not 0 <= imported.first_token < self.model_config.vocab_size:
+            raise InvalidRequest(f"first token {imported.first_token} is outside the vocabulary")
+        if params.n != 1:
+            raise InvalidRequest("n > 1 is not supported with disaggregated prefill")
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()

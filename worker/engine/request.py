@@ -59,6 +59,10 @@ class Request:
         self.sample_generators = [None if params.seed is None else torch.Generator().manual_seed(params.seed + k)
                                   for k in range(params.n)]
         self.num_emitted = 0  # output tokens already reported by step()
+        # disaggregated serving: KV of the prompt computed elsewhere ([layers, 2, blocks,
+        # kv_heads, block_size * head_dim]), written into this engine's blocks on admission
+        self.imported_kv: torch.Tensor | None = None
+        self.hold_kv = False  # keep the blocks after finishing, until released (prefill side)
 
     @property
     def generator(self) -> torch.Generator | None:

@@ -15,7 +15,9 @@ that had to preempt. (Not to be confused with the mesh-level ``Placer``.)"""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from worker.config import EngineConfig
 from worker.engine.request import Request, RequestStatus
@@ -32,9 +34,18 @@ class ScheduledSequence:
 
 
 @dataclass
+class KVWrite:
+    """Imported KV to place into blocks before this step's forward."""
+
+    block_ids: list[int]
+    data: torch.Tensor  # [layers, 2, len(block_ids), kv_heads, block_size * head_dim]
+
+
+@dataclass
 class ScheduledBatch:
     sequences: list[ScheduledSequence]
     block_copies: list[BlockCopy]
+    kv_writes: list[KVWrite] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -47,13 +58,14 @@ class StepScheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.held: dict[str, Request] = {}  # finished, blocks kept for a KV handoff
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     @property
-    def num_unfinished(self) -> int:
+    def num_unfinished(self) -> int:  # held requests are finished: they only pin blocks
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> ScheduledBatch:
@@ -74,21 +86,33 @@ class StepScheduler:
                 scheduled.append(self._scheduled(req, req.num_computed_tokens, n))
                 budget -= n
                 i += 1
+        writes: list[KVWrite] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             req = self.waiting[0]
             hit = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - hit.num_tokens, budget)
-            if self.kv.allocate_slots(req, n, hit.blocks) is None:
-                break
+            if req.imported_kv is not None:
+                # the prompt's KV arrived with the request: place it, compute only the next token
+                if self.kv.allocate_slots(req, req.num_tokens - hit.num_tokens, hit.blocks) is None:
+                    break
+                first = len(hit.blocks)
+                blocks = self.kv.get_block_ids(req.request_id)[first:req.imported_kv.shape[2]]
+                writes.append(KVWrite(blocks, req.imported_kv[:, :, first:]))
+                req.imported_kv = None
+                start = req.num_prompt_tokens
+            else:
+                start = hit.num_tokens
+                if self.kv.allocate_slots(req, min(req.num_tokens - start, budget), hit.blocks) is None:
+                    break
+            n = min(req.num_tokens - start, budget)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = hit.num_tokens
+            req.num_computed_tokens = start
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
             self.running.append(req)
-            scheduled.append(self._scheduled(req, hit.num_tokens, n))
+            scheduled.append(self._scheduled(req, start, n))
             budget -= n
-        return ScheduledBatch(scheduled, self.kv.take_copies())
+        return ScheduledBatch(scheduled, self.kv.take_copies(), writes)
 
     def _scheduled(self, req: Request, num_computed: int, n: int) -> ScheduledSequence:
         reaches_end = num_computed + n == req.num_tokens
@@ -132,7 +156,17 @@ class StepScheduler:
         elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.config.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
         if req.is_finished:
+            if req.hold_kv:
+                self.held[req.request_id] = req
+            else:
+                self.kv.free(req)
+
+    def release(self, request_id: str) -> bool:
+        """Free the blocks of a finished request held for a KV handoff."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
             self.kv.free(req)
+        return req is not None
 
     def abort(self, requests: list[Request]) -> None:
         for req in requests:

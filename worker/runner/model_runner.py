@@ -43,6 +43,8 @@ class ModelRunner:
         for copy in batch.block_copies:
             for cache in self.kv_caches:
                 cache[:, copy.dst].copy_(cache[:, copy.src])
+        for write in batch.kv_writes:
+            self.write_blocks(write.block_ids, write.data)
         seqs = sorted(batch.sequences, key=lambda s: s.num_new_tokens > 1)  # decodes first (stable)
         input_ids, positions, meta, last_rows = self._prepare(seqs)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -64,6 +66,16 @@ class ModelRunner:
                     (tokens[i], logprobs[i] if logprobs is not None and seq.request.params.logprobs else None))
                 i += 1
         return RunnerOutput(out)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of blocks' KV: [layers, 2, len(block_ids), kv_heads, block_size * head_dim]."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([cache.index_select(1, index) for cache in self.kv_caches])
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for cache, layer in zip(self.kv_caches, data.to(self.device)):
+            cache.index_copy_(1, index, layer)
 
     def _prepare(self, seqs: list[ScheduledSequence]):
         bs = self.config.block_size
