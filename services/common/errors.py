@@ -6,6 +6,7 @@ INTERNAL for their own mistakes:
     InvalidRequest, ValueError  -> INVALID_ARGUMENT
     Overloaded                  -> RESOURCE_EXHAUSTED
     Unavailable                 -> UNAVAILABLE
+    FailedPrecondition          -> FAILED_PRECONDITION
     anything else               -> INTERNAL (logged with its traceback)"""
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class Unavailable(Exception):
     """No healthy backend can serve the request right now."""
 
 
+class FailedPrecondition(Exception):
+    """The call does not fit this server's state or role (e.g. Decode on a prefill worker)."""
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, (InvalidRequest, ValueError)):
         return grpc.StatusCode.INVALID_ARGUMENT
@@ -35,6 +40,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, Unavailable):
         return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, FailedPrecondition):
+        return grpc.StatusCode.FAILED_PRECONDITION
     return grpc.StatusCode.INTERNAL
 
 
@@ -82,5 +89,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     await _abort(context, exc)
 
             return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
+                                                        handler.response_serializer)
+        if handler.stream_unary:
+            inner_client_stream = handler.stream_unary
+
+            async def client_stream(request_iterator, context):
+                try:
+                    return await inner_client_stream(request_iterator, context)
+                except Exception as exc:
+                    if _passes_through(exc):
+                        raise
+                    await _abort(context, exc)
+
+            return grpc.stream_unary_rpc_method_handler(client_stream, handler.request_deserializer,
                                                         handler.response_serializer)
         return handler

@@ -1,11 +1,21 @@
 from services.proto import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TRANSPORT_UNSPECIFIED: _ClassVar[KvTransport]
+    KV_TRANSPORT_SHARED_MEMORY: _ClassVar[KvTransport]
+    KV_TRANSPORT_GRPC_STREAM: _ClassVar[KvTransport]
+KV_TRANSPORT_UNSPECIFIED: KvTransport
+KV_TRANSPORT_SHARED_MEMORY: KvTransport
+KV_TRANSPORT_GRPC_STREAM: KvTransport
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "sampling")
@@ -18,6 +28,12 @@ class ExecuteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
+    __slots__ = ("update",)
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    update: TokenUpdate
+    def __init__(self, update: _Optional[_Union[TokenUpdate, _Mapping]] = ...) -> None: ...
+
+class TokenUpdate(_message.Message):
     __slots__ = ("sample_index", "index", "token_ids", "logprobs", "finish_reason", "cached_prompt_tokens")
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -60,3 +76,89 @@ class GetLoadResponse(_message.Message):
     num_free_blocks: int
     num_blocks: int
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "sampling", "decode_address", "transport")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: _common_pb2.TokenIds
+    sampling: _common_pb2.SamplingParams
+    decode_address: str
+    transport: KvTransport
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., transport: _Optional[_Union[KvTransport, str]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "first_logprob", "finish_reason", "cached_prompt_tokens", "kv_handle", "kv_bytes")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    first_logprob: float
+    finish_reason: _common_pb2.FinishReason
+    cached_prompt_tokens: int
+    kv_handle: str
+    kv_bytes: int
+    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_handle: _Optional[str] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+
+class KvHeader(_message.Message):
+    __slots__ = ("handle", "request_id", "shape", "dtype", "num_bytes", "shm_name", "lease_ms")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    request_id: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    num_bytes: int
+    shm_name: str
+    lease_ms: int
+    def __init__(self, handle: _Optional[str] = ..., request_id: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_bytes: _Optional[int] = ..., shm_name: _Optional[str] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class PushKvRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: KvHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[KvHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class PushKvResponse(_message.Message):
+    __slots__ = ("handle", "num_bytes")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    num_bytes: int
+    def __init__(self, handle: _Optional[str] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "sampling", "first_token", "first_logprob", "kv_handle")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: _common_pb2.TokenIds
+    sampling: _common_pb2.SamplingParams
+    first_token: int
+    first_logprob: float
+    kv_handle: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., kv_handle: _Optional[str] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("update",)
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    update: TokenUpdate
+    def __init__(self, update: _Optional[_Union[TokenUpdate, _Mapping]] = ...) -> None: ...

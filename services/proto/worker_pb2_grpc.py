@@ -27,7 +27,9 @@ if _version_not_supported:
 
 class WorkerServiceStub:
     """A model worker: runs the engine on token ids. Started with a role (prefill, decode or both);
-    an aggregated ("both") worker serves Execute by itself.
+    an aggregated ("both") worker serves Execute by itself. Disaggregated, a prefill worker
+    computes the prompt and first token and pushes the prompt's KV to a decode worker, which
+    then continues the request with Decode.
     """
 
     def __init__(self, channel):
@@ -40,6 +42,21 @@ class WorkerServiceStub:
                 '/kervan.v1.WorkerService/Execute',
                 request_serializer=kervan_dot_v1_dot_worker__pb2.ExecuteRequest.SerializeToString,
                 response_deserializer=kervan_dot_v1_dot_worker__pb2.ExecuteResponse.FromString,
+                _registered_method=True)
+        self.Prefill = channel.unary_unary(
+                '/kervan.v1.WorkerService/Prefill',
+                request_serializer=kervan_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=kervan_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                _registered_method=True)
+        self.PushKv = channel.stream_unary(
+                '/kervan.v1.WorkerService/PushKv',
+                request_serializer=kervan_dot_v1_dot_worker__pb2.PushKvRequest.SerializeToString,
+                response_deserializer=kervan_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
+                _registered_method=True)
+        self.Decode = channel.unary_stream(
+                '/kervan.v1.WorkerService/Decode',
+                request_serializer=kervan_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=kervan_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kervan.v1.WorkerService/Abort',
@@ -55,11 +72,34 @@ class WorkerServiceStub:
 
 class WorkerServiceServicer:
     """A model worker: runs the engine on token ids. Started with a role (prefill, decode or both);
-    an aggregated ("both") worker serves Execute by itself.
+    an aggregated ("both") worker serves Execute by itself. Disaggregated, a prefill worker
+    computes the prompt and first token and pushes the prompt's KV to a decode worker, which
+    then continues the request with Decode.
     """
 
     def Execute(self, request, context):
         """Prefill and decode a request here, streaming tokens as they are produced.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefill(self, request, context):
+        """Compute the prompt and the first token, and push the prompt's KV to a decode worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushKv(self, request_iterator, context):
+        """Receive a request's KV from a prefill worker (a header, then raw chunks unless in shared memory).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decode(self, request, context):
+        """Continue a request whose KV was pushed here, streaming tokens after the first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -87,6 +127,21 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     request_deserializer=kervan_dot_v1_dot_worker__pb2.ExecuteRequest.FromString,
                     response_serializer=kervan_dot_v1_dot_worker__pb2.ExecuteResponse.SerializeToString,
             ),
+            'Prefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=kervan_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=kervan_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PushKv': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushKv,
+                    request_deserializer=kervan_dot_v1_dot_worker__pb2.PushKvRequest.FromString,
+                    response_serializer=kervan_dot_v1_dot_worker__pb2.PushKvResponse.SerializeToString,
+            ),
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=kervan_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=kervan_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
                     request_deserializer=kervan_dot_v1_dot_worker__pb2.AbortRequest.FromString,
@@ -107,7 +162,9 @@ def add_WorkerServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class WorkerService:
     """A model worker: runs the engine on token ids. Started with a role (prefill, decode or both);
-    an aggregated ("both") worker serves Execute by itself.
+    an aggregated ("both") worker serves Execute by itself. Disaggregated, a prefill worker
+    computes the prompt and first token and pushes the prompt's KV to a decode worker, which
+    then continues the request with Decode.
     """
 
     @staticmethod
@@ -127,6 +184,87 @@ class WorkerService:
             '/kervan.v1.WorkerService/Execute',
             kervan_dot_v1_dot_worker__pb2.ExecuteRequest.SerializeToString,
             kervan_dot_v1_dot_worker__pb2.ExecuteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kervan.v1.WorkerService/Prefill',
+            kervan_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            kervan_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKv(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kervan.v1.WorkerService/PushKv',
+            kervan_dot_v1_dot_worker__pb2.PushKvRequest.SerializeToString,
+            kervan_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kervan.v1.WorkerService/Decode',
+            kervan_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            kervan_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,8 +1,8 @@
 """``python -m services.router``: the public RouterService over gRPC.
 
-Reads the model directory's ``config.json`` and ``tokenizer.json`` (no weights,
-no torch) and forwards requests to one worker; KV-aware placement across many
-workers comes with the scheduler service."""
+Reads the model directory's ``config.json`` and ``tokenizer.json`` and forwards
+requests to one aggregated worker or to a prefill/decode pair; KV-aware placement
+across many workers comes with the scheduler service."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import grpc
 
 from services.common.server import Service, run, serve_until_signal, start_server
 from services.proto import router_pb2, router_pb2_grpc, worker_pb2_grpc
-from services.router.servicer import ModelLimits, RouterServicer
+from services.router.servicer import ModelLimits, Placement, RouterServicer
 from worker.tokenizer import Tokenizer
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
@@ -22,7 +22,9 @@ SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m services.router", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--worker", required=True, help="HOST:PORT of an aggregated worker")
+    ap.add_argument("--worker", default=None, help="HOST:PORT of an aggregated worker")
+    ap.add_argument("--prefill", default=None, help="HOST:PORT of a prefill worker (with --decode)")
+    ap.add_argument("--decode", default=None, help="HOST:PORT of a decode worker (with --prefill)")
     ap.add_argument("--model", default=None, help="the workers' model directory (default: embedded model)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
@@ -38,14 +40,28 @@ async def serve(args: argparse.Namespace) -> None:
     from worker.default_model import ensure_default_model
 
     model_dir = Path(args.model) if args.model else ensure_default_model()
-    channel = grpc.aio.insecure_channel(args.worker)
-    servicer = RouterServicer(worker_pb2_grpc.WorkerServiceStub(channel), Tokenizer.from_dir(model_dir),
-                              model_limits(model_dir))
+    channels = []
+
+    def stub(address: str) -> worker_pb2_grpc.WorkerServiceStub:
+        channels.append(grpc.aio.insecure_channel(address))
+        return worker_pb2_grpc.WorkerServiceStub(channels[-1])
+
+    if args.worker:
+        placement = Placement(worker=stub(args.worker))
+    elif args.prefill and args.decode:
+        placement = Placement(prefill=stub(args.prefill), decode=stub(args.decode), decode_address=args.decode)
+    else:
+        raise SystemExit("give --worker, or --prefill and --decode")
+    servicer = RouterServicer(placement, Tokenizer.from_dir(model_dir), model_limits(model_dir))
     handle = await start_server(
         [Service(SERVICE_NAME, lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s))],
         args.host, args.port)
     print(f"router ready on {args.host}:{handle.port}", flush=True)
-    await serve_until_signal(handle, channel.close)
+    async def close() -> None:
+        for channel in channels:
+            await channel.close()
+
+    await serve_until_signal(handle, close)
 
 
 def main(argv: list[str] | None = None) -> None:

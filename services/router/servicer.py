@@ -1,15 +1,18 @@
-"""RouterService: validate and tokenize, forward to a worker, stream text back.
+"""RouterService: validate and tokenize, forward to workers, stream text back.
 
-Placement is a single worker address for now; the scheduler service replaces it
-with KV-aware placement. Deadlines are passed on (Python gRPC does not propagate
-them by itself) and a client that goes away cancels the worker call, which
-aborts the request and frees its blocks there."""
+A request runs either on one aggregated worker (Execute), or disaggregated:
+Prefill on a prefill worker (which pushes the prompt's KV to the decode worker
+and returns the first token), then Decode on the decode worker. Deadlines are
+passed on (Python gRPC does not propagate them by itself); a client that goes
+away cancels the worker calls, which abort the request and free its blocks."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 import grpc
 
@@ -18,6 +21,16 @@ from services.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, 
 from services.router.detokenizer import Detokenizer
 from worker.engine.sampling_params import InvalidRequest
 from worker.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request runs: ``worker`` alone, or ``prefill`` then ``decode``."""
+
+    worker: worker_pb2_grpc.WorkerServiceStub | None = None
+    prefill: worker_pb2_grpc.WorkerServiceStub | None = None
+    decode: worker_pb2_grpc.WorkerServiceStub | None = None
+    decode_address: str = ""
 
 
 @dataclass(frozen=True)
@@ -35,8 +48,8 @@ class _Sample:
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
-    def __init__(self, worker: worker_pb2_grpc.WorkerServiceStub, tokenizer: Tokenizer | None, limits: ModelLimits):
-        self.worker = worker
+    def __init__(self, placement: Placement, tokenizer: Tokenizer | None, limits: ModelLimits):
+        self.placement = placement
         self.tokenizer = tokenizer
         self.limits = limits
         self.in_flight: set[str] = set()
@@ -53,24 +66,47 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise InvalidRequest(f"request_id {rid!r} is already in flight")
         self.in_flight.add(rid)
         try:
-            call = self.worker.Execute(worker_pb2.ExecuteRequest(
-                request_id=rid, prompt=common_pb2.TokenIds(ids=prompt), sampling=request.sampling),
-                timeout=context.time_remaining())
             samples: dict[int, _Sample] = {}
             cached = 0
             try:
-                async for msg in call:
-                    cached = max(cached, msg.cached_prompt_tokens)
-                    sample = samples.setdefault(msg.sample_index, _Sample(Detokenizer(self.tokenizer))
-                                                if self.tokenizer else _Sample(None))
-                    if msg.token_ids:
-                        yield self._delta(rid, msg, sample)
-                    if msg.finish_reason:
-                        yield self._finished(rid, msg, sample, len(prompt), cached, start)
+                async for update in self._run(rid, prompt, request.sampling, context.time_remaining()):
+                    cached = max(cached, update.cached_prompt_tokens)
+                    sample = samples.setdefault(update.sample_index, _Sample(
+                        Detokenizer(self.tokenizer) if self.tokenizer else None))
+                    if update.token_ids:
+                        yield self._delta(rid, update, sample)
+                    if update.finish_reason:
+                        yield self._finished(rid, update, sample, len(prompt), cached, start)
             except grpc.aio.AioRpcError as err:  # the worker's status is the client's answer
                 await context.abort(err.code(), err.details() or "worker failed")
         finally:
             self.in_flight.discard(rid)
+
+    async def _run(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams,
+                   timeout: float | None) -> AsyncIterator[worker_pb2.TokenUpdate]:
+        place = self.placement
+        ids = common_pb2.TokenIds(ids=prompt)
+        if place.worker is not None:
+            async for msg in place.worker.Execute(worker_pb2.ExecuteRequest(
+                    request_id=rid, prompt=ids, sampling=sampling), timeout=timeout):
+                yield msg.update
+            return
+        first = await place.prefill.Prefill(worker_pb2.PrefillRequest(
+            request_id=rid, prompt=ids, sampling=sampling, decode_address=place.decode_address), timeout=timeout)
+        yield worker_pb2.TokenUpdate(index=0, token_ids=[first.first_token],
+                                     logprobs=[first.first_logprob] if sampling.logprobs else [],
+                                     finish_reason=first.finish_reason, cached_prompt_tokens=first.cached_prompt_tokens)
+        if first.finish_reason:
+            return
+        try:
+            async for msg in place.decode.Decode(worker_pb2.DecodeRequest(
+                    request_id=rid, prompt=ids, sampling=sampling, first_token=first.first_token,
+                    first_logprob=first.first_logprob, kv_handle=first.kv_handle), timeout=timeout):
+                yield msg.update
+        except asyncio.CancelledError:
+            # the client left between handoff and decode: drop the staged KV now, not at lease end
+            asyncio.get_running_loop().create_task(place.decode.Abort(worker_pb2.AbortRequest(request_id=rid)))
+            raise
 
     def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -94,7 +130,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise InvalidRequest("prompt is empty")
         return ids
 
-    def _delta(self, rid: str, msg: worker_pb2.ExecuteResponse, sample: _Sample) -> router_pb2.GenerateResponse:
+    def _delta(self, rid: str, msg: worker_pb2.TokenUpdate, sample: _Sample) -> router_pb2.GenerateResponse:
         now = time.perf_counter()
         sample.first_token_at = sample.first_token_at or now
         sample.last_token_at = now
@@ -105,7 +141,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             logprobs=msg.logprobs))
 
     @staticmethod
-    def _finished(rid: str, msg: worker_pb2.ExecuteResponse, sample: _Sample, prompt_tokens: int, cached: int,
+    def _finished(rid: str, msg: worker_pb2.TokenUpdate, sample: _Sample, prompt_tokens: int, cached: int,
                   start: float) -> router_pb2.GenerateResponse:
         ttft = (sample.first_token_at - start) if sample.first_token_at else 0.0
         tpot = 0.0

@@ -1,7 +1,7 @@
 """``python -m services.worker``: a model worker serving WorkerService over gRPC.
 
-Only the aggregated role (``both``: prefill and decode here) exists so far; the
-disaggregated roles arrive with the KV transfer."""
+Roles: ``both`` (aggregated: prefill and decode here), ``prefill`` (compute
+prompts, push their KV to decode workers), ``decode`` (receive KV, decode)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="Hugging Face model directory (default: embedded model)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
-    ap.add_argument("--role", choices=["both"], default="both")
+    ap.add_argument("--role", choices=["both", "prefill", "decode"], default="both")
+    ap.add_argument("--kv-transport", choices=["auto", "shm", "grpc"], default="auto",
+                    help="how a prefill worker pushes KV: shared memory (same host), gRPC stream, or auto")
+    ap.add_argument("--kv-lease", type=float, default=30.0, help="seconds a KV handoff may take")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -36,13 +39,14 @@ async def serve(args: argparse.Namespace) -> None:
                                     num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs)
     async_engine = AsyncEngine(engine)
     async_engine.start()  # the engine thread exists before any gRPC object does
-    servicer = WorkerServicer(async_engine)
+    servicer = WorkerServicer(async_engine, args.role, args.kv_transport, args.kv_lease)
     handle = await start_server(
         [Service(SERVICE_NAME, lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, s))],
         args.host, args.port)
     print(f"worker ready on {args.host}:{handle.port}", flush=True)
 
     async def on_stop() -> None:
+        await servicer.close()
         await asyncio.to_thread(async_engine.stop)
 
     await serve_until_signal(handle, on_stop)

@@ -17,11 +17,21 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 from worker import Engine, InvalidRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _settle(future: asyncio.Future, result: object, exc: Exception | None) -> None:
+    if future.cancelled():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 @dataclass
@@ -56,15 +66,16 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, **options
                        ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as the engine produces them; leaving early aborts it."""
+        """Outputs of one request as the engine produces them; leaving early aborts it.
+        ``options`` go to ``Engine.add_request`` (``hold_kv``, ``imported``)."""
         if request_id in self._active:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight")
-        self.engine.validate(prompt, params)  # fail fast, before the engine thread sees it
+        self.validate(prompt, params)  # fail fast, before the engine thread sees it
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._active.add(request_id)
-        self._post(("add", request_id, prompt, params, stream))
+        self._post(("add", request_id, prompt, params, stream, options))
         finished = False
         try:
             while not finished:
@@ -78,10 +89,20 @@ class AsyncEngine:
             if not finished:
                 self._post(("abort", request_id))
 
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        self.engine.validate(prompt, params)  # reads configuration only: safe off the engine thread
+
     def abort(self, request_id: str) -> bool:
         known = request_id in self._active
         self._post(("abort", request_id))
         return known
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread, between steps."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._post(("call", fn, loop, future))
+        return await future
 
     def load(self) -> Load:
         sched = self.engine.scheduler  # plain reads of sizes: good enough for load reports
@@ -117,12 +138,20 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, rid, prompt, params, stream = command
+                _, rid, prompt, params, stream, options = command
                 self._streams[rid] = stream
                 try:
-                    self.engine.add_request(prompt, params, request_id=rid)
+                    self.engine.add_request(prompt, params, request_id=rid, **options)
                 except Exception as exc:
                     self._deliver(rid, exc)
+            elif command[0] == "call":
+                _, fn, loop, future = command
+                try:
+                    result = fn(self.engine)
+                except Exception as exc:
+                    loop.call_soon_threadsafe(_settle, future, None, exc)
+                else:
+                    loop.call_soon_threadsafe(_settle, future, result, None)
             else:
                 self.engine.abort(command[1])
                 self._streams.pop(command[1], None)

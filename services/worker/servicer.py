@@ -1,40 +1,156 @@
-"""WorkerService: protobuf in, engine call, protobuf out."""
+"""WorkerService: protobuf in, engine call, protobuf out.
+
+Roles: ``both`` serves everything; ``prefill`` serves Prefill (computing the
+prompt and first token, then pushing the prompt's KV to a decode worker under a
+lease: its blocks stay pinned until the push is acknowledged or the lease runs
+out); ``decode`` serves PushKv and Decode."""
 
 from __future__ import annotations
+
+import dataclasses
+import socket
+from typing import AsyncIterator
 
 import grpc
 
 from services.common.convert import finish_to_proto, sampling_from_proto
+from services.common.errors import FailedPrecondition, Unavailable
 from services.proto import worker_pb2, worker_pb2_grpc
+from services.worker import kv_transfer
 from services.worker.async_engine import AsyncEngine
+from worker import RequestOutput
+from worker.engine.engine import ImportedKV
+from worker.engine.sampling_params import InvalidRequest
+
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]", socket.gethostname()}
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, role: str = "both", kv_transport: str = "auto", lease_s: float = 30.0):
         self.engine = engine
+        self.role = role
+        self.kv_transport = kv_transport
+        self.lease_s = lease_s
+        self.staging = kv_transfer.KvStaging()
+        self._peers: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
+
+    def _require(self, *roles: str) -> None:
+        if self.role not in roles:
+            raise FailedPrecondition(f"this worker's role is {self.role!r}; the call needs {' or '.join(roles)}")
 
     async def Execute(self, request: worker_pb2.ExecuteRequest, context: grpc.aio.ServicerContext):
+        self._require("both")
         params = sampling_from_proto(request.sampling)
-        done: set[int] = set()  # samples whose end was already sent
-        first = True
-        async for out in self.engine.generate(request.request_id, list(request.prompt.ids), params):
-            for c in out.outputs:
-                if c.index in done or not (c.new_token_ids or c.finish_reason):
-                    continue
-                new = len(c.new_token_ids)
-                yield worker_pb2.ExecuteResponse(
-                    sample_index=c.index, index=len(c.token_ids) - new, token_ids=c.new_token_ids,
-                    logprobs=c.logprobs[len(c.logprobs) - new:] if c.logprobs else [],
-                    finish_reason=finish_to_proto(c.finish_reason),
-                    cached_prompt_tokens=out.num_cached_tokens if first else 0)
-                first = False
-                if c.finish_reason:
-                    done.add(c.index)
+        async for update in _updates(self.engine.generate(request.request_id, list(request.prompt.ids), params)):
+            yield worker_pb2.ExecuteResponse(update=update)
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
+        self._require("prefill", "both")
+        params = sampling_from_proto(request.sampling)
+        rid, prompt = request.request_id, list(request.prompt.ids)
+        self.engine.validate(prompt, params)
+        if params.n != 1:
+            raise InvalidRequest("n > 1 is served by aggregated workers only")
+        out = None
+        async for out in self.engine.generate(rid, prompt, dataclasses.replace(params, max_tokens=1), hold_kv=True):
+            pass
+        first = out.outputs[0]
+        response = worker_pb2.PrefillResponse(first_token=first.token_ids[0],
+                                              first_logprob=first.logprobs[0] if first.logprobs else 0.0,
+                                              cached_prompt_tokens=out.num_cached_tokens)
+        try:
+            if first.finish_reason == "stop" or params.max_tokens == 1:
+                response.finish_reason = finish_to_proto(first.finish_reason)
+                return response
+            data = await self.engine.call(lambda e: e.export_kv(rid))
+            response.kv_handle, response.kv_bytes = await self._push(request, data)
+            return response
+        finally:
+            await self.engine.call(lambda e: e.release_kv(rid))  # the lease ends here either way
+
+    async def _push(self, request: worker_pb2.PrefillRequest, data) -> tuple[str, int]:
+        stub = self._peer(request.decode_address)
+        if self._use_shared_memory(request):
+            export = kv_transfer.SharedMemoryExport(data)
+            handle = f"{request.request_id}/{export.name}"
+            head = kv_transfer.header(handle, request.request_id, data, self.lease_s, export.name)
+            messages = _one(worker_pb2.PushKvRequest(header=head))
+        else:
+            export = None
+            handle, messages = kv_transfer.stream_messages(request.request_id, data, self.lease_s)
+        try:
+            receipt = await stub.PushKv(messages, timeout=self.lease_s)
+        except grpc.aio.AioRpcError as err:
+            if export is not None:
+                export.discard()
+            raise Unavailable(f"KV push to {request.decode_address} failed: {err.code().name} {err.details()}")
+        finally:
+            if export is not None:
+                export.close()
+        return receipt.handle, receipt.num_bytes
+
+    def _use_shared_memory(self, request: worker_pb2.PrefillRequest) -> bool:
+        if request.transport == worker_pb2.KV_TRANSPORT_SHARED_MEMORY:
+            return True
+        if request.transport == worker_pb2.KV_TRANSPORT_GRPC_STREAM or self.kv_transport == "grpc":
+            return False
+        return self.kv_transport == "shm" or request.decode_address.rsplit(":", 1)[0] in LOCAL_HOSTS
+
+    def _peer(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
+        if not address:
+            raise InvalidRequest("decode_address is empty")
+        if address not in self._peers:
+            channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+            self._peers[address] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
+        return self._peers[address][1]
+
+    async def PushKv(self, request_iterator, context) -> worker_pb2.PushKvResponse:
+        self._require("decode", "both")
+        head, data = await kv_transfer.receive(request_iterator, self.staging.max_bytes)
+        self.staging.put(head, data)
+        return worker_pb2.PushKvResponse(handle=head.handle, num_bytes=head.num_bytes)
+
+    async def Decode(self, request: worker_pb2.DecodeRequest, context):
+        self._require("decode", "both")
+        params = sampling_from_proto(request.sampling)
+        data = self.staging.take(request.kv_handle, request.request_id)
+        imported = ImportedKV(request.first_token, request.first_logprob, data)
+        stream = self.engine.generate(request.request_id, list(request.prompt.ids), params, imported=imported)
+        async for update in _updates(stream):
+            yield worker_pb2.DecodeResponse(update=update)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
+        self.staging.drop_request(request.request_id)
         return worker_pb2.AbortResponse(aborted=self.engine.abort(request.request_id))
 
     async def GetLoad(self, request: worker_pb2.GetLoadRequest, context) -> worker_pb2.GetLoadResponse:
         load = self.engine.load()
         return worker_pb2.GetLoadResponse(num_running=load.num_running, num_waiting=load.num_waiting,
                                           num_free_blocks=load.num_free_blocks, num_blocks=load.num_blocks)
+
+    async def close(self) -> None:
+        for channel, _ in self._peers.values():
+            await channel.close()
+
+
+async def _updates(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[worker_pb2.TokenUpdate]:
+    """Engine outputs -> one TokenUpdate per sample that progressed; each sample's end once."""
+    done: set[int] = set()
+    first = True
+    async for out in outputs:
+        for c in out.outputs:
+            if c.index in done or not (c.new_token_ids or c.finish_reason):
+                continue
+            new = len(c.new_token_ids)
+            yield worker_pb2.TokenUpdate(
+                sample_index=c.index, index=len(c.token_ids) - new, token_ids=c.new_token_ids,
+                logprobs=c.logprobs[len(c.logprobs) - new:] if c.logprobs else [],
+                finish_reason=finish_to_proto(c.finish_reason),
+                cached_prompt_tokens=out.num_cached_tokens if first else 0)
+            first = False
+            if c.finish_reason:
+                done.add(c.index)
+
+
+async def _one(message):
+    yield message

@@ -14,7 +14,7 @@ from services.common.server import Service, start_server
 from services.proto import router_pb2_grpc, worker_pb2_grpc
 from services.router.__main__ import SERVICE_NAME as ROUTER_NAME
 from services.router.__main__ import model_limits
-from services.router.servicer import RouterServicer
+from services.router.servicer import Placement, RouterServicer
 from services.worker.__main__ import SERVICE_NAME as WORKER_NAME
 from services.worker.async_engine import AsyncEngine
 from services.worker.servicer import WorkerServicer
@@ -23,43 +23,70 @@ from worker.tokenizer import Tokenizer
 
 
 @dataclass
-class Mesh:
+class Worker:
     engine: AsyncEngine
-    worker_port: int
+    port: int
+    stub: worker_pb2_grpc.WorkerServiceStub
+
+
+@dataclass
+class Mesh:
+    workers: list[Worker]
     router_port: int
     router: router_pb2_grpc.RouterServiceStub
-    worker: worker_pb2_grpc.WorkerServiceStub
 
 
-async def start_mesh(model_dir: Path, **engine_options):
+async def start_worker(model_dir: Path, role: str, kv_transport: str = "auto", **engine_options):
     engine = AsyncEngine(make_engine(model_dir, **engine_options))
     engine.start()
-    worker_servicer = WorkerServicer(engine)
-    worker = await start_server([Service(WORKER_NAME, lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(
-        worker_servicer, s))])
-    worker_channel = grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}")
-    router_servicer = RouterServicer(worker_pb2_grpc.WorkerServiceStub(worker_channel), Tokenizer.from_dir(model_dir),
-                                     model_limits(Path(model_dir)))
-    router = await start_server([Service(ROUTER_NAME, lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(
-        router_servicer, s))])
-    await worker.set_serving(True)
-    await router.set_serving(True)
-    client = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
-    mesh = Mesh(engine, worker.port, router.port, router_pb2_grpc.RouterServiceStub(client),
-                worker_pb2_grpc.WorkerServiceStub(worker_channel))
+    servicer = WorkerServicer(engine, role, kv_transport)
+    server = await start_server([Service(WORKER_NAME, lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(
+        servicer, s))])
+    await server.set_serving(True)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
 
     async def stop():
+        await channel.close()
+        await servicer.close()
+        await server.stop(0)
+        engine.stop()
+    return Worker(engine, server.port, worker_pb2_grpc.WorkerServiceStub(channel)), stop
+
+
+async def start_mesh(model_dir: Path, disaggregated: bool = False, kv_transport: str = "auto", **engine_options):
+    """A router over one aggregated worker, or over a prefill and a decode worker."""
+    stops = []
+    if disaggregated:
+        prefill, stop = await start_worker(model_dir, "prefill", kv_transport, **engine_options)
+        stops.append(stop)
+        decode, stop = await start_worker(model_dir, "decode", **engine_options)
+        stops.append(stop)
+        placement = Placement(prefill=prefill.stub, decode=decode.stub, decode_address=f"127.0.0.1:{decode.port}")
+        workers = [prefill, decode]
+    else:
+        worker, stop = await start_worker(model_dir, "both", **engine_options)
+        stops.append(stop)
+        placement = Placement(worker=worker.stub)
+        workers = [worker]
+    router_servicer = RouterServicer(placement, Tokenizer.from_dir(model_dir), model_limits(Path(model_dir)))
+    router = await start_server([Service(ROUTER_NAME, lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(
+        router_servicer, s))])
+    await router.set_serving(True)
+    client = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
+    mesh = Mesh(workers, router.port, router_pb2_grpc.RouterServiceStub(client))
+
+    async def stop_all():
         await client.close()
         await router.stop(0)
-        await worker_channel.close()
-        await worker.stop(0)
-        engine.stop()
-    return mesh, stop
+        for stop in stops:
+            await stop()
+    return mesh, stop_all
 
 
-@pytest.fixture
-async def llama_mesh(llama):
-    mesh, stop = await start_mesh(llama[1])
+@pytest.fixture(params=["aggregated", "disaggregated-shm", "disaggregated-grpc"])
+async def llama_mesh(llama, request):
+    mesh, stop = await start_mesh(llama[1], disaggregated=request.param != "aggregated",
+                                  kv_transport="grpc" if request.param.endswith("grpc") else "shm")
     yield mesh
     await stop()
 

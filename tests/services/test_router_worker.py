@@ -28,13 +28,14 @@ def token_ids(deltas, sample=0):
 
 
 async def wait_idle(mesh, timeout=10.0):
-    load = None
+    """Every worker back to no running/waiting request and all blocks free, none staged."""
+    loads = None
     for _ in range(int(timeout / 0.05)):
-        load = await mesh.worker.GetLoad(worker_pb2.GetLoadRequest())
-        if load.num_running == load.num_waiting == 0 and load.num_free_blocks == load.num_blocks:
-            return load
+        loads = [await w.stub.GetLoad(worker_pb2.GetLoadRequest()) for w in mesh.workers]
+        if all(x.num_running == x.num_waiting == 0 and x.num_free_blocks == x.num_blocks for x in loads):
+            return loads
         await asyncio.sleep(0.05)
-    raise AssertionError(f"worker not idle: {load}")
+    raise AssertionError(f"workers not idle: {loads}")
 
 
 async def test_greedy_through_router_equals_engine_and_transformers(llama, llama_mesh):
@@ -84,8 +85,8 @@ async def test_cancel_mid_stream_frees_every_block(llama_mesh):
         got += len(msg.delta.token_ids)
         if got >= 3:
             break
-    load = await llama_mesh.worker.GetLoad(worker_pb2.GetLoadRequest())
-    assert load.num_free_blocks < load.num_blocks  # the request still holds blocks
+    held = [await w.stub.GetLoad(worker_pb2.GetLoadRequest()) for w in llama_mesh.workers]
+    assert held[-1].num_free_blocks < held[-1].num_blocks  # the (decode) worker still holds blocks
     call.cancel()
     await wait_idle(llama_mesh)
 
