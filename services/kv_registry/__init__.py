@@ -1,0 +1,1 @@
+"""The kv-registry: which worker holds which KV block, and who is alive (Redis)."""

@@ -1,0 +1,44 @@
+"""``python -m services.kv_registry``: the KV registry over gRPC, backed by Redis."""
+
+from __future__ import annotations
+
+import argparse
+
+import redis.asyncio as redis
+
+from services.common.server import Service, run, serve_until_signal, start_server
+from services.kv_registry.index import PrefixIndex
+from services.kv_registry.servicer import KvRegistryServicer
+from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
+from worker.kv.block_hash import HASH_NAME
+
+SERVICE_NAME = kv_registry_pb2.DESCRIPTOR.services_by_name["KvRegistryService"].full_name
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m services.kv_registry", description=__doc__)
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block across the mesh")
+    ap.add_argument("--ttl", type=int, default=5, help="seconds a worker stays registered without a heartbeat")
+    return ap.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    client = redis.Redis.from_url(args.redis)
+    await client.ping()
+    servicer = KvRegistryServicer(PrefixIndex(client, args.ttl), args.block_size, HASH_NAME)
+    handle = await start_server([Service(SERVICE_NAME, lambda s: kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(
+        servicer, s))], args.host, args.port)
+    print(f"kv-registry ready on {args.host}:{handle.port}", flush=True)
+    await serve_until_signal(handle, client.aclose)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    run(lambda: serve(args))
+
+
+if __name__ == "__main__":
+    main()

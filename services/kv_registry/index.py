@@ -1,0 +1,174 @@
+"""The KV index and membership, in Redis (soft state: workers re-send it all).
+
+Keys (``kervan:`` prefix):
+
+    workers               set of registered worker ids
+    w:{id}                hash: address, role, model, incarnation, block_size,
+                          hash_name, load fields; expires unless heartbeats renew it
+    seq:{id}              last applied event sequence number of the worker
+    blk:{hash hex}        set of worker ids holding that block
+    own:{id}              set of block hashes (hex) the worker holds, for purging
+
+A worker whose ``w:{id}`` key expired is dead: its ownership is purged the next
+time the live set is read. A worker the registry has no record of is unknown,
+never assumed empty. Updates go in pipelines; a prefix match is one round trip."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import redis.asyncio as redis
+
+from services.common.errors import FailedPrecondition
+
+log = logging.getLogger(__name__)
+P = "kervan:"
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    worker_id: str
+    address: str
+    role: str
+    model: str
+    incarnation: str
+    block_size: int
+    hash_name: str
+
+
+@dataclass(frozen=True)
+class Load:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class Stored:
+    block_hashes: list[bytes]
+
+
+@dataclass(frozen=True)
+class Removed:
+    block_hashes: list[bytes]
+
+
+@dataclass(frozen=True)
+class Cleared:
+    pass
+
+
+class StaleIncarnation(FailedPrecondition):
+    """A call from a worker process the registry no longer recognises: re-register."""
+
+
+class PrefixIndex:
+    def __init__(self, client: redis.Redis, ttl_s: int = 5):
+        self.r = client
+        self.ttl_s = ttl_s
+
+    async def register(self, worker: WorkerRecord) -> None:
+        key = f"{P}w:{worker.worker_id}"
+        previous = await self.r.hget(key, "incarnation")
+        if previous is not None and previous.decode() != worker.incarnation:
+            await self.purge(worker.worker_id)  # a restarted process starts with an empty cache
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.delete(key, f"{P}seq:{worker.worker_id}")
+            pipe.hset(key, mapping={k: str(v) for k, v in {**asdict(worker), **asdict(Load())}.items()})
+            pipe.expire(key, self.ttl_s)
+            pipe.sadd(f"{P}workers", worker.worker_id)
+            await pipe.execute()
+
+    async def heartbeat(self, worker_id: str, incarnation: str, load: Load) -> None:
+        key = f"{P}w:{worker_id}"
+        await self._check(worker_id, incarnation)
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping={k: str(v) for k, v in asdict(load).items()})
+            pipe.expire(key, self.ttl_s)
+            await pipe.execute()
+
+    async def apply(self, worker_id: str, incarnation: str, events: list[tuple[int, object]]) -> int:
+        """Apply (seq, event) pairs in order; returns the last applied seq."""
+        await self._check(worker_id, incarnation)
+        last = int(await self.r.get(f"{P}seq:{worker_id}") or 0)
+        own = f"{P}own:{worker_id}"
+        async with self.r.pipeline(transaction=False) as pipe:
+            for seq, event in events:
+                if seq <= last:
+                    continue  # a retry of an applied batch: idempotent
+                if seq != last + 1:
+                    log.warning("worker %s: KV events %d..%d missing", worker_id, last + 1, seq - 1)
+                last = seq
+                if isinstance(event, Stored):
+                    for h in event.block_hashes:
+                        pipe.sadd(f"{P}blk:{h.hex()}", worker_id)
+                    if event.block_hashes:
+                        pipe.sadd(own, *[h.hex() for h in event.block_hashes])
+                elif isinstance(event, Removed):
+                    for h in event.block_hashes:
+                        pipe.srem(f"{P}blk:{h.hex()}", worker_id)
+                    if event.block_hashes:
+                        pipe.srem(own, *[h.hex() for h in event.block_hashes])
+                elif isinstance(event, Cleared):
+                    await pipe.execute()
+                    await self._drop_ownership(worker_id)
+            pipe.set(f"{P}seq:{worker_id}", last)
+            await pipe.execute()
+        return last
+
+    async def match(self, block_hashes: list[bytes]) -> dict[str, int]:
+        """Worker id -> how many leading blocks of the prompt it holds (one round trip)."""
+        if not block_hashes:
+            return {}
+        async with self.r.pipeline(transaction=False) as pipe:
+            for h in block_hashes:
+                pipe.smembers(f"{P}blk:{h.hex()}")
+            owners = await pipe.execute()
+        counts: dict[str, int] = {}
+        alive = {w.decode() for w in owners[0]}
+        for i, members in enumerate(owners):
+            alive &= {w.decode() for w in members}
+            if not alive:
+                break
+            for w in alive:
+                counts[w] = i + 1
+        return counts
+
+    async def live_workers(self) -> list[tuple[WorkerRecord, Load]]:
+        """Registered workers whose registration has not expired; expired ones are purged."""
+        ids = sorted(w.decode() for w in await self.r.smembers(f"{P}workers"))
+        async with self.r.pipeline(transaction=False) as pipe:
+            for wid in ids:
+                pipe.hgetall(f"{P}w:{wid}")
+            records = await pipe.execute()
+        live = []
+        for wid, fields in zip(ids, records):
+            if not fields:
+                await self.purge(wid)
+                continue
+            f = {k.decode(): v.decode() for k, v in fields.items()}
+            live.append((WorkerRecord(f["worker_id"], f["address"], f["role"], f["model"], f["incarnation"],
+                                      int(f["block_size"]), f["hash_name"]),
+                         Load(*(int(f[k]) for k in ("num_running", "num_waiting", "num_free_blocks", "num_blocks")))))
+        return live
+
+    async def purge(self, worker_id: str) -> None:
+        await self._drop_ownership(worker_id)
+        await self.r.delete(f"{P}w:{worker_id}", f"{P}seq:{worker_id}")
+        await self.r.srem(f"{P}workers", worker_id)
+
+    async def _drop_ownership(self, worker_id: str) -> None:
+        own = f"{P}own:{worker_id}"
+        hashes = await self.r.smembers(own)
+        async with self.r.pipeline(transaction=False) as pipe:
+            for h in hashes:
+                pipe.srem(f"{P}blk:{h.decode()}", worker_id)
+            pipe.delete(own)
+            await pipe.execute()
+
+    async def _check(self, worker_id: str, incarnation: str) -> None:
+        current = await self.r.hget(f"{P}w:{worker_id}", "incarnation")
+        if current is None or current.decode() != incarnation:
+            raise StaleIncarnation(f"worker {worker_id!r} incarnation {incarnation!r} is not registered; re-register")

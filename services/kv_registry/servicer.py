@@ -1,0 +1,61 @@
+"""KvRegistryService: protobuf in, ``PrefixIndex`` call, protobuf out."""
+
+from __future__ import annotations
+
+from services.common.errors import FailedPrecondition
+from services.kv_registry.index import Cleared, Load, PrefixIndex, Removed, Stored, WorkerRecord
+from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
+
+
+class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
+    def __init__(self, index: PrefixIndex, block_size: int, hash_name: str):
+        self.index = index
+        self.block_size = block_size
+        self.hash_name = hash_name
+
+    async def Register(self, request, context) -> kv_registry_pb2.RegisterResponse:
+        w = request.worker
+        if (w.block_size, w.hash_name) != (self.block_size, self.hash_name):
+            raise FailedPrecondition(
+                f"worker {w.worker_id!r} hashes blocks of {w.block_size} tokens with {w.hash_name!r}; this mesh uses "
+                f"{self.block_size} tokens with {self.hash_name!r}")
+        if not (w.worker_id and w.address and w.incarnation) or w.role not in ("prefill", "decode", "both"):
+            raise ValueError("worker_id, address, incarnation and a role of prefill, decode or both are required")
+        await self.index.register(WorkerRecord(w.worker_id, w.address, w.role, w.model, w.incarnation,
+                                               w.block_size, w.hash_name))
+        return kv_registry_pb2.RegisterResponse(ttl_s=self.index.ttl_s)
+
+    async def Heartbeat(self, request, context) -> kv_registry_pb2.HeartbeatResponse:
+        load = request.load
+        await self.index.heartbeat(request.worker_id, request.incarnation,
+                                   Load(load.num_running, load.num_waiting, load.num_free_blocks, load.num_blocks))
+        return kv_registry_pb2.HeartbeatResponse()
+
+    async def PublishEvents(self, request, context) -> kv_registry_pb2.PublishEventsResponse:
+        events = []
+        for e in request.events:
+            kind = e.WhichOneof("kind")
+            if kind == "stored":
+                events.append((e.seq, Stored(list(e.stored.block_hashes))))
+            elif kind == "removed":
+                events.append((e.seq, Removed(list(e.removed.block_hashes))))
+            elif kind == "cleared":
+                events.append((e.seq, Cleared()))
+            else:
+                raise ValueError(f"event {e.seq} has no kind")
+        last = await self.index.apply(request.worker_id, request.incarnation, events)
+        return kv_registry_pb2.PublishEventsResponse(last_seq=last)
+
+    async def Match(self, request, context) -> kv_registry_pb2.MatchResponse:
+        return kv_registry_pb2.MatchResponse(matched_blocks=await self.index.match(list(request.block_hashes)))
+
+    async def ListWorkers(self, request, context) -> kv_registry_pb2.ListWorkersResponse:
+        out = kv_registry_pb2.ListWorkersResponse()
+        for record, load in await self.index.live_workers():
+            out.workers.add(
+                info=kv_registry_pb2.WorkerInfo(worker_id=record.worker_id, address=record.address, role=record.role,
+                                                model=record.model, incarnation=record.incarnation,
+                                                block_size=record.block_size, hash_name=record.hash_name),
+                load=kv_registry_pb2.WorkerLoad(num_running=load.num_running, num_waiting=load.num_waiting,
+                                                num_free_blocks=load.num_free_blocks, num_blocks=load.num_blocks))
+        return out

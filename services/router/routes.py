@@ -1,0 +1,63 @@
+"""Where the router sends a request: fixed workers, or the scheduler's choice.
+
+``ScheduledRoutes`` hashes the prompt's full blocks with the mesh's block-hash
+module (the same one the workers and the registry use), asks the scheduler to
+place it, and keeps one channel per worker address."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from services.proto import scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
+from worker.kv.block_hash import hash_blocks
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request runs: ``worker`` alone, or ``prefill`` then ``decode``."""
+
+    worker: worker_pb2_grpc.WorkerServiceStub | None = None
+    prefill: worker_pb2_grpc.WorkerServiceStub | None = None
+    decode: worker_pb2_grpc.WorkerServiceStub | None = None
+    decode_address: str = ""
+
+
+class Channels:
+    def __init__(self):
+        self._channels: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
+        if address not in self._channels:
+            channel = grpc.aio.insecure_channel(address)
+            self._channels[address] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
+        return self._channels[address][1]
+
+    async def close(self) -> None:
+        for channel, _ in self._channels.values():
+            await channel.close()
+
+
+class StaticRoutes:
+    def __init__(self, placement: Placement):
+        self.placement = placement
+
+    async def route(self, request_id: str, prompt: list[int], timeout: float | None) -> Placement:
+        return self.placement
+
+
+class ScheduledRoutes:
+    def __init__(self, scheduler: scheduler_pb2_grpc.SchedulerServiceStub, block_size: int, channels: Channels):
+        self.scheduler = scheduler
+        self.block_size = block_size
+        self.channels = channels
+
+    async def route(self, request_id: str, prompt: list[int], timeout: float | None) -> Placement:
+        placed = await self.scheduler.Place(scheduler_pb2.PlaceRequest(
+            request_id=request_id, block_hashes=hash_blocks(prompt, self.block_size),
+            num_prompt_tokens=len(prompt)), timeout=timeout)
+        if not placed.prefill_address:
+            return Placement(worker=self.channels.stub(placed.decode_address))
+        return Placement(prefill=self.channels.stub(placed.prefill_address),
+                         decode=self.channels.stub(placed.decode_address), decode_address=placed.decode_address)

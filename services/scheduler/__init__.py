@@ -1,0 +1,1 @@
+"""The scheduler service: KV- and load-aware placement of requests on workers."""

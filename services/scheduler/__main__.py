@@ -1,0 +1,45 @@
+"""``python -m services.scheduler``: placement over gRPC, fed by the kv-registry."""
+
+from __future__ import annotations
+
+import argparse
+
+import grpc
+
+from services.common.server import Service, run, serve_until_signal, start_server
+from services.proto import kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler.placement import PlacementConfig
+from services.scheduler.servicer import SchedulerServicer
+
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m services.scheduler", description=__doc__)
+    ap.add_argument("--registry", required=True, help="HOST:PORT of the kv-registry")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--overlap-weight", type=float, default=1.0)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--min-remote-prefill-blocks", type=int, default=2,
+                    help="uncached prompt blocks below which the decode worker prefills locally")
+    return ap.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    channel = grpc.aio.insecure_channel(args.registry)
+    servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(channel),
+                                 PlacementConfig(args.overlap_weight, args.temperature, args.min_remote_prefill_blocks))
+    handle = await start_server([Service(SERVICE_NAME, lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
+        servicer, s))], args.host, args.port)
+    print(f"scheduler ready on {args.host}:{handle.port}", flush=True)
+    await serve_until_signal(handle, channel.close)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    run(lambda: serve(args))
+
+
+if __name__ == "__main__":
+    main()

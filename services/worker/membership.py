@@ -1,0 +1,87 @@
+"""A worker's side of membership: register with the kv-registry, heartbeat its
+load every second, and publish its KV events as they happen (polled from the
+engine thread every ``event_interval_s``). A registry that no longer recognises
+this incarnation (it restarted, or this worker was declared dead) is answered by
+registering again and re-announcing every cached block."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+
+from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
+from services.worker.async_engine import AsyncEngine
+from worker.kv.block_hash import HASH_NAME
+from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+log = logging.getLogger(__name__)
+
+
+def event_to_proto(event: KVEvent) -> kv_registry_pb2.KvEvent:
+    if isinstance(event, BlockStored):
+        return kv_registry_pb2.KvEvent(seq=event.seq, stored=kv_registry_pb2.BlockStored(
+            block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash or b"", medium=event.medium))
+    if isinstance(event, BlockRemoved):
+        return kv_registry_pb2.KvEvent(seq=event.seq, removed=kv_registry_pb2.BlockRemoved(
+            block_hashes=event.block_hashes, medium=event.medium))
+    return kv_registry_pb2.KvEvent(seq=event.seq, cleared=kv_registry_pb2.AllBlocksCleared())
+
+
+class Membership:
+    def __init__(self, registry: kv_registry_pb2_grpc.KvRegistryServiceStub, engine: AsyncEngine, address: str,
+                 role: str, model: str, heartbeat_s: float = 1.0, event_interval_s: float = 0.02):
+        self.registry = registry
+        self.engine = engine
+        self.info = kv_registry_pb2.WorkerInfo(
+            worker_id=f"{role}@{address}", address=address, role=role, model=model, incarnation=uuid.uuid4().hex,
+            block_size=engine.engine.config.block_size, hash_name=HASH_NAME)
+        self.heartbeat_s = heartbeat_s
+        self.event_interval_s = event_interval_s
+        self._resync: list[bytes] = []  # cached hashes to re-announce after re-registering
+
+    async def register(self) -> None:
+        await self.registry.Register(kv_registry_pb2.RegisterRequest(worker=self.info), timeout=5)
+
+    async def run(self) -> None:
+        """Heartbeats and event publishing until cancelled."""
+        await self.register()
+        last_beat = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                events = await self.engine.call(lambda e: e.take_events())
+                if events:
+                    await self._publish(events)
+                if loop.time() - last_beat >= self.heartbeat_s:
+                    await self._heartbeat()
+                    last_beat = loop.time()
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    log.warning("registry does not know this incarnation; registering again")
+                    await self._reregister()
+                else:
+                    log.warning("registry unreachable: %s", err.code().name)
+                    await asyncio.sleep(self.heartbeat_s)
+            await asyncio.sleep(self.event_interval_s)
+
+    async def _publish(self, events: list[KVEvent]) -> None:
+        await self.registry.PublishEvents(kv_registry_pb2.PublishEventsRequest(
+            worker_id=self.info.worker_id, incarnation=self.info.incarnation,
+            events=[event_to_proto(e) for e in events]), timeout=5)
+
+    async def _heartbeat(self) -> None:
+        load = self.engine.load()
+        await self.registry.Heartbeat(kv_registry_pb2.HeartbeatRequest(
+            worker_id=self.info.worker_id, incarnation=self.info.incarnation,
+            load=kv_registry_pb2.WorkerLoad(num_running=load.num_running, num_waiting=load.num_waiting,
+                                            num_free_blocks=load.num_free_blocks, num_blocks=load.num_blocks)),
+            timeout=5)
+
+    async def _reregister(self) -> None:
+        await self.register()
+        cached = await self.engine.call(lambda e: list(e.kv.pool.cached))
+        if cached:  # the registry starts from nothing for this worker: tell it everything
+            await self._publish([BlockStored(1, cached, None, [], self.info.block_size)])

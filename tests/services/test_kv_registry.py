@@ -1,0 +1,58 @@
+"""The KV index on a real Redis: ownership, prefix matches, liveness, fencing."""
+
+import asyncio
+
+import pytest
+
+from services.kv_registry.index import Cleared, Load, PrefixIndex, Removed, StaleIncarnation, Stored, WorkerRecord
+
+H = [bytes([i]) * 32 for i in range(6)]
+
+
+def record(wid, inc="i1"):
+    return WorkerRecord(wid, f"127.0.0.1:{1000 + len(wid)}", "decode", "m", inc, 16, "sha256")
+
+
+async def test_prefix_match_counts_leading_blocks_per_worker(redis_client):
+    index = PrefixIndex(redis_client)
+    await index.register(record("a"))
+    await index.register(record("b"))
+    assert await index.apply("a", "i1", [(1, Stored(H[:4]))]) == 1
+    await index.apply("b", "i1", [(1, Stored(H[:2])), (2, Stored([H[3]]))])  # b lacks H[2]
+    assert await index.match(H[:5]) == {"a": 4, "b": 2}
+    assert await index.match([H[5]] + H[:3]) == {}
+    await index.apply("a", "i1", [(2, Removed([H[1]]))])
+    assert await index.match(H[:5]) == {"a": 1, "b": 2}
+    # a retried batch is idempotent
+    assert await index.apply("a", "i1", [(2, Removed([H[1]])), (3, Cleared())]) == 3
+    assert await index.match(H[:5]) == {"b": 2}
+
+
+async def test_stale_incarnation_is_fenced_and_restart_purges(redis_client):
+    index = PrefixIndex(redis_client)
+    await index.register(record("a", "old"))
+    await index.apply("a", "old", [(1, Stored(H[:3]))])
+    await index.register(record("a", "new"))  # the process restarted: its cache is gone
+    assert await index.match(H[:3]) == {}
+    with pytest.raises(StaleIncarnation):
+        await index.apply("a", "old", [(2, Stored(H[:3]))])
+    with pytest.raises(StaleIncarnation):
+        await index.heartbeat("a", "old", Load())
+    with pytest.raises(StaleIncarnation):
+        await index.heartbeat("never-registered", "x", Load())
+
+
+async def test_expired_worker_is_dead_and_purged(redis_client):
+    index = PrefixIndex(redis_client, ttl_s=1)
+    await index.register(record("a"))
+    await index.register(record("b"))
+    await index.apply("a", "i1", [(1, Stored(H[:2]))])
+    await index.heartbeat("b", "i1", Load(num_running=3, num_blocks=10))
+    live = await index.live_workers()
+    assert [(r.worker_id, load.num_running) for r, load in live] == [("a", 0), ("b", 3)]
+    for _ in range(3):
+        await asyncio.sleep(0.6)
+        await index.heartbeat("b", "i1", Load(num_running=1))
+    assert [r.worker_id for r, _ in await index.live_workers()] == ["b"]
+    assert await index.match(H[:2]) == {}
+    assert await redis_client.exists("kervan:own:a") == 0
