@@ -1,8 +1,10 @@
 """The ``kervan`` command line.
 
-``kervan complete`` runs the engine in this process on a model directory (the
-embedded default model when none is given) and prints the completion; the
-cluster commands (``up``, ``generate`` against a router) come with the mesh."""
+- ``kervan up``: a whole local cluster (Redis, kv-registry, scheduler, prefill and
+  decode workers, router) with the embedded default model unless ``--model``;
+  ``--request TEXT`` sends one request once it is up, prints it, and stops.
+- ``kervan generate``: a client of a router, streaming text as it arrives.
+- ``kervan complete``: the engine in this process, no services."""
 
 from __future__ import annotations
 
@@ -59,6 +61,113 @@ def complete(prompt: str, model_dir: str | None, max_tokens: int, temperature: f
     total = sum(len(c.token_ids) for c in out.outputs)
     click.echo(f"[{total} tokens in {elapsed:.2f}s, finish: {', '.join(c.finish_reason for c in out.outputs)}]",
                err=True)
+
+
+def sampling_options(fn):
+    for option in reversed([
+        click.option("--max-tokens", type=int, default=32, show_default=True),
+        click.option("--temperature", type=float, default=None, help="0 = greedy (default 1.0)"),
+        click.option("--top-p", type=float, default=None),
+        click.option("--top-k", type=int, default=0),
+        click.option("--min-p", type=float, default=0.0),
+        click.option("--seed", type=int, default=None),
+        click.option("--ignore-eos", is_flag=True),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@click.option("--addr", default="127.0.0.1:8470", show_default=True, help="the router's HOST:PORT")
+@click.option("--token-ids", default=None, help="comma-separated prompt token ids instead of text")
+@sampling_options
+@click.option("--timeout", type=float, default=120.0, show_default=True, help="deadline in seconds")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object with token_ids, finish_reason, usage")
+def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos, timeout,
+             as_json) -> None:
+    """Send PROMPT to a running Kervan router and stream the answer."""
+    import asyncio
+
+    import grpc
+
+    from control_plane.client import Completion, accumulate, build_request, stream
+
+    if (prompt is None) == (token_ids is None):
+        raise click.UsageError("give a PROMPT or --token-ids (one of them)")
+    ids = [int(t) for t in token_ids.split(",")] if token_ids else None
+    request = build_request(prompt, ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            min_p=min_p, seed=seed, ignore_eos=ignore_eos)
+    completion = Completion()
+
+    async def run() -> None:
+        async for msg in stream(addr, request, timeout):
+            text = accumulate(completion, msg)
+            if text and not as_json:
+                click.echo(text, nl=False)
+
+    try:
+        asyncio.run(run())
+    except grpc.RpcError as err:
+        raise click.ClickException(f"{err.code().name}: {err.details()}") from None
+    if as_json:
+        click.echo(json.dumps({"request_id": completion.request_id, "text": completion.text,
+                               "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
+                               "usage": completion.usage}))
+    else:
+        click.echo(f"\n[{completion.finish_reason}; {json.dumps(completion.usage)}]", err=True)
+
+
+@main.command()
+@click.option("--model", "model_dir", default=None, help="Hugging Face model directory (default: embedded model).")
+@click.option("--prefill", "num_prefill", default=1, show_default=True, help="prefill workers")
+@click.option("--decode", "num_decode", default=1, show_default=True, help="decode workers")
+@click.option("--both", "num_both", default=0, show_default=True, help="aggregated workers")
+@click.option("--port", default=8470, show_default=True, help="the router's port (0: any free port)")
+@click.option("--redis", "redis_url", default=None, help="use this Redis instead of starting one")
+@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--request", "request_text", default=None,
+              help="send this prompt once the cluster is up, print the answer, then stop")
+@click.option("--max-tokens", default=32, show_default=True, help="with --request")
+def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens) -> None:
+    """Start a local Kervan cluster and keep it running until Ctrl-C."""
+    import asyncio
+    from pathlib import Path
+
+    from control_plane.client import Completion, accumulate, build_request, stream
+    from control_plane.launcher import Cluster, ClusterSpec, new_log_dir, wait_for_signal
+    from worker.default_model import ensure_default_model
+
+    model = Path(model_dir) if model_dir else ensure_default_model()
+    cluster = Cluster(ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, dtype=dtype),
+                      new_log_dir())
+    click.echo(f"starting {num_prefill} prefill, {num_decode} decode, {num_both} aggregated worker(s) "
+               f"on {model}; logs in {cluster.log_dir}", err=True)
+    start = time.perf_counter()
+    try:
+        cluster.start()
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        click.echo(f"Kervan is up in {time.perf_counter() - start:.1f}s: router on {cluster.router_address}", err=True)
+        if request_text is None:
+            click.echo(f'try: kervan generate --addr {cluster.router_address} "Once upon a time"', err=True)
+            click.echo("Ctrl-C stops the cluster", err=True)
+            wait_for_signal()
+            return
+        completion = Completion()
+
+        async def ask() -> None:
+            request = build_request(request_text, max_tokens=max_tokens, seed=0)
+            async for msg in stream(cluster.router_address, request, timeout=120):
+                click.echo(accumulate(completion, msg), nl=False)
+
+        click.echo(request_text, nl=False)
+        asyncio.run(ask())
+        click.echo(f"\n[{completion.finish_reason}; {json.dumps(completion.usage)}]", err=True)
+    finally:
+        click.echo("stopping the cluster", err=True)
+        cluster.stop()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,161 @@
+"""``kervan up``: a whole local cluster as supervised processes.
+
+    redis-server -> kv-registry -> scheduler -> workers (prefill, decode, both) -> router
+
+Every service is its own process on 127.0.0.1 with a port chosen here; the
+launcher waits until each reports SERVING on the standard health service before
+starting the services that depend on it, prints the router's address, and on
+Ctrl-C or SIGTERM stops them all (SIGTERM, then SIGKILL after a grace period),
+leaving no process behind. Logs go to one file per service."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from control_plane.redis_server import redis_server_binary
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model_dir: Path
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_both: int = 0
+    router_port: int = 0  # 0: a free port
+    redis_url: str | None = None  # None: start a private redis-server
+    block_size: int = 16
+    dtype: str = "bfloat16"
+    num_kv_blocks: int | None = None
+
+
+@dataclass
+class Cluster:
+    spec: ClusterSpec
+    log_dir: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    addresses: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def router_address(self) -> str:
+        return self.addresses["router"]
+
+    def start(self, timeout: float = 180.0) -> None:
+        """Start every service in dependency order; raises if one dies or never serves."""
+        try:
+            redis_url = self.spec.redis_url or self._start_redis()
+            self._start("kv-registry", "services.kv_registry", "--redis", redis_url,
+                        "--block-size", str(self.spec.block_size))
+            self._wait_serving(["kv-registry"], timeout)
+            self._start("scheduler", "services.scheduler", "--registry", self.addresses["kv-registry"])
+            workers = [f"{role}-{i}" for role, n in (("prefill", self.spec.num_prefill),
+                                                     ("decode", self.spec.num_decode), ("both", self.spec.num_both))
+                       for i in range(n)]
+            if not any(w.startswith(("decode", "both")) for w in workers):
+                raise ValueError("a cluster needs at least one decode or aggregated (both) worker")
+            for name in workers:
+                extra = ["--num-kv-blocks", str(self.spec.num_kv_blocks)] if self.spec.num_kv_blocks else []
+                self._start(name, "services.worker", "--role", name.split("-")[0], "--model", str(self.spec.model_dir),
+                            "--registry", self.addresses["kv-registry"], "--dtype", self.spec.dtype, *extra)
+            self._wait_serving(["scheduler", *workers], timeout)
+            self._start("router", "services.router", "--scheduler", self.addresses["scheduler"],
+                        "--model", str(self.spec.model_dir), "--block-size", str(self.spec.block_size),
+                        port=self.spec.router_port)
+            self._wait_serving(["router"], timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_redis(self) -> str:
+        port = free_port()
+        self._spawn("redis", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no", "--dir", str(self.log_dir)])
+        self.addresses["redis"] = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return f"redis://127.0.0.1:{port}/0"
+            self._check_alive()
+            time.sleep(0.05)
+        raise TimeoutError("redis-server did not start")
+
+    def _start(self, name: str, module: str, *args: str, port: int = 0) -> None:
+        port = port or free_port()
+        self.addresses[name] = f"127.0.0.1:{port}"
+        self._spawn(name, [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args])
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = open(self.log_dir / f"{name}.log", "wb")
+        # a new session: Ctrl-C in the terminal reaches the launcher only, which stops children in order
+        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True)
+        log.close()
+
+    def _wait_serving(self, names: list[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for name in names:
+            with grpc.insecure_channel(self.addresses[name]) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                while True:
+                    self._check_alive()
+                    try:
+                        status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+                        if status == health_pb2.HealthCheckResponse.SERVING:
+                            break
+                    except grpc.RpcError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{name} did not become SERVING within {timeout:.0f}s "
+                                           f"(see {self.log_dir / (name + '.log')})")
+                    time.sleep(0.1)
+
+    def _check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop in reverse start order: SIGTERM (drain), then SIGKILL after ``grace``."""
+        for name in reversed(list(self.procs)):
+            proc = self.procs[name]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def new_log_dir() -> Path:
+    from worker.envs import cache_dir
+    base = cache_dir() / "runs"
+    base.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=base))
+
+
+def wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM."""
+    received = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, f: received.append(s))
+    while not received:
+        signal.pause() if hasattr(signal, "pause") else time.sleep(0.5)

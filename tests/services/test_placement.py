@@ -1,0 +1,47 @@
+"""The placement cost function on plain data."""
+
+import random
+
+from services.scheduler.placement import Candidate, PlacementConfig, place
+
+CFG = PlacementConfig(overlap_weight=1.0, min_remote_prefill_blocks=2)
+
+
+def cand(wid, role="decode", matched=0, active=0):
+    return Candidate(wid, f"{wid}:1", role, matched, active)
+
+
+def test_prefers_the_worker_holding_the_prefix_unless_it_is_busier():
+    d = place([cand("a", matched=6), cand("b")], 8, CFG)
+    assert d.decode.worker_id == "a" and d.scores == {"a": 2.0, "b": 8.0}
+    d = place([cand("a", matched=6, active=10), cand("b")], 8, CFG)
+    assert d.decode.worker_id == "b"  # 2 + 10 > 8 + 0
+    weighted = place([cand("a", matched=6, active=10), cand("b")], 8, PlacementConfig(overlap_weight=3.0))
+    assert weighted.decode.worker_id == "a"  # 3*2 + 10 < 3*8
+
+
+def test_long_uncached_prompts_go_to_a_prefill_worker():
+    d = place([cand("d"), cand("p1", "prefill", active=5), cand("p2", "prefill", matched=3)], 8, CFG)
+    assert (d.decode.worker_id, d.prefill.worker_id, d.cached_blocks) == ("d", "p2", 3)
+
+
+def test_short_uncached_part_is_prefilled_locally():
+    d = place([cand("d", matched=7), cand("p", "prefill")], 8, CFG)
+    assert d.prefill is None and not d.fallback and d.cached_blocks == 7
+
+
+def test_decode_only_fallback_without_prefill_workers():
+    d = place([cand("d")], 8, CFG)
+    assert d.prefill is None and d.fallback
+
+
+def test_aggregated_workers_prefill_themselves_and_no_decoder_means_none():
+    assert place([cand("x", "both"), cand("p", "prefill")], 8, CFG).prefill is None
+    assert place([cand("p", "prefill")], 8, CFG) is None
+
+
+def test_temperature_spreads_load_but_favours_the_cheaper():
+    cfg = PlacementConfig(temperature=2.0)
+    rng = random.Random(0)
+    picks = [place([cand("a", matched=4), cand("b")], 8, cfg, rng).decode.worker_id for _ in range(400)]
+    assert 0.75 < picks.count("a") / 400 < 0.99  # exp(0) vs exp(-2): about 88% to a
