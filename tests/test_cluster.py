@@ -1,0 +1,124 @@
+"""The whole mesh as real processes: redis-server, kv-registry, scheduler, a
+prefill and a decode worker, and the router, started by the same launcher as
+``kervan up``, on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from control_plane.client import Completion, accumulate, build_request, stream
+from control_plane.launcher import Cluster, ClusterSpec
+from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.conftest import hf_greedy, make_engine, make_prompts
+from worker import SamplingParams
+
+SERVICES = {"router": "kervan.v1.RouterService", "scheduler": "kervan.v1.SchedulerService",
+            "kv-registry": "kervan.v1.KvRegistryService", "prefill-0": "kervan.v1.WorkerService",
+            "decode-0": "kervan.v1.WorkerService"}
+
+
+@pytest.fixture(scope="module")
+def cluster(llama, tmp_path_factory):
+    c = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1, dtype="float32", num_kv_blocks=256),
+                tmp_path_factory.mktemp("cluster-logs"))
+    c.start(timeout=240)
+    yield c
+    procs = dict(c.procs)
+    c.stop()
+    # SIGTERM drained every service cleanly (redis-server included)
+    assert {name: p.returncode for name, p in procs.items()} == {name: 0 for name in procs}
+
+
+async def complete(cluster, **kwargs) -> Completion:
+    out = Completion()
+    async for msg in stream(cluster.router_address, build_request(**kwargs), timeout=60):
+        accumulate(out, msg)
+    return out
+
+
+async def wait_cached(cluster, prompt, num_blocks):
+    """KV events reach the registry asynchronously: wait until it sees the blocks."""
+    from worker.kv.block_hash import hash_blocks
+    async with grpc.aio.insecure_channel(cluster.addresses["kv-registry"]) as ch:
+        stub = kv_registry_pb2_grpc.KvRegistryServiceStub(ch)
+        for _ in range(100):
+            match = await stub.Match(kv_registry_pb2.MatchRequest(block_hashes=hash_blocks(prompt, 16)))
+            if max(match.matched_blocks.values(), default=0) >= num_blocks:
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError("registry never saw the prompt's blocks")
+
+
+async def worker_loads(cluster):
+    loads = {}
+    for name in ("prefill-0", "decode-0"):
+        async with grpc.aio.insecure_channel(cluster.addresses[name]) as ch:
+            loads[name] = await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())
+    return loads
+
+
+async def wait_idle(cluster):
+    for _ in range(200):
+        loads = await worker_loads(cluster)
+        if all(x.num_running == x.num_waiting == 0 and x.num_free_blocks == x.num_blocks for x in loads.values()):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"workers not idle: {loads}")
+
+
+async def test_disaggregated_greedy_equals_engine_and_transformers(cluster, llama):
+    hf, path = llama
+    prompt = make_prompts([45], seed=40)[0]  # 2 full blocks of 16, all uncached: prefilled remotely
+    out = await complete(cluster, token_ids=prompt, max_tokens=12, temperature=0.0, ignore_eos=True)
+    [alone] = make_engine(path).generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert out.token_ids == alone.token_ids == hf_greedy(hf, prompt, 12)
+    assert out.finish_reason == "length" and out.usage["completion_tokens"] == 12
+    # a second request sharing the prefix is served from cached blocks
+    await wait_cached(cluster, prompt, 2)
+    second = prompt[:40] + [9, 8, 7]
+    out2 = await complete(cluster, token_ids=second, max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert out2.usage["cached_prompt_tokens"] == 32
+    assert out2.token_ids == hf_greedy(hf, second, 6)
+    await wait_idle(cluster)
+
+
+async def test_32_concurrent_streams_finish_with_their_lengths(cluster):
+    prompts = make_prompts([8 + (i * 7) % 50 for i in range(32)], seed=41)
+    outs = await asyncio.gather(*(complete(cluster, token_ids=p, max_tokens=4 + i % 9, temperature=0.0,
+                                           ignore_eos=True) for i, p in enumerate(prompts)))
+    assert [len(o.token_ids) for o in outs] == [4 + i % 9 for i in range(32)]
+    assert all(o.finish_reason == "length" for o in outs)
+    await wait_idle(cluster)
+
+
+async def test_cancel_mid_stream_frees_kv_on_both_workers(cluster):
+    prompt = make_prompts([60], seed=42)[0]
+    async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+        from services.proto import router_pb2_grpc
+        call = router_pb2_grpc.RouterServiceStub(ch).Generate(
+            build_request(token_ids=prompt, max_tokens=300, temperature=0.0, ignore_eos=True))
+        got = 0
+        async for msg in call:
+            got += len(msg.delta.token_ids)
+            if got >= 4:
+                break
+        loads = await worker_loads(cluster)
+        assert loads["decode-0"].num_free_blocks < loads["decode-0"].num_blocks
+        call.cancel()
+    await wait_idle(cluster)
+
+
+def test_generic_reflection_client_sees_every_service_serving(cluster):
+    from grpc_requests import Client
+    for name, service in SERVICES.items():
+        client = Client.get_by_endpoint(cluster.addresses[name])
+        assert service in client.service_names and "grpc.health.v1.Health" in client.service_names
+        health = client.request("grpc.health.v1.Health", "Check", {"service": ""})
+        assert health["status"] == "SERVING", name
+        with grpc.insecure_channel(cluster.addresses[name]) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service)).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
