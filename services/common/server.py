@@ -71,13 +71,15 @@ async def start_server(services: list[Service], host: str = "127.0.0.1", port: i
 
 
 async def serve_until_signal(handle: Server, on_stop: Callable[[], Awaitable[None]] | None = None,
-                             grace: float = 5.0) -> None:
-    """Mark SERVING, wait for SIGTERM or SIGINT, then drain: NOT_SERVING, finish
-    in-flight calls for up to ``grace`` seconds, run ``on_stop``."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+                             grace: float = 5.0, stop: asyncio.Event | None = None) -> None:
+    """Mark SERVING, wait for SIGTERM or SIGINT (or ``stop``, when the main thread owns
+    the signals), then drain: NOT_SERVING, finish in-flight calls for up to ``grace``
+    seconds, run ``on_stop``."""
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     await handle.set_serving(True)
     await stop.wait()
     log.info("draining")
@@ -87,7 +89,12 @@ async def serve_until_signal(handle: Server, on_stop: Callable[[], Awaitable[Non
 
 
 def run(main: Callable[[], Awaitable[None]]) -> None:
-    """Run a service's async main on uvloop."""
+    """Run a service's async main on uvloop (on the calling thread)."""
+    import sys
+
     import uvloop
+    # a worker's engine thread runs Python between torch ops; with the default 5 ms
+    # GIL switch interval the event loop (streaming tokens) waits that long for a turn
+    sys.setswitchinterval(0.0002)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     uvloop.run(main())

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
+import threading
 from pathlib import Path
 
 import grpc
@@ -36,15 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-async def serve(args: argparse.Namespace) -> None:
-    from worker import Engine
-    from worker.default_model import ensure_default_model
-
-    model_dir = args.model or ensure_default_model()
-    engine = Engine.from_pretrained(model_dir, dtype=args.dtype,
-                                    num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs)
-    async_engine = AsyncEngine(engine)
-    async_engine.start()  # the engine thread exists before any gRPC object does
+async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: Path, stop: asyncio.Event) -> None:
     servicer = WorkerServicer(async_engine, args.role, args.kv_transport, args.kv_lease)
     handle = await start_server(
         [Service(SERVICE_NAME, lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, s))],
@@ -53,7 +47,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.registry:
         registry_channel = grpc.aio.insecure_channel(args.registry)
         membership = Membership(kv_registry_pb2_grpc.KvRegistryServiceStub(registry_channel), async_engine,
-                                f"{args.host}:{handle.port}", args.role, Path(model_dir).name)
+                                f"{args.host}:{handle.port}", args.role, model_dir.name)
         await membership.register()  # fail at start, not later, if the mesh refuses this worker
         membership_task = asyncio.get_running_loop().create_task(membership.run())
     print(f"worker ready on {args.host}:{handle.port}", flush=True)
@@ -63,14 +57,44 @@ async def serve(args: argparse.Namespace) -> None:
             membership_task.cancel()
             await registry_channel.close()
         await servicer.close()
-        await asyncio.to_thread(async_engine.stop)
 
-    await serve_until_signal(handle, on_stop)
+    await serve_until_signal(handle, on_stop, stop=stop)
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The engine steps on the main thread, the only thread that runs torch: a second
+    thread calling into OpenMP/oneDNN makes every matmul markedly slower here. gRPC and
+    asyncio run on a side thread."""
+    from worker import Engine
+    from worker.default_model import ensure_default_model
+
     args = parse_args(argv)
-    run(lambda: serve(args))
+    model_dir = Path(args.model) if args.model else ensure_default_model()
+    engine = Engine.from_pretrained(model_dir, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
+                                    max_num_seqs=args.max_num_seqs)
+    async_engine = AsyncEngine(engine)
+    loop_ready = threading.Event()
+    holder: dict = {}
+
+    async def side() -> None:
+        holder["loop"], holder["stop"] = asyncio.get_running_loop(), asyncio.Event()
+        loop_ready.set()
+        try:
+            await serve(args, async_engine, model_dir, holder["stop"])
+        finally:
+            async_engine.request_stop()
+
+    def request_stop(*_: object) -> None:
+        if "loop" in holder:
+            holder["loop"].call_soon_threadsafe(holder["stop"].set)
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    thread = threading.Thread(target=run, args=(side,), name="grpc")
+    thread.start()
+    loop_ready.wait()
+    async_engine.run()  # returns once the server has drained
+    thread.join()
 
 
 if __name__ == "__main__":

@@ -59,12 +59,21 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
+        """Step on a thread of its own (tests, embedding); a worker process calls ``run``."""
         self._thread.start()
 
-    def stop(self) -> None:
+    def run(self) -> None:
+        """Step on the calling thread until ``request_stop``."""
+        self._run()
+
+    def request_stop(self) -> None:
         self._stopped = True
         self._wake.set()
-        self._thread.join(timeout=10)
+
+    def stop(self) -> None:
+        self.request_stop()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, **options
                        ) -> AsyncIterator[RequestOutput]:

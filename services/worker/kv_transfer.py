@@ -7,7 +7,9 @@ One interface, two paths, both on the decode worker's ``PushKv`` stream:
 - gRPC streaming (any host): the header, then the raw bytes in 1 MiB chunks.
 
 Only raw tensor bytes plus an explicit shape and a dtype from a short allow-list
-cross the wire: nothing is pickled. The receiver keeps what it got in
+cross the wire: nothing is pickled. Copies here use numpy (a plain memcpy): this
+code runs on the gRPC thread, and torch work there would start a second OpenMP
+team that slows the engine thread's matmuls. The receiver keeps what it got in
 ``KvStaging`` under a handle until ``Decode`` takes it or its lease runs out."""
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import AsyncIterator
 
+import numpy as np
 import torch
 
 from services.proto import worker_pb2
@@ -62,7 +65,7 @@ class SharedMemoryExport:
                                               size=max(1, raw.numel()))
         # the receiver owns the segment's end; don't let this process's tracker unlink it
         resource_tracker.unregister(self.shm._name, "shared_memory")
-        torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=raw.numel()).copy_(raw)
+        np.frombuffer(self.shm.buf, dtype=np.uint8, count=raw.numel())[:] = raw.numpy()
         self.name = self.shm.name
 
     def close(self) -> None:
@@ -86,7 +89,7 @@ def read_shared_memory(head: worker_pb2.KvHeader) -> torch.Tensor:
     try:
         if shm.size < head.num_bytes:
             raise InvalidRequest(f"shared memory {head.shm_name} holds {shm.size} bytes, header says {head.num_bytes}")
-        raw = torch.frombuffer(shm.buf, dtype=torch.uint8, count=head.num_bytes).clone()
+        raw = torch.from_numpy(np.frombuffer(shm.buf, dtype=np.uint8, count=head.num_bytes).copy())
     finally:
         shm.close()
         shm.unlink()

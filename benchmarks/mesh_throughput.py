@@ -1,0 +1,230 @@
+"""The mesh against the in-process engine, and KV transfer against a plain copy.
+
+1. The same workload (prompts and output lengths drawn from ranges, greedy,
+   ``ignore_eos``) at 1 and at 32 concurrent requests, through
+   - the engine in this process (requests added as others finish),
+   - the full mesh started like ``kervan up`` (router -> scheduler -> prefill worker
+     -> KV push -> decode worker, all over loopback, each its own process), and
+   - the same services around one aggregated worker;
+   output tokens/s, time to first token and inter-token latency (p50, p99).
+2. KV transfer: the prompt KV of the default model pushed to a decode worker in
+   another process through the shared-memory and the gRPC-stream paths, against a
+   plain shared-memory copy of the same bytes (copy in, copy out) in this process.
+
+    python benchmarks/mesh_throughput.py            # ~3 min on the embedded default model
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import grpc
+import torch
+
+from control_plane.client import build_request
+from control_plane.launcher import Cluster, ClusterSpec, free_port, new_log_dir
+from services.proto import router_pb2_grpc, worker_pb2_grpc
+from services.worker import kv_transfer
+from worker import Engine, SamplingParams
+from worker.default_model import ensure_default_model
+
+
+def workload(num, prompt_range, output_range, vocab, seed):
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range))
+            for _ in range(num)]
+
+
+def pct(values, q):
+    if not values:
+        return None
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q / 100 * len(values)))] * 1000, 2)
+
+
+def summary(seconds, tokens, ttfts, itls) -> dict:
+    return {"output_tokens_per_s": round(tokens / seconds, 1), "seconds": round(seconds, 2),
+            "ttft_ms": {"p50": pct(ttfts, 50), "p99": pct(ttfts, 99)},
+            "itl_ms": {"p50": pct(itls, 50), "p99": pct(itls, 99)}}
+
+
+def run_engine(engine: Engine, work, concurrency: int) -> dict:
+    pending = list(enumerate(work))
+    started, last, ttfts, itls = {}, {}, [], []
+    tokens = 0
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and engine.scheduler.num_unfinished < concurrency:
+            _, (prompt, n) = pending.pop(0)
+            rid = engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            started[rid] = time.perf_counter()
+        for out in engine.step():
+            now = time.perf_counter()
+            new = len(out.outputs[0].new_token_ids)
+            if not new:
+                continue
+            tokens += new
+            if out.request_id not in last:
+                ttfts.append(now - started[out.request_id])
+            else:
+                itls += [(now - last[out.request_id]) / new] * new
+            last[out.request_id] = now
+    return summary(time.perf_counter() - t0, tokens, ttfts, itls)
+
+
+async def run_mesh(address: str, work, concurrency: int) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    ttfts, itls = [], []
+    tokens = 0
+
+    async def one(prompt, n):
+        nonlocal tokens
+        async with sem:
+            start = last = time.perf_counter()
+            first = True
+            async for msg in stub.Generate(build_request(token_ids=prompt, max_tokens=n, temperature=0.0,
+                                                         ignore_eos=True), timeout=600):
+                new = len(msg.delta.token_ids)
+                if not new:
+                    continue
+                now = time.perf_counter()
+                tokens += new
+                if first:
+                    ttfts.append(now - start)
+                    first = False
+                else:
+                    itls.extend([(now - last) / new] * new)
+                last = now
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        await one([5] * 8, 2)  # warm-up (not part of the workload: no prefix hit for it)
+        tokens, ttfts[:], itls[:] = 0, [], []
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(p, n) for p, n in work))
+        return summary(time.perf_counter() - t0, tokens, ttfts, itls)
+
+
+def plain_copy_bytes_per_s(data: torch.Tensor, rounds: int) -> float:
+    raw = data.contiguous().view(torch.uint8).reshape(-1)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        shm = shared_memory.SharedMemory(create=True, size=raw.numel())
+        torch.frombuffer(shm.buf, dtype=torch.uint8, count=raw.numel()).copy_(raw)
+        out = torch.frombuffer(shm.buf, dtype=torch.uint8, count=raw.numel()).clone()
+        shm.close()
+        shm.unlink()
+        best = min(best, time.perf_counter() - t0)
+        del out
+    return raw.numel() / best
+
+
+async def push_bytes_per_s(address: str, data: torch.Tensor, use_shm: bool, rounds: int) -> float:
+    best = float("inf")
+    async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            if use_shm:
+                export = kv_transfer.SharedMemoryExport(data)
+                head = kv_transfer.header(f"h{r}", f"r{r}", data, 30, export.name)
+                messages = _one(kv_transfer.worker_pb2.PushKvRequest(header=head))
+            else:
+                export = None
+                _, messages = kv_transfer.stream_messages(f"r{r}", data, 30)
+            await stub.PushKv(messages, timeout=60)
+            if export is not None:
+                export.close()
+            best = min(best, time.perf_counter() - t0)
+            await stub.Abort(kv_transfer.worker_pb2.AbortRequest(request_id=f"r{r}"))  # drop the staged copy
+    return data.numel() * data.element_size() / best
+
+
+async def _one(message):
+    yield message
+
+
+def kv_transfer_report(model_dir: Path, num_tokens: int, rounds: int) -> dict:
+    engine = Engine.from_pretrained(model_dir, num_kv_blocks=512)
+    data = torch.randn(engine.kv_block_shape(num_tokens)).to(engine.config.dtype)
+    del engine
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "services.worker", "--role", "decode", "--port", str(port),
+                             "--model", str(model_dir), "--num-kv-blocks", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        proc.stdout.readline()  # "worker ready on ..."
+        address = f"127.0.0.1:{port}"
+        shm = asyncio.run(push_bytes_per_s(address, data, True, rounds))
+        stream = asyncio.run(push_bytes_per_s(address, data, False, rounds))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    plain = plain_copy_bytes_per_s(data, rounds)
+    nbytes = data.numel() * data.element_size()
+    return {"kv_bytes": nbytes, "prompt_tokens": num_tokens,
+            "plain_shm_copy_gb_per_s": round(plain / 1e9, 2),
+            "shared_memory_push_gb_per_s": round(shm / 1e9, 2),
+            "grpc_stream_push_gb_per_s": round(stream / 1e9, 2),
+            "shared_memory_vs_plain": round(shm / plain, 2), "grpc_stream_vs_plain": round(stream / plain, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--requests", type=int, default=64, help="requests at 32 concurrent (8 at 1)")
+    ap.add_argument("--prompt-len", default="32:512")
+    ap.add_argument("--output-len", default="16:128")
+    ap.add_argument("--kv-tokens", type=int, default=4096, help="prompt tokens whose KV the transfer test moves")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    model_dir = Path(args.model) if args.model else ensure_default_model()
+    prompt_range = tuple(int(x) for x in args.prompt_len.split(":"))
+    output_range = tuple(int(x) for x in args.output_len.split(":"))
+
+    engine = Engine.from_pretrained(model_dir, max_num_seqs=64)
+    vocab = engine.model_config.vocab_size
+    runs = {1: workload(8, prompt_range, output_range, vocab, args.seed),
+            32: workload(args.requests, prompt_range, output_range, vocab, args.seed + 1)}
+    report = {"benchmark": "mesh_throughput", "model": str(model_dir), "threads_per_process": torch.get_num_threads(),
+              "workload": {"prompt_len": prompt_range, "output_len": output_range}, "concurrency": {}}
+    engine.generate([[5] * 8], SamplingParams(max_tokens=2))  # warm-up
+    for conc, work in runs.items():
+        report["concurrency"][conc] = {"requests": len(work), "engine": run_engine(engine, work, conc)}
+    del engine
+
+    # the full disaggregated mesh, and the same services around one aggregated worker: the
+    # second isolates what the services cost from what splitting the cores between two
+    # engines costs
+    topologies = {"mesh": dict(num_prefill=1, num_decode=1), "mesh_aggregated": dict(num_prefill=0, num_decode=0,
+                                                                                    num_both=1)}
+    for name, shape in topologies.items():
+        cluster = Cluster(ClusterSpec(model_dir, **shape), new_log_dir())
+        cluster.start()
+        try:
+            for conc, work in runs.items():
+                # shift the first token so this topology's run shares no prefix with the last one
+                fresh = [([3 + (p[0] + len(name)) % (vocab - 3)] + p[1:], n) for p, n in work]
+                result = asyncio.run(run_mesh(cluster.router_address, fresh, conc))
+                entry = report["concurrency"][conc]
+                entry[name] = result
+                entry[f"{name}_vs_engine_throughput"] = round(result["output_tokens_per_s"]
+                                                              / entry["engine"]["output_tokens_per_s"], 2)
+        finally:
+            cluster.stop()
+    report["kv_transfer"] = kv_transfer_report(model_dir, args.kv_tokens, rounds=5)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
