@@ -10,6 +10,7 @@ leaving no process behind. Logs go to one file per service."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -36,6 +37,16 @@ class ClusterSpec:
     block_size: int = 16
     dtype: str = "bfloat16"
     num_kv_blocks: int | None = None
+    threads_per_worker: int | None = None  # None: this host's cores shared evenly among its workers
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_prefill + self.num_decode + self.num_both
+
+    def worker_threads(self) -> int:
+        # engines that share cores must not oversubscribe them: OpenMP teams spinning in
+        # two processes on the same cores cost far more than they save
+        return self.threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, self.num_workers))
 
 
 @dataclass
@@ -65,7 +76,8 @@ class Cluster:
             for name in workers:
                 extra = ["--num-kv-blocks", str(self.spec.num_kv_blocks)] if self.spec.num_kv_blocks else []
                 self._start(name, "services.worker", "--role", name.split("-")[0], "--model", str(self.spec.model_dir),
-                            "--registry", self.addresses["kv-registry"], "--dtype", self.spec.dtype, *extra)
+                            "--registry", self.addresses["kv-registry"], "--dtype", self.spec.dtype, *extra,
+                            env={"OMP_NUM_THREADS": str(self.spec.worker_threads())})
             self._wait_serving(["scheduler", *workers], timeout)
             self._start("router", "services.router", "--scheduler", self.addresses["scheduler"],
                         "--model", str(self.spec.model_dir), "--block-size", str(self.spec.block_size),
@@ -89,16 +101,16 @@ class Cluster:
             time.sleep(0.05)
         raise TimeoutError("redis-server did not start")
 
-    def _start(self, name: str, module: str, *args: str, port: int = 0) -> None:
+    def _start(self, name: str, module: str, *args: str, port: int = 0, env: dict[str, str] | None = None) -> None:
         port = port or free_port()
         self.addresses[name] = f"127.0.0.1:{port}"
-        self._spawn(name, [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args])
+        self._spawn(name, [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args], env)
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         log = open(self.log_dir / f"{name}.log", "wb")
         # a new session: Ctrl-C in the terminal reaches the launcher only, which stops children in order
         self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)
+                                            start_new_session=True, env={**os.environ, **(env or {})})
         log.close()
 
     def _wait_serving(self, names: list[str], timeout: float) -> None:
