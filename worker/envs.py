@@ -1,4 +1,8 @@
-"""Every environment variable Kervan reads, in one place."""
+"""Every environment variable Kervan reads, in one place.
+
+Besides the two below, each service option ``--some-option`` of service NAME
+(worker, router, scheduler, kv_registry) reads ``KERVAN_<NAME>_<SOME_OPTION>``
+when the flag is not given; the rule lives in ``services/common/config.py``."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ import argparse
 
 import redis.asyncio as redis
 
+from services.common.config import parse_args as parse_args_with_env
 from services.common.server import Service, run, serve_until_signal, start_server
 from services.kv_registry.index import PrefixIndex
 from services.kv_registry.servicer import KvRegistryServicer
@@ -22,7 +23,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block across the mesh")
     ap.add_argument("--ttl", type=int, default=5, help="seconds a worker stays registered without a heartbeat")
-    return ap.parse_args(argv)
+    return parse_args_with_env(ap, "kv_registry", argv)
 
 
 async def serve(args: argparse.Namespace) -> None:

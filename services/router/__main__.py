@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 
+from services.common.config import parse_args as parse_args_with_env
 from services.common.server import Service, run, serve_until_signal, start_server
 from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2_grpc
 from services.router.routes import Channels, Placement, ScheduledRoutes, StaticRoutes
@@ -30,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="the workers' model directory (default: embedded model)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
-    return ap.parse_args(argv)
+    return parse_args_with_env(ap, "router", argv)
 
 
 def model_limits(model_dir: Path) -> ModelLimits:

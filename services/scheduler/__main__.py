@@ -6,6 +6,7 @@ import argparse
 
 import grpc
 
+from services.common.config import parse_args as parse_args_with_env
 from services.common.server import Service, run, serve_until_signal, start_server
 from services.proto import kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.placement import PlacementConfig
@@ -23,7 +24,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--min-remote-prefill-blocks", type=int, default=2,
                     help="uncached prompt blocks below which the decode worker prefills locally")
-    return ap.parse_args(argv)
+    return parse_args_with_env(ap, "scheduler", argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
