@@ -58,49 +58,41 @@ def _passes_through(exc: BaseException) -> bool:
     return isinstance(exc, (asyncio.CancelledError, grpc.aio.AbortError)) or isinstance(exc, grpc.RpcError)
 
 
+def _guard_unary(inner):
+    """Wrap a behaviour that returns one response (unary-unary or stream-unary)."""
+    async def behaviour(request_or_iterator, context):
+        try:
+            return await inner(request_or_iterator, context)
+        except Exception as exc:
+            if _passes_through(exc):
+                raise
+            await _abort(context, exc)
+    return behaviour
+
+
+def _guard_stream(inner):
+    """Wrap a behaviour that yields responses (unary-stream)."""
+    async def behaviour(request, context):
+        try:
+            async for response in inner(request, context):
+                yield response
+        except Exception as exc:
+            if _passes_through(exc):
+                raise
+            await _abort(context, exc)
+    return behaviour
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:
             return None
+        codec = (handler.request_deserializer, handler.response_serializer)
         if handler.unary_unary:
-            inner = handler.unary_unary
-
-            async def unary(request, context):
-                try:
-                    return await inner(request, context)
-                except Exception as exc:
-                    if _passes_through(exc):
-                        raise
-                    await _abort(context, exc)
-
-            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer,
-                                                       handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(_guard_unary(handler.unary_unary), *codec)
         if handler.unary_stream:
-            inner_stream = handler.unary_stream
-
-            async def stream(request, context):
-                try:
-                    async for response in inner_stream(request, context):
-                        yield response
-                except Exception as exc:
-                    if _passes_through(exc):
-                        raise
-                    await _abort(context, exc)
-
-            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
-                                                        handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(_guard_stream(handler.unary_stream), *codec)
         if handler.stream_unary:
-            inner_client_stream = handler.stream_unary
-
-            async def client_stream(request_iterator, context):
-                try:
-                    return await inner_client_stream(request_iterator, context)
-                except Exception as exc:
-                    if _passes_through(exc):
-                        raise
-                    await _abort(context, exc)
-
-            return grpc.stream_unary_rpc_method_handler(client_stream, handler.request_deserializer,
-                                                        handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(_guard_unary(handler.stream_unary), *codec)
         return handler
