@@ -19,7 +19,7 @@ import grpc
 from services.common.convert import sampling_from_proto
 from services.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from services.router.detokenizer import Detokenizer
-from services.router.routes import ScheduledRoutes, StaticRoutes
+from services.router.routes import Placement, ScheduledRoutes, StaticRoutes
 from worker.engine.sampling_params import InvalidRequest
 from worker.tokenizer import Tokenizer
 
@@ -28,6 +28,17 @@ from worker.tokenizer import Tokenizer
 class ModelLimits:
     vocab_size: int
     max_model_len: int
+
+
+class _Deadline:
+    """The client's deadline, passed on to every hop as the time then remaining."""
+
+    def __init__(self, context: grpc.aio.ServicerContext):
+        remaining = context.time_remaining()
+        self.at = None if remaining is None else time.monotonic() + remaining
+
+    def remaining(self) -> float | None:
+        return None if self.at is None else max(0.0, self.at - time.monotonic())
 
 
 @dataclass
@@ -44,6 +55,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.tokenizer = tokenizer
         self.limits = limits
         self.in_flight: set[str] = set()
+        self._background: set[asyncio.Task] = set()
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
@@ -60,7 +72,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             samples: dict[int, _Sample] = {}
             cached = 0
             try:
-                async for update in self._run(rid, prompt, request.sampling, context.time_remaining()):
+                async for update in self._run(rid, prompt, request.sampling, params.n, _Deadline(context)):
                     cached = max(cached, update.cached_prompt_tokens)
                     sample = samples.setdefault(update.sample_index, _Sample(
                         Detokenizer(self.tokenizer) if self.tokenizer else None))
@@ -73,17 +85,20 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         finally:
             self.in_flight.discard(rid)
 
-    async def _run(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams,
-                   timeout: float | None) -> AsyncIterator[worker_pb2.TokenUpdate]:
-        place = await self.routes.route(rid, prompt, timeout)
+    async def _run(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams, n: int,
+                   deadline: "_Deadline") -> AsyncIterator[worker_pb2.TokenUpdate]:
+        place = await self.routes.route(rid, prompt, deadline.remaining())
+        if place.worker is None and n > 1:  # samples fork after the prompt: one worker must do both
+            place = Placement(worker=place.decode)
         ids = common_pb2.TokenIds(ids=prompt)
         if place.worker is not None:
             async for msg in place.worker.Execute(worker_pb2.ExecuteRequest(
-                    request_id=rid, prompt=ids, sampling=sampling), timeout=timeout):
+                    request_id=rid, prompt=ids, sampling=sampling), timeout=deadline.remaining()):
                 yield msg.update
             return
         first = await place.prefill.Prefill(worker_pb2.PrefillRequest(
-            request_id=rid, prompt=ids, sampling=sampling, decode_address=place.decode_address), timeout=timeout)
+            request_id=rid, prompt=ids, sampling=sampling, decode_address=place.decode_address),
+            timeout=deadline.remaining())
         yield worker_pb2.TokenUpdate(index=0, token_ids=[first.first_token],
                                      logprobs=[first.first_logprob] if sampling.logprobs else [],
                                      finish_reason=first.finish_reason, cached_prompt_tokens=first.cached_prompt_tokens)
@@ -92,11 +107,14 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         try:
             async for msg in place.decode.Decode(worker_pb2.DecodeRequest(
                     request_id=rid, prompt=ids, sampling=sampling, first_token=first.first_token,
-                    first_logprob=first.first_logprob, kv_handle=first.kv_handle), timeout=timeout):
+                    first_logprob=first.first_logprob, kv_handle=first.kv_handle), timeout=deadline.remaining()):
                 yield msg.update
         except asyncio.CancelledError:
             # the client left between handoff and decode: drop the staged KV now, not at lease end
-            asyncio.get_running_loop().create_task(place.decode.Abort(worker_pb2.AbortRequest(request_id=rid)))
+            task = asyncio.get_running_loop().create_task(
+                place.decode.Abort(worker_pb2.AbortRequest(request_id=rid), timeout=5))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
             raise
 
     def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:

@@ -123,3 +123,20 @@ async def test_bad_input_is_invalid_argument_naming_the_field(llama_mesh, reques
     deltas, _ = await collect(llama_mesh.router, router_pb2.GenerateRequest(
         token_ids=common_pb2.TokenIds(ids=[3, 4, 5]), sampling=greedy(2)))
     assert len(token_ids(deltas)) == 2
+
+
+async def test_n_samples_stream_each_sample_to_its_end(llama_mesh):
+    deltas, finished = await collect(llama_mesh.router, router_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=make_prompts([40], seed=25)[0]),
+        sampling=common_pb2.SamplingParams(max_tokens=5, temperature=1.0, seed=3, n=3, ignore_eos=True)))
+    assert sorted(f.finished.sample_index for f in finished) == [0, 1, 2]
+    assert [len(token_ids(deltas, s)) for s in range(3)] == [5, 5, 5]
+    await wait_idle(llama_mesh)
+
+
+async def test_deadline_is_passed_on_and_expiry_frees_the_request(llama_mesh):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(llama_mesh.router, router_pb2.GenerateRequest(
+            token_ids=common_pb2.TokenIds(ids=make_prompts([30], seed=26)[0]), sampling=greedy(400)), timeout=0.3)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await wait_idle(llama_mesh)
