@@ -56,3 +56,25 @@ def test_logprobs_are_the_models_log_softmax(llama):
         ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), dim=-1)
     expected = [ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.token_ids)]
     assert out.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_prepacked_bf16_linears_give_the_same_logits(llama):
+    from worker.layers.linear import can_prepack
+    from worker.loader import iter_tensors
+    from worker.models.decoder import DecoderModel, load_weights
+    _, path = llama
+    if not can_prepack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("oneDNN prepacking unavailable")
+    packed = load_model(path, torch.bfloat16, 512)
+    assert all(layer.attn.qkv.weight is None for layer in packed.layers)  # the packed copy replaced it
+    plain = DecoderModel(packed.cfg, torch.bfloat16, 512)
+    load_weights(plain, iter_tensors(path, torch.bfloat16))
+    prompt = make_prompts([19])[0]
+    n = len(prompt)
+    outs = []
+    for model in (packed, plain):
+        caches = allocate_kv_caches(2, 5, 2, 4, 16, torch.bfloat16, torch.device("cpu"))
+        meta = AttentionMetadata.build(list(range(n)), [], [], [(0, n, 0, list(range(5)))], 4, torch.device("cpu"))
+        with torch.inference_mode():
+            outs.append(model.compute_logits(model(torch.tensor(prompt), torch.arange(n), caches, meta)))
+    assert torch.equal(outs[0], outs[1])
