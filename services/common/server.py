@@ -90,11 +90,6 @@ async def serve_until_signal(handle: Server, on_stop: Callable[[], Awaitable[Non
 
 def run(main: Callable[[], Awaitable[None]]) -> None:
     """Run a service's async main on uvloop (on the calling thread)."""
-    import sys
-
     import uvloop
-    # a worker's engine thread runs Python between torch ops; with the default 5 ms
-    # GIL switch interval the event loop (streaming tokens) waits that long for a turn
-    sys.setswitchinterval(0.0002)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     uvloop.run(main())

@@ -25,6 +25,21 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def _merge(earlier: RequestOutput, later: RequestOutput | Exception) -> RequestOutput | Exception:
+    """``later`` carrying the new tokens of both (outputs hold full token lists already)."""
+    if isinstance(later, Exception):
+        return later
+    before = {c.index: c.new_token_ids for c in earlier.outputs}
+    for c in later.outputs:
+        c.new_token_ids = before.get(c.index, []) + c.new_token_ids
+    return later
+
+
+def _fan_out(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue_, item in batch:
+        queue_.put_nowait(item)
+
+
 def _settle(future: asyncio.Future, result: object, exc: Exception | None) -> None:
     if future.cancelled():
         return
@@ -89,6 +104,8 @@ class AsyncEngine:
         try:
             while not finished:
                 item = await stream.queue.get()
+                while not isinstance(item, Exception) and not stream.queue.empty():
+                    item = _merge(item, stream.queue.get_nowait())  # the reader fell behind: one update
                 if isinstance(item, Exception):
                     raise item
                 finished = item.finished
@@ -137,8 +154,7 @@ class AsyncEngine:
                     self._deliver(rid, exc)
                     self.engine.abort(rid)
                 continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_all([(out.request_id, out) for out in outputs])
 
     def _drain_inbox(self) -> None:
         while True:
@@ -166,9 +182,17 @@ class AsyncEngine:
                 self._streams.pop(command[1], None)
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        if isinstance(item, Exception) or item.finished:
-            del self._streams[request_id]
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | Exception]]) -> None:
+        """Hand a step's outputs over with one wake-up of each event loop, not one per request."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue
+            if isinstance(item, Exception) or item.finished:
+                del self._streams[request_id]
+            batches.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_fan_out, batch)
