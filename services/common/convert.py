@@ -1,12 +1,15 @@
-"""The only module that turns protobuf messages into domain objects and back.
+"""The only module that turns protobuf messages into domain objects and back
+(sampling parameters, finish reasons, worker load, KV events).
 
 Unset optional fields take the defaults documented in ``protos/kervan/v1/common.proto``;
 everything else is validated by the domain constructors, whose errors name the field."""
 
 from __future__ import annotations
 
-from services.proto import common_pb2
+from services.common.load import Load
+from services.proto import common_pb2, kv_registry_pb2
 from worker.engine.sampling_params import SamplingParams
+from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
            "abort": common_pb2.FINISH_REASON_ABORT}
@@ -44,3 +47,34 @@ def finish_to_proto(reason: str | None) -> int:
 
 def finish_from_proto(value: int) -> str | None:
     return _FINISH_NAMES.get(value)
+
+
+def load_to_proto(load: Load) -> kv_registry_pb2.WorkerLoad:
+    return kv_registry_pb2.WorkerLoad(num_running=load.num_running, num_waiting=load.num_waiting,
+                                      num_free_blocks=load.num_free_blocks, num_blocks=load.num_blocks)
+
+
+def load_from_proto(msg: kv_registry_pb2.WorkerLoad) -> Load:
+    return Load(msg.num_running, msg.num_waiting, msg.num_free_blocks, msg.num_blocks)
+
+
+def event_to_proto(event: KVEvent) -> kv_registry_pb2.KvEvent:
+    if isinstance(event, BlockStored):
+        return kv_registry_pb2.KvEvent(seq=event.seq, stored=kv_registry_pb2.BlockStored(
+            block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash or b"", medium=event.medium))
+    if isinstance(event, BlockRemoved):
+        return kv_registry_pb2.KvEvent(seq=event.seq, removed=kv_registry_pb2.BlockRemoved(
+            block_hashes=event.block_hashes, medium=event.medium))
+    return kv_registry_pb2.KvEvent(seq=event.seq, cleared=kv_registry_pb2.AllBlocksCleared())
+
+
+def event_from_proto(msg: kv_registry_pb2.KvEvent) -> KVEvent:
+    kind = msg.WhichOneof("kind")
+    if kind == "stored":
+        return BlockStored(msg.seq, list(msg.stored.block_hashes), msg.stored.parent_block_hash or None, [], 0,
+                           msg.stored.medium)
+    if kind == "removed":
+        return BlockRemoved(msg.seq, list(msg.removed.block_hashes), msg.removed.medium)
+    if kind == "cleared":
+        return AllBlocksCleared(msg.seq)
+    raise ValueError(f"KV event {msg.seq} has no kind")

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 import redis.asyncio as redis
 
 from services.common.errors import FailedPrecondition
+from services.common.load import Load
+from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
 P = "kervan:"
@@ -35,29 +37,6 @@ class WorkerRecord:
     incarnation: str
     block_size: int
     hash_name: str
-
-
-@dataclass(frozen=True)
-class Load:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-
-
-@dataclass(frozen=True)
-class Stored:
-    block_hashes: list[bytes]
-
-
-@dataclass(frozen=True)
-class Removed:
-    block_hashes: list[bytes]
-
-
-@dataclass(frozen=True)
-class Cleared:
-    pass
 
 
 class StaleIncarnation(FailedPrecondition):
@@ -89,29 +68,30 @@ class PrefixIndex:
             pipe.expire(key, self.ttl_s)
             await pipe.execute()
 
-    async def apply(self, worker_id: str, incarnation: str, events: list[tuple[int, object]]) -> int:
-        """Apply (seq, event) pairs in order; returns the last applied seq."""
+    async def apply(self, worker_id: str, incarnation: str, events: list[KVEvent]) -> int:
+        """Apply events in sequence order; returns the last applied seq."""
         await self._check(worker_id, incarnation)
         last = int(await self.r.get(f"{P}seq:{worker_id}") or 0)
         own = f"{P}own:{worker_id}"
         async with self.r.pipeline(transaction=False) as pipe:
-            for seq, event in events:
+            for event in events:
+                seq = event.seq
                 if seq <= last:
                     continue  # a retry of an applied batch: idempotent
                 if seq != last + 1:
                     log.warning("worker %s: KV events %d..%d missing", worker_id, last + 1, seq - 1)
                 last = seq
-                if isinstance(event, Stored):
+                if isinstance(event, BlockStored):
                     for h in event.block_hashes:
                         pipe.sadd(f"{P}blk:{h.hex()}", worker_id)
                     if event.block_hashes:
                         pipe.sadd(own, *[h.hex() for h in event.block_hashes])
-                elif isinstance(event, Removed):
+                elif isinstance(event, BlockRemoved):
                     for h in event.block_hashes:
                         pipe.srem(f"{P}blk:{h.hex()}", worker_id)
                     if event.block_hashes:
                         pipe.srem(own, *[h.hex() for h in event.block_hashes])
-                elif isinstance(event, Cleared):
+                elif isinstance(event, AllBlocksCleared):
                     await pipe.execute()
                     await self._drop_ownership(worker_id)
             pipe.set(f"{P}seq:{worker_id}", last)

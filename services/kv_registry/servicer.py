@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from services.common.convert import event_from_proto, load_from_proto, load_to_proto
 from services.common.errors import FailedPrecondition
-from services.kv_registry.index import Cleared, Load, PrefixIndex, Removed, Stored, WorkerRecord
+from services.kv_registry.index import PrefixIndex, WorkerRecord
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 
 
@@ -26,23 +27,11 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
         return kv_registry_pb2.RegisterResponse(ttl_s=self.index.ttl_s)
 
     async def Heartbeat(self, request, context) -> kv_registry_pb2.HeartbeatResponse:
-        load = request.load
-        await self.index.heartbeat(request.worker_id, request.incarnation,
-                                   Load(load.num_running, load.num_waiting, load.num_free_blocks, load.num_blocks))
+        await self.index.heartbeat(request.worker_id, request.incarnation, load_from_proto(request.load))
         return kv_registry_pb2.HeartbeatResponse()
 
     async def PublishEvents(self, request, context) -> kv_registry_pb2.PublishEventsResponse:
-        events = []
-        for e in request.events:
-            kind = e.WhichOneof("kind")
-            if kind == "stored":
-                events.append((e.seq, Stored(list(e.stored.block_hashes))))
-            elif kind == "removed":
-                events.append((e.seq, Removed(list(e.removed.block_hashes))))
-            elif kind == "cleared":
-                events.append((e.seq, Cleared()))
-            else:
-                raise ValueError(f"event {e.seq} has no kind")
+        events = [event_from_proto(e) for e in request.events]
         last = await self.index.apply(request.worker_id, request.incarnation, events)
         return kv_registry_pb2.PublishEventsResponse(last_seq=last)
 
@@ -56,6 +45,5 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
                 info=kv_registry_pb2.WorkerInfo(worker_id=record.worker_id, address=record.address, role=record.role,
                                                 model=record.model, incarnation=record.incarnation,
                                                 block_size=record.block_size, hash_name=record.hash_name),
-                load=kv_registry_pb2.WorkerLoad(num_running=load.num_running, num_waiting=load.num_waiting,
-                                                num_free_blocks=load.num_free_blocks, num_blocks=load.num_blocks))
+                load=load_to_proto(load))
         return out

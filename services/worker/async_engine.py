@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, TypeVar
 
+from services.common.load import Load
 from worker import Engine, InvalidRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -53,14 +54,6 @@ def _settle(future: asyncio.Future, result: object, exc: Exception | None) -> No
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-
-
-@dataclass(frozen=True)
-class Load:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
 
 
 class AsyncEngine:

@@ -12,22 +12,13 @@ import uuid
 
 import grpc
 
+from services.common.convert import event_to_proto, load_to_proto
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from services.worker.async_engine import AsyncEngine
 from worker.kv.block_hash import HASH_NAME
-from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from worker.kv.events import BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
-
-
-def event_to_proto(event: KVEvent) -> kv_registry_pb2.KvEvent:
-    if isinstance(event, BlockStored):
-        return kv_registry_pb2.KvEvent(seq=event.seq, stored=kv_registry_pb2.BlockStored(
-            block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash or b"", medium=event.medium))
-    if isinstance(event, BlockRemoved):
-        return kv_registry_pb2.KvEvent(seq=event.seq, removed=kv_registry_pb2.BlockRemoved(
-            block_hashes=event.block_hashes, medium=event.medium))
-    return kv_registry_pb2.KvEvent(seq=event.seq, cleared=kv_registry_pb2.AllBlocksCleared())
 
 
 class Membership:
@@ -73,12 +64,9 @@ class Membership:
             events=[event_to_proto(e) for e in events]), timeout=5)
 
     async def _heartbeat(self) -> None:
-        load = self.engine.load()
         await self.registry.Heartbeat(kv_registry_pb2.HeartbeatRequest(
             worker_id=self.info.worker_id, incarnation=self.info.incarnation,
-            load=kv_registry_pb2.WorkerLoad(num_running=load.num_running, num_waiting=load.num_waiting,
-                                            num_free_blocks=load.num_free_blocks, num_blocks=load.num_blocks)),
-            timeout=5)
+            load=load_to_proto(self.engine.load())), timeout=5)
 
     async def _reregister(self) -> None:
         await self.register()

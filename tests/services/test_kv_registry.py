@@ -4,7 +4,17 @@ import asyncio
 
 import pytest
 
-from services.kv_registry.index import Cleared, Load, PrefixIndex, Removed, StaleIncarnation, Stored, WorkerRecord
+from services.common.load import Load
+from services.kv_registry.index import PrefixIndex, StaleIncarnation, WorkerRecord
+from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+
+def Stored(hashes, seq):
+    return BlockStored(seq, hashes, None, [], 16)
+
+
+def Removed(hashes, seq):
+    return BlockRemoved(seq, hashes)
 
 H = [bytes([i]) * 32 for i in range(6)]
 
@@ -17,25 +27,25 @@ async def test_prefix_match_counts_leading_blocks_per_worker(redis_client):
     index = PrefixIndex(redis_client)
     await index.register(record("a"))
     await index.register(record("b"))
-    assert await index.apply("a", "i1", [(1, Stored(H[:4]))]) == 1
-    await index.apply("b", "i1", [(1, Stored(H[:2])), (2, Stored([H[3]]))])  # b lacks H[2]
+    assert await index.apply("a", "i1", [Stored(H[:4], 1)]) == 1
+    await index.apply("b", "i1", [Stored(H[:2], 1), Stored([H[3]], 2)])  # b lacks H[2]
     assert await index.match(H[:5]) == {"a": 4, "b": 2}
     assert await index.match([H[5]] + H[:3]) == {}
-    await index.apply("a", "i1", [(2, Removed([H[1]]))])
+    await index.apply("a", "i1", [Removed([H[1]], 2)])
     assert await index.match(H[:5]) == {"a": 1, "b": 2}
     # a retried batch is idempotent
-    assert await index.apply("a", "i1", [(2, Removed([H[1]])), (3, Cleared())]) == 3
+    assert await index.apply("a", "i1", [Removed([H[1]], 2), AllBlocksCleared(3)]) == 3
     assert await index.match(H[:5]) == {"b": 2}
 
 
 async def test_stale_incarnation_is_fenced_and_restart_purges(redis_client):
     index = PrefixIndex(redis_client)
     await index.register(record("a", "old"))
-    await index.apply("a", "old", [(1, Stored(H[:3]))])
+    await index.apply("a", "old", [Stored(H[:3], 1)])
     await index.register(record("a", "new"))  # the process restarted: its cache is gone
     assert await index.match(H[:3]) == {}
     with pytest.raises(StaleIncarnation):
-        await index.apply("a", "old", [(2, Stored(H[:3]))])
+        await index.apply("a", "old", [Stored(H[:3], 2)])
     with pytest.raises(StaleIncarnation):
         await index.heartbeat("a", "old", Load())
     with pytest.raises(StaleIncarnation):
@@ -46,7 +56,7 @@ async def test_expired_worker_is_dead_and_purged(redis_client):
     index = PrefixIndex(redis_client, ttl_s=1)
     await index.register(record("a"))
     await index.register(record("b"))
-    await index.apply("a", "i1", [(1, Stored(H[:2]))])
+    await index.apply("a", "i1", [Stored(H[:2], 1)])
     await index.heartbeat("b", "i1", Load(num_running=3, num_blocks=10))
     live = await index.live_workers()
     assert [(r.worker_id, load.num_running) for r, load in live] == [("a", 0), ("b", 3)]

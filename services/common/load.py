@@ -1,0 +1,13 @@
+"""A worker's load, as workers report it and the registry stores it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Load:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0  # cached or empty
+    num_blocks: int = 0
