@@ -116,6 +116,10 @@ class AsyncEngine:
         self._post(("abort", request_id))
         return known
 
+    def post(self, fn: Callable[[Engine], object]) -> None:
+        """Run ``fn(engine)`` on the engine thread between steps, without waiting for it."""
+        self._post(("call", fn, None, None))
+
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread, between steps."""
         loop = asyncio.get_running_loop()
@@ -167,9 +171,13 @@ class AsyncEngine:
                 try:
                     result = fn(self.engine)
                 except Exception as exc:
-                    loop.call_soon_threadsafe(_settle, future, None, exc)
+                    if future is None:
+                        log.exception("posted engine call failed")
+                    else:
+                        loop.call_soon_threadsafe(_settle, future, None, exc)
                 else:
-                    loop.call_soon_threadsafe(_settle, future, result, None)
+                    if future is not None:
+                        loop.call_soon_threadsafe(_settle, future, result, None)
             else:
                 self.engine.abort(command[1])
                 self._streams.pop(command[1], None)

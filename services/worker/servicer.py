@@ -67,7 +67,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             response.kv_handle, response.kv_bytes = await self._push(request, data)
             return response
         finally:
-            await self.engine.call(lambda e: e.release_kv(rid))  # the lease ends here either way
+            # the lease ends here either way; the answer need not wait for the next step
+            self.engine.post(lambda e: e.release_kv(rid))
 
     async def _push(self, request: worker_pb2.PrefillRequest, data) -> tuple[str, int]:
         stub = self._peer(request.decode_address)
