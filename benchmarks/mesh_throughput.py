@@ -183,8 +183,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--requests", type=int, default=192,
-                    help="requests at 32 concurrent (8 at 1); several times the concurrency, so the run is
-                         mostly steady state rather than ramp-up and drain")
+                    help="requests at 32 concurrent (8 at 1); several times the concurrency, so the run "
+                         "is mostly steady state rather than ramp-up and drain")
     ap.add_argument("--prompt-len", default="32:512")
     ap.add_argument("--output-len", default="16:128")
     ap.add_argument("--kv-tokens", type=int, default=4096, help="prompt tokens whose KV the transfer test moves")
