@@ -11,7 +11,7 @@
    another process through the shared-memory and the gRPC-stream paths, against a
    plain shared-memory copy of the same bytes (copy in, copy out) in this process.
 
-    python benchmarks/mesh_throughput.py            # ~3 min on the embedded default model
+    python benchmarks/mesh_throughput.py            # ~6 min on the embedded default model
 """
 
 from __future__ import annotations
