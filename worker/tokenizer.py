@@ -18,10 +18,6 @@ class Tokenizer:
         path = Path(model_dir) / "tokenizer.json"
         return Tokenizer(HFTokenizer.from_file(str(path))) if path.is_file() else None
 
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size()
-
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 

@@ -13,7 +13,6 @@ from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEven
 
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
            "abort": common_pb2.FINISH_REASON_ABORT}
-_FINISH_NAMES = {v: k for k, v in _FINISH.items()}
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -31,22 +30,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
-        max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-        min_p=params.min_p, n=params.n, stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs)
-    if params.seed is not None:
-        msg.seed = params.seed
-    return msg
-
-
 def finish_to_proto(reason: str | None) -> int:
     return _FINISH.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED)
-
-
-def finish_from_proto(value: int) -> str | None:
-    return _FINISH_NAMES.get(value)
 
 
 def load_to_proto(load: Load) -> kv_registry_pb2.WorkerLoad:

@@ -148,9 +148,6 @@ class KvStaging:
         for handle in [h for h, i in self._items.items() if i.expires_at < now]:
             del self._items[handle]
 
-    def __len__(self) -> int:
-        return len(self._items)
-
 
 async def receive(messages: AsyncIterator[worker_pb2.PushKvRequest], max_bytes: int
                   ) -> tuple[worker_pb2.KvHeader, torch.Tensor]:

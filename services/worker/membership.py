@@ -31,7 +31,6 @@ class Membership:
             block_size=engine.engine.config.block_size, hash_name=HASH_NAME)
         self.heartbeat_s = heartbeat_s
         self.event_interval_s = event_interval_s
-        self._resync: list[bytes] = []  # cached hashes to re-announce after re-registering
 
     async def register(self) -> None:
         await self.registry.Register(kv_registry_pb2.RegisterRequest(worker=self.info), timeout=5)

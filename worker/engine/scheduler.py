@@ -47,10 +47,6 @@ class ScheduledBatch:
     block_copies: list[BlockCopy]
     kv_writes: list[KVWrite] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.sequences)
-
 
 class StepScheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager):

@@ -47,11 +47,6 @@ class MergedColumnParallelLinear(nn.Module):
         return _linear(x, self, self.bias)
 
 
-class ColumnParallelLinear(MergedColumnParallelLinear):
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
-        super().__init__(in_features, [out_features], bias, dtype)
-
-
 class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
