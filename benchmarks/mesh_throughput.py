@@ -178,51 +178,65 @@ def kv_transfer_report(model_dir: Path, num_tokens: int, rounds: int) -> dict:
             "shared_memory_vs_plain": round(shm / plain, 2), "grpc_stream_vs_plain": round(stream / plain, 2)}
 
 
+def median_entry(results: list[dict]) -> dict:
+    return sorted(results, key=lambda r: r["output_tokens_per_s"])[len(results) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--requests", type=int, default=192,
                     help="requests at 32 concurrent (8 at 1); several times the concurrency, so the run "
                          "is mostly steady state rather than ramp-up and drain")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds alternating the systems; medians are reported")
     ap.add_argument("--prompt-len", default="32:512")
     ap.add_argument("--output-len", default="16:128")
     ap.add_argument("--kv-tokens", type=int, default=4096, help="prompt tokens whose KV the transfer test moves")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--concurrency", default="1,32", help="which of 1 and 32 to run")
+    ap.add_argument("--topologies", default="mesh,mesh_aggregated", help="which mesh shapes to run")
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else ensure_default_model()
     prompt_range = tuple(int(x) for x in args.prompt_len.split(":"))
     output_range = tuple(int(x) for x in args.output_len.split(":"))
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
 
     engine = Engine.from_pretrained(model_dir, max_num_seqs=64)
     vocab = engine.model_config.vocab_size
-    runs = {1: workload(8, prompt_range, output_range, vocab, args.seed),
-            32: workload(args.requests, prompt_range, output_range, vocab, args.seed + 1)}
-    report = {"benchmark": "mesh_throughput", "model": str(model_dir), "threads_per_process": torch.get_num_threads(),
-              "workload": {"prompt_len": prompt_range, "output_len": output_range}, "concurrency": {}}
     engine.generate([[5] * 8], SamplingParams(max_tokens=2))  # warm-up
-    for conc, work in runs.items():
-        report["concurrency"][conc] = {"requests": len(work), "engine": run_engine(engine, work, conc)}
-    del engine
-
     # the full disaggregated mesh, and the same services around one aggregated worker: the
     # second isolates what the services cost from what splitting the cores between two
-    # engines costs
-    topologies = {"mesh": dict(num_prefill=1, num_decode=1), "mesh_aggregated": dict(num_prefill=0, num_decode=0,
-                                                                                    num_both=1)}
-    for name, shape in topologies.items():
-        cluster = Cluster(ClusterSpec(model_dir, **shape), new_log_dir())
-        cluster.start()
-        try:
-            for conc, work in runs.items():
-                # shift the first token so this topology's run shares no prefix with the last one
-                fresh = [([3 + (p[0] + len(name)) % (vocab - 3)] + p[1:], n) for p, n in work]
-                result = asyncio.run(run_mesh(cluster.router_address, fresh, conc))
-                entry = report["concurrency"][conc]
-                entry[name] = result
-                entry[f"{name}_vs_engine_throughput"] = round(result["output_tokens_per_s"]
-                                                              / entry["engine"]["output_tokens_per_s"], 2)
-        finally:
+    # engines costs. Both stay up (idle workers sleep) while the systems take turns.
+    shapes = {"mesh": dict(num_prefill=1, num_decode=1), "mesh_aggregated": dict(num_prefill=0, num_decode=0, num_both=1)}
+    clusters = {name: Cluster(ClusterSpec(model_dir, **shapes[name]), new_log_dir())
+                for name in args.topologies.split(",")}
+    results: dict[int, dict[str, list[dict]]] = {c: {name: [] for name in ["engine", *clusters]} for c in concurrencies}
+    try:
+        for cluster in clusters.values():
+            cluster.start()
+        for r in range(args.rounds):
+            for conc in concurrencies:  # fresh prompts every round: no prefix hit from an earlier one
+                num = 8 if conc == 1 else args.requests
+                work = workload(num, prompt_range, output_range, vocab, args.seed + 100 * r + conc)
+                results[conc]["engine"].append(run_engine(engine, work, conc))
+                for name, cluster in clusters.items():
+                    results[conc][name].append(asyncio.run(run_mesh(cluster.router_address, work, conc)))
+    finally:
+        for cluster in clusters.values():
             cluster.stop()
+    del engine
+    report = {"benchmark": "mesh_throughput", "model": str(model_dir), "threads_per_process": torch.get_num_threads(),
+              "workload": {"prompt_len": prompt_range, "output_len": output_range}, "rounds": args.rounds,
+              "concurrency": {}}
+    for conc, by_system in results.items():
+        entry = report["concurrency"][conc] = {"requests": 8 if conc == 1 else args.requests}
+        for name, runs in by_system.items():
+            entry[name] = median_entry(runs)  # the round with the median throughput
+        for name in clusters:
+            ratios = [m["output_tokens_per_s"] / e["output_tokens_per_s"]
+                      for m, e in zip(by_system[name], by_system["engine"])]
+            entry[f"{name}_vs_engine_throughput"] = round(sorted(ratios)[len(ratios) // 2], 2)
+            entry[f"{name}_vs_engine_rounds"] = [round(x, 2) for x in ratios]
     report["kv_transfer"] = kv_transfer_report(model_dir, args.kv_tokens, rounds=5)
     print(json.dumps(report, indent=2))
 

@@ -6,6 +6,8 @@ everything else is validated by the domain constructors, whose errors name the f
 
 from __future__ import annotations
 
+from dataclasses import asdict, fields
+
 from services.common.load import Load
 from services.proto import common_pb2, kv_registry_pb2
 from worker.engine.sampling_params import SamplingParams
@@ -35,12 +37,11 @@ def finish_to_proto(reason: str | None) -> int:
 
 
 def load_to_proto(load: Load) -> kv_registry_pb2.WorkerLoad:
-    return kv_registry_pb2.WorkerLoad(num_running=load.num_running, num_waiting=load.num_waiting,
-                                      num_free_blocks=load.num_free_blocks, num_blocks=load.num_blocks)
+    return kv_registry_pb2.WorkerLoad(**asdict(load))
 
 
 def load_from_proto(msg: kv_registry_pb2.WorkerLoad) -> Load:
-    return Load(msg.num_running, msg.num_waiting, msg.num_free_blocks, msg.num_blocks)
+    return Load(**{f.name: getattr(msg, f.name) for f in fields(Load)})
 
 
 def event_to_proto(event: KVEvent) -> kv_registry_pb2.KvEvent:

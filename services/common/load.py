@@ -11,3 +11,4 @@ class Load:
     num_waiting: int = 0
     num_free_blocks: int = 0  # cached or empty
     num_blocks: int = 0
+    num_prefill_tokens: int = 0  # prompt tokens admitted, not yet computed

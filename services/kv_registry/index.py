@@ -16,7 +16,7 @@ never assumed empty. Updates go in pipelines; a prefix match is one round trip."
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import redis.asyncio as redis
 
@@ -124,14 +124,14 @@ class PrefixIndex:
                 pipe.hgetall(f"{P}w:{wid}")
             records = await pipe.execute()
         live = []
-        for wid, fields in zip(ids, records):
-            if not fields:
+        for wid, record in zip(ids, records):
+            if not record:
                 await self.purge(wid)
                 continue
-            f = {k.decode(): v.decode() for k, v in fields.items()}
+            f = {k.decode(): v.decode() for k, v in record.items()}
             live.append((WorkerRecord(f["worker_id"], f["address"], f["role"], f["model"], f["incarnation"],
                                       int(f["block_size"]), f["hash_name"]),
-                         Load(*(int(f[k]) for k in ("num_running", "num_waiting", "num_free_blocks", "num_blocks")))))
+                         Load(**{k.name: int(f.get(k.name, 0)) for k in fields(Load)})))
         return live
 
     async def purge(self, worker_id: str) -> None:

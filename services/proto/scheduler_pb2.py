@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kervan/v1/scheduler.proto\x12\tkervan.v1\"S\n\x0cPlaceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\"\xbc\x01\n\rPlaceResponse\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\x12\x34\n\x06scores\x18\x04 \x03(\x0b\x32$.kervan.v1.PlaceResponse.ScoresEntry\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32N\n\x10SchedulerService\x12:\n\x05Place\x12\x17.kervan.v1.PlaceRequest\x1a\x18.kervan.v1.PlaceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kervan/v1/scheduler.proto\x12\tkervan.v1\"d\n\x0cPlaceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x0f\n\x07\x64ry_run\x18\x04 \x01(\x08\"\xbc\x01\n\rPlaceResponse\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\x12\x34\n\x06scores\x18\x04 \x03(\x0b\x32$.kervan.v1.PlaceResponse.ScoresEntry\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32N\n\x10SchedulerService\x12:\n\x05Place\x12\x17.kervan.v1.PlaceRequest\x1a\x18.kervan.v1.PlaceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PLACERESPONSE_SCORESENTRY']._loaded_options = None
   _globals['_PLACERESPONSE_SCORESENTRY']._serialized_options = b'8\001'
   _globals['_PLACEREQUEST']._serialized_start=40
-  _globals['_PLACEREQUEST']._serialized_end=123
-  _globals['_PLACERESPONSE']._serialized_start=126
-  _globals['_PLACERESPONSE']._serialized_end=314
-  _globals['_PLACERESPONSE_SCORESENTRY']._serialized_start=269
-  _globals['_PLACERESPONSE_SCORESENTRY']._serialized_end=314
-  _globals['_SCHEDULERSERVICE']._serialized_start=316
-  _globals['_SCHEDULERSERVICE']._serialized_end=394
+  _globals['_PLACEREQUEST']._serialized_end=140
+  _globals['_PLACERESPONSE']._serialized_start=143
+  _globals['_PLACERESPONSE']._serialized_end=331
+  _globals['_PLACERESPONSE_SCORESENTRY']._serialized_start=286
+  _globals['_PLACERESPONSE_SCORESENTRY']._serialized_end=331
+  _globals['_SCHEDULERSERVICE']._serialized_start=333
+  _globals['_SCHEDULERSERVICE']._serialized_end=411
 # @@protoc_insertion_point(module_scope)

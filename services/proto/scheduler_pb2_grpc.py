@@ -47,7 +47,8 @@ class SchedulerServiceServicer:
     """
 
     def Place(self, request, context):
-        """Choose the workers for a request.
+        """Choose the workers for a request. Runs nothing; with dry_run it also changes
+        nothing (operators and tests ask it what would happen).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -10,6 +10,7 @@ from services.common.config import parse_args as parse_args_with_env
 from services.common.server import Service, run, serve_until_signal, start_server
 from services.proto import kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.placement import PlacementConfig
+from services.scheduler.recent import RecentPlacements
 from services.scheduler.servicer import SchedulerServicer
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
@@ -24,13 +25,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--min-remote-prefill-blocks", type=int, default=2,
                     help="uncached prompt blocks below which the decode worker prefills locally")
+    ap.add_argument("--max-prefill-queue-tokens", type=int, default=PlacementConfig.max_prefill_queue_tokens,
+                    help="prefill-pool queue (tokens) above which the decode worker prefills locally; 0: never")
+    ap.add_argument("--recent-window-s", type=float, default=0.1,
+                    help="how long a placement counts against a worker before its load reports can show it")
     return parse_args_with_env(ap, "scheduler", argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
     channel = grpc.aio.insecure_channel(args.registry)
     servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(channel),
-                                 PlacementConfig(args.overlap_weight, args.temperature, args.min_remote_prefill_blocks))
+                                 PlacementConfig(args.overlap_weight, args.temperature, args.min_remote_prefill_blocks,
+                                                 args.max_prefill_queue_tokens),
+                                 RecentPlacements(args.recent_window_s))
     handle = await start_server([Service(SERVICE_NAME, lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
         servicer, s))], args.host, args.port)
     print(f"scheduler ready on {args.host}:{handle.port}", flush=True)

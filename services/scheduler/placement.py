@@ -6,7 +6,13 @@ Filters first (role), then the lowest cost wins (or a softmax draw when a
 temperature is set). The decode worker is chosen first; a separate prefill worker
 only when the uncached part of the prompt is long enough to be worth a KV
 handoff and a prefill worker exists — otherwise the decode worker prefills
-locally (counted as a decode-only fallback when no prefill worker was up)."""
+locally (counted as a decode-only fallback when no prefill worker was up).
+
+Like Dynamo's conditional disaggregation, remote prefill also needs room in the
+prefill pool: when even the chosen prefill worker has more than
+``max_prefill_queue_tokens`` waiting and the decode worker's own queue is
+shorter, the decode worker prefills (an overflow). Without it a closed loop of
+clients piles up behind the prefill pool while the decode pool idles."""
 
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ class Candidate:
     role: str  # "prefill" | "decode" | "both"
     matched_blocks: int  # leading prompt blocks it already caches
     active_blocks: int  # KV blocks its running requests hold
+    prefill_tokens: int = 0  # prompt tokens queued for prefill on it
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,7 @@ class PlacementConfig:
     overlap_weight: float = 1.0
     temperature: float = 0.0  # 0: argmin; > 0: softmax over -cost / temperature
     min_remote_prefill_blocks: int = 2  # shorter uncached parts are prefilled by the decode worker
+    max_prefill_queue_tokens: int = 2048  # a longer prefill queue overflows to the decode worker; 0: never
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class Decision:
     prefill: Candidate | None  # None: prefill on the decode worker
     scores: dict[str, float] = field(default_factory=dict)
     fallback: bool = False  # remote prefill was wanted but no prefill worker is up
+    overflow: bool = False  # remote prefill was wanted but the prefill pool's queue is full
 
     @property
     def cached_blocks(self) -> int:
@@ -70,4 +79,7 @@ def place(candidates: list[Candidate], num_prompt_blocks: int, cfg: PlacementCon
     if not prefillers:
         return Decision(decode, None, scores, fallback=True)
     prefill, prefill_scores = choose(prefillers, num_prompt_blocks, cfg, rng)
-    return Decision(decode, prefill, {**scores, **prefill_scores})
+    scores = {**scores, **prefill_scores}
+    if 0 < cfg.max_prefill_queue_tokens < prefill.prefill_tokens and decode.prefill_tokens < prefill.prefill_tokens:
+        return Decision(decode, None, scores, overflow=True)
+    return Decision(decode, prefill, scores)

@@ -7,27 +7,42 @@ import asyncio
 from services.common.errors import Unavailable
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.placement import Candidate, PlacementConfig, place
+from services.scheduler.recent import RecentPlacements
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
-    def __init__(self, registry: kv_registry_pb2_grpc.KvRegistryServiceStub, config: PlacementConfig):
+    def __init__(self, registry: kv_registry_pb2_grpc.KvRegistryServiceStub, config: PlacementConfig,
+                 recent: RecentPlacements | None = None):
         self.registry = registry
         self.config = config
+        self.recent = recent or RecentPlacements()
         self.num_decode_only_fallbacks = 0
+        self.num_prefill_overflows = 0
 
     async def Place(self, request: scheduler_pb2.PlaceRequest, context) -> scheduler_pb2.PlaceResponse:
         timeout = context.time_remaining()
         workers, match = await asyncio.gather(
             self.registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), timeout=timeout),
             self.registry.Match(kv_registry_pb2.MatchRequest(block_hashes=request.block_hashes), timeout=timeout))
-        candidates = [Candidate(w.info.worker_id, w.info.address, w.info.role,
-                                match.matched_blocks.get(w.info.worker_id, 0), w.load.num_blocks - w.load.num_free_blocks)
-                      for w in workers.workers]
-        decision = place(candidates, len(request.block_hashes), self.config)
+        candidates = [self._candidate(w, match.matched_blocks.get(w.info.worker_id, 0)) for w in workers.workers]
+        num_blocks = len(request.block_hashes)
+        decision = place(candidates, num_blocks, self.config)
         if decision is None:
             raise Unavailable("no healthy decode or aggregated worker is registered")
-        self.num_decode_only_fallbacks += decision.fallback
+        if not request.dry_run:
+            prefiller = decision.prefill or decision.decode
+            block_size = workers.workers[0].info.block_size  # one size across the mesh (checked at registration)
+            self.recent.add(prefiller.worker_id, prefill_tokens=request.num_prompt_tokens
+                            - decision.cached_blocks * block_size)
+            self.recent.add(decision.decode.worker_id, blocks=num_blocks - decision.decode.matched_blocks + 1)
+            self.num_decode_only_fallbacks += decision.fallback
+            self.num_prefill_overflows += decision.overflow
         return scheduler_pb2.PlaceResponse(
             decode_address=decision.decode.address,
             prefill_address=decision.prefill.address if decision.prefill else "",
             cached_blocks=decision.cached_blocks, scores=decision.scores)
+
+    def _candidate(self, w: kv_registry_pb2.LiveWorker, matched_blocks: int) -> Candidate:
+        prefill_tokens, blocks = self.recent.pending(w.info.worker_id)
+        return Candidate(w.info.worker_id, w.info.address, w.info.role, matched_blocks,
+                         w.load.num_blocks - w.load.num_free_blocks + blocks, w.load.num_prefill_tokens + prefill_tokens)

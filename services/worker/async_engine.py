@@ -64,6 +64,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._active: set[str] = set()  # event loop only: ids in flight, for duplicate checks
         self._stopped = False
+        self._load = Load(num_free_blocks=engine.config.num_kv_blocks, num_blocks=engine.config.num_kv_blocks)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -128,9 +129,13 @@ class AsyncEngine:
         return await future
 
     def load(self) -> Load:
-        sched = self.engine.scheduler  # plain reads of sizes: good enough for load reports
-        return Load(len(sched.running), len(sched.waiting), self.engine.kv.num_free_blocks,
-                    self.engine.config.num_kv_blocks)
+        """The load as of the engine thread's last step (safe to call from any thread)."""
+        return self._load
+
+    def _snapshot_load(self) -> None:
+        sched = self.engine.scheduler
+        self._load = Load(len(sched.running), len(sched.waiting), self.engine.kv.num_free_blocks,
+                          self.engine.config.num_kv_blocks, sched.num_prefill_tokens)
 
     def _post(self, command: tuple) -> None:
         self._inbox.put(command)
@@ -139,6 +144,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopped:
             self._drain_inbox()
+            self._snapshot_load()
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()

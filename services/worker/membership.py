@@ -1,5 +1,6 @@
 """A worker's side of membership: register with the kv-registry, heartbeat its
-load every second, and publish its KV events as they happen (polled from the
+load every second (and within ``load_interval_s`` of a change, so that placement
+sees queues as they build), and publish its KV events as they happen (polled from the
 engine thread every ``event_interval_s``). A registry that no longer recognises
 this incarnation (it restarted, or this worker was declared dead) is answered by
 registering again and re-announcing every cached block."""
@@ -23,7 +24,8 @@ log = logging.getLogger(__name__)
 
 class Membership:
     def __init__(self, registry: kv_registry_pb2_grpc.KvRegistryServiceStub, engine: AsyncEngine, address: str,
-                 role: str, model: str, heartbeat_s: float = 1.0, event_interval_s: float = 0.02):
+                 role: str, model: str, heartbeat_s: float = 1.0, event_interval_s: float = 0.02,
+                 load_interval_s: float = 0.1):
         self.registry = registry
         self.engine = engine
         self.info = kv_registry_pb2.WorkerInfo(
@@ -31,6 +33,8 @@ class Membership:
             block_size=engine.engine.config.block_size, hash_name=HASH_NAME)
         self.heartbeat_s = heartbeat_s
         self.event_interval_s = event_interval_s
+        self.load_interval_s = load_interval_s
+        self._reported = None
 
     async def register(self) -> None:
         await self.registry.Register(kv_registry_pb2.RegisterRequest(worker=self.info), timeout=5)
@@ -45,7 +49,8 @@ class Membership:
                 events = await self.engine.call(lambda e: e.take_events())
                 if events:
                     await self._publish(events)
-                if loop.time() - last_beat >= self.heartbeat_s:
+                since = loop.time() - last_beat
+                if since >= self.heartbeat_s or (since >= self.load_interval_s and self.engine.load() != self._reported):
                     await self._heartbeat()
                     last_beat = loop.time()
             except grpc.aio.AioRpcError as err:
@@ -63,9 +68,10 @@ class Membership:
             events=[event_to_proto(e) for e in events]), timeout=5)
 
     async def _heartbeat(self) -> None:
+        load = self.engine.load()
         await self.registry.Heartbeat(kv_registry_pb2.HeartbeatRequest(
-            worker_id=self.info.worker_id, incarnation=self.info.incarnation,
-            load=load_to_proto(self.engine.load())), timeout=5)
+            worker_id=self.info.worker_id, incarnation=self.info.incarnation, load=load_to_proto(load)), timeout=5)
+        self._reported = load
 
     async def _reregister(self) -> None:
         await self.register()

@@ -126,9 +126,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.AbortResponse(aborted=self.engine.abort(request.request_id))
 
     async def GetLoad(self, request: worker_pb2.GetLoadRequest, context) -> worker_pb2.GetLoadResponse:
-        load = self.engine.load()
-        return worker_pb2.GetLoadResponse(num_running=load.num_running, num_waiting=load.num_waiting,
-                                          num_free_blocks=load.num_free_blocks, num_blocks=load.num_blocks)
+        return worker_pb2.GetLoadResponse(**dataclasses.asdict(self.engine.load()))
 
     async def close(self) -> None:
         for channel, _ in self._peers.values():

@@ -7,8 +7,8 @@ from services.scheduler.placement import Candidate, PlacementConfig, place
 CFG = PlacementConfig(overlap_weight=1.0, min_remote_prefill_blocks=2)
 
 
-def cand(wid, role="decode", matched=0, active=0):
-    return Candidate(wid, f"{wid}:1", role, matched, active)
+def cand(wid, role="decode", matched=0, active=0, queued=0):
+    return Candidate(wid, f"{wid}:1", role, matched, active, queued)
 
 
 def test_prefers_the_worker_holding_the_prefix_unless_it_is_busier():
@@ -33,6 +33,16 @@ def test_short_uncached_part_is_prefilled_locally():
 def test_decode_only_fallback_without_prefill_workers():
     d = place([cand("d")], 8, CFG)
     assert d.prefill is None and d.fallback
+
+
+def test_a_full_prefill_queue_overflows_to_a_less_queued_decode_worker():
+    cfg = PlacementConfig(max_prefill_queue_tokens=1000)
+    d = place([cand("d", queued=200), cand("p", "prefill", queued=1500)], 8, cfg)
+    assert d.prefill is None and d.overflow and not d.fallback
+    assert place([cand("d", queued=1600), cand("p", "prefill", queued=1500)], 8, cfg).prefill.worker_id == "p"
+    assert place([cand("d"), cand("p", "prefill", queued=900)], 8, cfg).prefill.worker_id == "p"
+    never = PlacementConfig(max_prefill_queue_tokens=0)
+    assert place([cand("d"), cand("p", "prefill", queued=10**6)], 8, never).prefill.worker_id == "p"
 
 
 def test_aggregated_workers_prefill_themselves_and_no_decoder_means_none():

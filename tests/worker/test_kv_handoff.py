@@ -81,3 +81,21 @@ def test_abort_releases_held_kv_and_bad_imports_are_refused(llama):
         engine.add_request(prompt + [1, 1, 1], SamplingParams(), imported=ImportedKV(5, None, data))
     with pytest.raises(InvalidRequest, match="n > 1"):
         engine.add_request(prompt, SamplingParams(n=2), imported=ImportedKV(5, None, data))
+
+
+def test_prefill_queue_counts_uncomputed_prompt_tokens_but_not_imports(llama):
+    _, path = llama
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    prompt = make_prompts([10], seed=32)[0]
+    p_engine = make_engine(path)
+    rid, first = prefill(p_engine, prompt, params)
+    data = p_engine.export_kv(rid)
+    engine = make_engine(path, max_num_batched_tokens=8)
+    engine.add_request(make_prompts([20], seed=33)[0], params)
+    engine.add_request(prompt, params, imported=ImportedKV(first.token_ids[0], None, data))
+    assert engine.scheduler.num_prefill_tokens == 20
+    engine.step()  # a chunk of 8
+    assert engine.scheduler.num_prefill_tokens == 12
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler.num_prefill_tokens == 0

@@ -64,6 +64,13 @@ class StepScheduler:
     def num_unfinished(self) -> int:  # held requests are finished: they only pin blocks
         return len(self.waiting) + len(self.running)
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens admitted but not yet computed: this engine's prefill queue
+        (imported prompts only need their KV copied in: they do not count)."""
+        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                   for q in (self.waiting, self.running) for r in q if r.imported_kv is None)
+
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
