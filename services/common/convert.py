@@ -44,13 +44,29 @@ def load_from_proto(msg: kv_registry_pb2.WorkerLoad) -> Load:
     return Load(**{f.name: getattr(msg, f.name) for f in fields(Load)})
 
 
+_TIERS = {"device": kv_registry_pb2.KV_TIER_DEVICE, "host": kv_registry_pb2.KV_TIER_HOST,
+          "disk": kv_registry_pb2.KV_TIER_DISK}
+_TIER_NAMES = {v: k for k, v in _TIERS.items()}
+
+
+def tier_to_proto(medium: str) -> int:
+    return _TIERS[medium]
+
+
+def tier_from_proto(tier: int) -> str:
+    if tier not in _TIER_NAMES:
+        raise ValueError(f"tier must be KV_TIER_DEVICE, KV_TIER_HOST or KV_TIER_DISK, got {tier}")
+    return _TIER_NAMES[tier]
+
+
 def event_to_proto(event: KVEvent) -> kv_registry_pb2.KvEvent:
     if isinstance(event, BlockStored):
         return kv_registry_pb2.KvEvent(seq=event.seq, stored=kv_registry_pb2.BlockStored(
-            block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash or b"", medium=event.medium))
+            block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash or b"",
+            tier=tier_to_proto(event.medium)))
     if isinstance(event, BlockRemoved):
         return kv_registry_pb2.KvEvent(seq=event.seq, removed=kv_registry_pb2.BlockRemoved(
-            block_hashes=event.block_hashes, medium=event.medium))
+            block_hashes=event.block_hashes, tier=tier_to_proto(event.medium)))
     return kv_registry_pb2.KvEvent(seq=event.seq, cleared=kv_registry_pb2.AllBlocksCleared())
 
 
@@ -58,9 +74,9 @@ def event_from_proto(msg: kv_registry_pb2.KvEvent) -> KVEvent:
     kind = msg.WhichOneof("kind")
     if kind == "stored":
         return BlockStored(msg.seq, list(msg.stored.block_hashes), msg.stored.parent_block_hash or None, [], 0,
-                           msg.stored.medium)
+                           tier_from_proto(msg.stored.tier))
     if kind == "removed":
-        return BlockRemoved(msg.seq, list(msg.removed.block_hashes), msg.removed.medium)
+        return BlockRemoved(msg.seq, list(msg.removed.block_hashes), tier_from_proto(msg.removed.tier))
     if kind == "cleared":
         return AllBlocksCleared(msg.seq)
     raise ValueError(f"KV event {msg.seq} has no kind")

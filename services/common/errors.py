@@ -29,6 +29,10 @@ class Unavailable(Exception):
     """No healthy backend can serve the request right now."""
 
 
+class NotFound(Exception):
+    """The request names something this mesh does not have (e.g. a model)."""
+
+
 class FailedPrecondition(Exception):
     """The call does not fit this server's state or role (e.g. Decode on a prefill worker)."""
 
@@ -42,6 +46,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, FailedPrecondition):
         return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, NotFound):
+        return grpc.StatusCode.NOT_FOUND
     return grpc.StatusCode.INTERNAL
 
 

@@ -7,11 +7,17 @@ Keys (``kervan:`` prefix):
                           hash_name, load fields; expires unless heartbeats renew it
     seq:{id}              last applied event sequence number of the worker
     blk:{hash hex}        set of worker ids holding that block
-    own:{id}              set of block hashes (hex) the worker holds, for purging
+    own:{id}              hash: block hash (hex) -> tier, what the worker holds
+    unknown               set of worker ids whose block sets the registry cannot
+                          vouch for (a gap in their events, or the registry
+                          restarted) until a full dump replaces them
 
 A worker whose ``w:{id}`` key expired is dead: its ownership is purged the next
-time the live set is read. A worker the registry has no record of is unknown,
-never assumed empty. Updates go in pipelines; a prefix match is one round trip."""
+time the live set is read. A worker the registry cannot account for is
+"unknown", never "empty": its last known blocks still answer matches, flagged,
+and its next heartbeat or publish is told to send a full dump. A block lives in
+one tier per worker at a time (a move is sent as removal, then store). Updates go
+in pipelines; a prefix match is one Redis command (``prefix_match.py``)."""
 
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import redis.asyncio as redis
 
 from services.common.errors import FailedPrecondition
 from services.common.load import Load
+from services.kv_registry.prefix_match import PrefixMatcher
 from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
@@ -47,6 +54,15 @@ class PrefixIndex:
     def __init__(self, client: redis.Redis, ttl_s: int = 5):
         self.r = client
         self.ttl_s = ttl_s
+        # await index.match(block_hashes) -> (worker id -> leading blocks of the prompt it
+        # holds, workers whose block sets are unknown: their counts are the last known state)
+        self.match = PrefixMatcher(client, f"{P}blk:", f"{P}unknown")
+
+    async def forget_all(self) -> None:
+        """On registry start: nothing in Redis is vouched for until each worker's dump."""
+        workers = await self.r.smembers(f"{P}workers")
+        if workers:
+            await self.r.sadd(f"{P}unknown", *workers)
 
     async def register(self, worker: WorkerRecord) -> None:
         key = f"{P}w:{worker.worker_id}"
@@ -58,63 +74,71 @@ class PrefixIndex:
             pipe.hset(key, mapping={k: str(v) for k, v in {**asdict(worker), **asdict(Load())}.items()})
             pipe.expire(key, self.ttl_s)
             pipe.sadd(f"{P}workers", worker.worker_id)
+            pipe.srem(f"{P}unknown", worker.worker_id)  # a fresh process: known to be empty
             await pipe.execute()
 
-    async def heartbeat(self, worker_id: str, incarnation: str, load: Load) -> None:
+    async def heartbeat(self, worker_id: str, incarnation: str, load: Load) -> bool:
+        """Renew and record load; True when the registry needs the worker's full dump."""
         key = f"{P}w:{worker_id}"
         await self._check(worker_id, incarnation)
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={k: str(v) for k, v in asdict(load).items()})
             pipe.expire(key, self.ttl_s)
-            await pipe.execute()
+            pipe.sismember(f"{P}unknown", worker_id)
+            *_, unknown = await pipe.execute()
+        return bool(unknown)
 
-    async def apply(self, worker_id: str, incarnation: str, events: list[KVEvent]) -> int:
-        """Apply events in sequence order; returns the last applied seq."""
+    async def apply(self, worker_id: str, incarnation: str, events: list[KVEvent]) -> tuple[int, bool]:
+        """Apply events in sequence order; returns the last applied seq and whether
+        the registry needs the worker's full dump (a gap now or before)."""
         await self._check(worker_id, incarnation)
         last = int(await self.r.get(f"{P}seq:{worker_id}") or 0)
         own = f"{P}own:{worker_id}"
+        gap = False
         async with self.r.pipeline(transaction=False) as pipe:
             for event in events:
                 seq = event.seq
                 if seq <= last:
                     continue  # a retry of an applied batch: idempotent
                 if seq != last + 1:
-                    log.warning("worker %s: KV events %d..%d missing", worker_id, last + 1, seq - 1)
+                    log.warning("worker %s: KV events %d..%d missing; asking for a full dump", worker_id, last + 1,
+                                seq - 1)
+                    gap = True
                 last = seq
                 if isinstance(event, BlockStored):
                     for h in event.block_hashes:
                         pipe.sadd(f"{P}blk:{h.hex()}", worker_id)
                     if event.block_hashes:
-                        pipe.sadd(own, *[h.hex() for h in event.block_hashes])
+                        pipe.hset(own, mapping={h.hex(): event.medium for h in event.block_hashes})
                 elif isinstance(event, BlockRemoved):
                     for h in event.block_hashes:
                         pipe.srem(f"{P}blk:{h.hex()}", worker_id)
                     if event.block_hashes:
-                        pipe.srem(own, *[h.hex() for h in event.block_hashes])
+                        pipe.hdel(own, *[h.hex() for h in event.block_hashes])
                 elif isinstance(event, AllBlocksCleared):
                     await pipe.execute()
                     await self._drop_ownership(worker_id)
             pipe.set(f"{P}seq:{worker_id}", last)
-            await pipe.execute()
-        return last
+            if gap:
+                pipe.sadd(f"{P}unknown", worker_id)
+            pipe.sismember(f"{P}unknown", worker_id)
+            *_, unknown = await pipe.execute()
+        return last, bool(unknown)
 
-    async def match(self, block_hashes: list[bytes]) -> dict[str, int]:
-        """Worker id -> how many leading blocks of the prompt it holds (one round trip)."""
-        if not block_hashes:
-            return {}
-        async with self.r.pipeline(transaction=False) as pipe:
-            for h in block_hashes:
-                pipe.smembers(f"{P}blk:{h.hex()}")
-            owners = await pipe.execute()
-        counts: dict[str, int] = {}
-        alive = {w.decode() for w in owners[0]}
-        for i, members in enumerate(owners):
-            alive &= {w.decode() for w in members}
-            if not alive:
-                break
-            for w in alive:
-                counts[w] = i + 1
-        return counts
+    async def replace_blocks(self, worker_id: str, incarnation: str, seq: int, tiers: dict[str, list[bytes]]) -> int:
+        """A full dump, as of event ``seq``: becomes all the registry knows of the worker."""
+        await self._check(worker_id, incarnation)
+        await self._drop_ownership(worker_id)
+        owned = {h.hex(): tier for tier, hashes in tiers.items() for h in hashes}
+        async with self.r.pipeline(transaction=True) as pipe:
+            for h in owned:
+                pipe.sadd(f"{P}blk:{h}", worker_id)
+            if owned:
+                pipe.hset(f"{P}own:{worker_id}", mapping=owned)
+            pipe.set(f"{P}seq:{worker_id}", seq)
+            pipe.srem(f"{P}unknown", worker_id)
+            await pipe.execute()
+        return len(owned)
 
     async def live_workers(self) -> list[tuple[WorkerRecord, Load]]:
         """Registered workers whose registration has not expired; expired ones are purged."""
@@ -138,10 +162,11 @@ class PrefixIndex:
         await self._drop_ownership(worker_id)
         await self.r.delete(f"{P}w:{worker_id}", f"{P}seq:{worker_id}")
         await self.r.srem(f"{P}workers", worker_id)
+        await self.r.srem(f"{P}unknown", worker_id)
 
     async def _drop_ownership(self, worker_id: str) -> None:
         own = f"{P}own:{worker_id}"
-        hashes = await self.r.smembers(own)
+        hashes = await self.r.hkeys(own)
         async with self.r.pipeline(transaction=False) as pipe:
             for h in hashes:
                 pipe.srem(f"{P}blk:{h.decode()}", worker_id)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.common.convert import event_from_proto, load_from_proto, load_to_proto
+from services.common.convert import event_from_proto, load_from_proto, load_to_proto, tier_from_proto
 from services.common.errors import FailedPrecondition
 from services.kv_registry.index import PrefixIndex, WorkerRecord
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
@@ -27,16 +27,24 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
         return kv_registry_pb2.RegisterResponse(ttl_s=self.index.ttl_s)
 
     async def Heartbeat(self, request, context) -> kv_registry_pb2.HeartbeatResponse:
-        await self.index.heartbeat(request.worker_id, request.incarnation, load_from_proto(request.load))
-        return kv_registry_pb2.HeartbeatResponse()
+        dump = await self.index.heartbeat(request.worker_id, request.incarnation, load_from_proto(request.load))
+        return kv_registry_pb2.HeartbeatResponse(needs_full_dump=dump)
 
     async def PublishEvents(self, request, context) -> kv_registry_pb2.PublishEventsResponse:
         events = [event_from_proto(e) for e in request.events]
-        last = await self.index.apply(request.worker_id, request.incarnation, events)
-        return kv_registry_pb2.PublishEventsResponse(last_seq=last)
+        last, dump = await self.index.apply(request.worker_id, request.incarnation, events)
+        return kv_registry_pb2.PublishEventsResponse(last_seq=last, needs_full_dump=dump)
+
+    async def ReportBlocks(self, request, context) -> kv_registry_pb2.ReportBlocksResponse:
+        tiers: dict[str, list[bytes]] = {}
+        for t in request.tiers:
+            tiers.setdefault(tier_from_proto(t.tier), []).extend(t.block_hashes)
+        n = await self.index.replace_blocks(request.worker_id, request.incarnation, request.seq, tiers)
+        return kv_registry_pb2.ReportBlocksResponse(num_blocks=n)
 
     async def Match(self, request, context) -> kv_registry_pb2.MatchResponse:
-        return kv_registry_pb2.MatchResponse(matched_blocks=await self.index.match(list(request.block_hashes)))
+        matched, unknown = await self.index.match(list(request.block_hashes))
+        return kv_registry_pb2.MatchResponse(matched_blocks=matched, unknown_workers=unknown)
 
     async def ListWorkers(self, request, context) -> kv_registry_pb2.ListWorkersResponse:
         out = kv_registry_pb2.ListWorkersResponse()

@@ -1,10 +1,22 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_UNSPECIFIED: _ClassVar[KvTier]
+    KV_TIER_DEVICE: _ClassVar[KvTier]
+    KV_TIER_HOST: _ClassVar[KvTier]
+    KV_TIER_DISK: _ClassVar[KvTier]
+KV_TIER_UNSPECIFIED: KvTier
+KV_TIER_DEVICE: KvTier
+KV_TIER_HOST: KvTier
+KV_TIER_DISK: KvTier
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "address", "role", "model", "incarnation", "block_size", "hash_name")
@@ -61,8 +73,10 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("needs_full_dump",)
+    NEEDS_FULL_DUMP_FIELD_NUMBER: _ClassVar[int]
+    needs_full_dump: bool
+    def __init__(self, needs_full_dump: _Optional[bool] = ...) -> None: ...
 
 class KvEvent(_message.Message):
     __slots__ = ("seq", "stored", "removed", "cleared")
@@ -77,22 +91,22 @@ class KvEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "medium")
+    __slots__ = ("block_hashes", "parent_block_hash", "tier")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
-    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_block_hash: bytes
-    medium: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., medium: _Optional[str] = ...) -> None: ...
+    tier: KvTier
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., tier: _Optional[_Union[KvTier, str]] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
-    __slots__ = ("block_hashes", "medium")
+    __slots__ = ("block_hashes", "tier")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
-    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    medium: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ...) -> None: ...
+    tier: KvTier
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[KvTier, str]] = ...) -> None: ...
 
 class AllBlocksCleared(_message.Message):
     __slots__ = ()
@@ -109,10 +123,38 @@ class PublishEventsRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
 
 class PublishEventsResponse(_message.Message):
-    __slots__ = ("last_seq",)
+    __slots__ = ("last_seq", "needs_full_dump")
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_FULL_DUMP_FIELD_NUMBER: _ClassVar[int]
     last_seq: int
-    def __init__(self, last_seq: _Optional[int] = ...) -> None: ...
+    needs_full_dump: bool
+    def __init__(self, last_seq: _Optional[int] = ..., needs_full_dump: _Optional[bool] = ...) -> None: ...
+
+class TierBlocks(_message.Message):
+    __slots__ = ("tier", "block_hashes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    tier: KvTier
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, tier: _Optional[_Union[KvTier, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ReportBlocksRequest(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "seq", "tiers")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: str
+    seq: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierBlocks]
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., seq: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ...) -> None: ...
+
+class ReportBlocksResponse(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
     __slots__ = ("block_hashes",)
@@ -121,7 +163,7 @@ class MatchRequest(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
-    __slots__ = ("matched_blocks",)
+    __slots__ = ("matched_blocks", "unknown_workers")
     class MatchedBlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,8 +172,10 @@ class MatchResponse(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_WORKERS_FIELD_NUMBER: _ClassVar[int]
     matched_blocks: _containers.ScalarMap[str, int]
-    def __init__(self, matched_blocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    unknown_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, matched_blocks: _Optional[_Mapping[str, int]] = ..., unknown_workers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

@@ -51,6 +51,11 @@ class KvRegistryServiceStub:
                 request_serializer=kervan_dot_v1_dot_kv__registry__pb2.PublishEventsRequest.SerializeToString,
                 response_deserializer=kervan_dot_v1_dot_kv__registry__pb2.PublishEventsResponse.FromString,
                 _registered_method=True)
+        self.ReportBlocks = channel.unary_unary(
+                '/kervan.v1.KvRegistryService/ReportBlocks',
+                request_serializer=kervan_dot_v1_dot_kv__registry__pb2.ReportBlocksRequest.SerializeToString,
+                response_deserializer=kervan_dot_v1_dot_kv__registry__pb2.ReportBlocksResponse.FromString,
+                _registered_method=True)
         self.Match = channel.unary_unary(
                 '/kervan.v1.KvRegistryService/Match',
                 request_serializer=kervan_dot_v1_dot_kv__registry__pb2.MatchRequest.SerializeToString,
@@ -89,6 +94,14 @@ class KvRegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportBlocks(self, request, context):
+        """Replace everything the registry knows of one worker's blocks with a full dump
+        (asked for after a gap in its events, and after the registry restarts).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Match(self, request, context):
         """For each live worker, how many leading blocks of a prompt it holds.
         """
@@ -120,6 +133,11 @@ def add_KvRegistryServiceServicer_to_server(servicer, server):
                     servicer.PublishEvents,
                     request_deserializer=kervan_dot_v1_dot_kv__registry__pb2.PublishEventsRequest.FromString,
                     response_serializer=kervan_dot_v1_dot_kv__registry__pb2.PublishEventsResponse.SerializeToString,
+            ),
+            'ReportBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportBlocks,
+                    request_deserializer=kervan_dot_v1_dot_kv__registry__pb2.ReportBlocksRequest.FromString,
+                    response_serializer=kervan_dot_v1_dot_kv__registry__pb2.ReportBlocksResponse.SerializeToString,
             ),
             'Match': grpc.unary_unary_rpc_method_handler(
                     servicer.Match,
@@ -215,6 +233,33 @@ class KvRegistryService:
             '/kervan.v1.KvRegistryService/PublishEvents',
             kervan_dot_v1_dot_kv__registry__pb2.PublishEventsRequest.SerializeToString,
             kervan_dot_v1_dot_kv__registry__pb2.PublishEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kervan.v1.KvRegistryService/ReportBlocks',
+            kervan_dot_v1_dot_kv__registry__pb2.ReportBlocksRequest.SerializeToString,
+            kervan_dot_v1_dot_kv__registry__pb2.ReportBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,19 +7,21 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("request_id", "block_hashes", "num_prompt_tokens", "dry_run")
+    __slots__ = ("request_id", "block_hashes", "num_prompt_tokens", "dry_run", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     num_prompt_tokens: int
     dry_run: bool
-    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., dry_run: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PlaceResponse(_message.Message):
-    __slots__ = ("decode_address", "prefill_address", "cached_blocks", "scores")
+    __slots__ = ("decode_address", "prefill_address", "cached_blocks", "scores", "prefill_reason", "decode_worker_id", "prefill_worker_id", "unknown_workers")
     class ScoresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -31,8 +33,44 @@ class PlaceResponse(_message.Message):
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_REASON_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_WORKERS_FIELD_NUMBER: _ClassVar[int]
     decode_address: str
     prefill_address: str
     cached_blocks: int
     scores: _containers.ScalarMap[str, float]
-    def __init__(self, decode_address: _Optional[str] = ..., prefill_address: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., scores: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    prefill_reason: str
+    decode_worker_id: str
+    prefill_worker_id: str
+    unknown_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, decode_address: _Optional[str] = ..., prefill_address: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., scores: _Optional[_Mapping[str, float]] = ..., prefill_reason: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., unknown_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("placements", "by_prefill_reason", "by_worker")
+    class ByPrefillReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ByWorkerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    BY_PREFILL_REASON_FIELD_NUMBER: _ClassVar[int]
+    BY_WORKER_FIELD_NUMBER: _ClassVar[int]
+    placements: int
+    by_prefill_reason: _containers.ScalarMap[str, int]
+    by_worker: _containers.ScalarMap[str, int]
+    def __init__(self, placements: _Optional[int] = ..., by_prefill_reason: _Optional[_Mapping[str, int]] = ..., by_worker: _Optional[_Mapping[str, int]] = ...) -> None: ...

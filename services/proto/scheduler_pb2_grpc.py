@@ -40,6 +40,11 @@ class SchedulerServiceStub:
                 request_serializer=kervan_dot_v1_dot_scheduler__pb2.PlaceRequest.SerializeToString,
                 response_deserializer=kervan_dot_v1_dot_scheduler__pb2.PlaceResponse.FromString,
                 _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/kervan.v1.SchedulerService/GetStats',
+                request_serializer=kervan_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=kervan_dot_v1_dot_scheduler__pb2.GetStatsResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -54,6 +59,13 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStats(self, request, context):
+        """Counters since the scheduler started.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +73,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.Place,
                     request_deserializer=kervan_dot_v1_dot_scheduler__pb2.PlaceRequest.FromString,
                     response_serializer=kervan_dot_v1_dot_scheduler__pb2.PlaceResponse.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=kervan_dot_v1_dot_scheduler__pb2.GetStatsRequest.FromString,
+                    response_serializer=kervan_dot_v1_dot_scheduler__pb2.GetStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,6 +108,33 @@ class SchedulerService:
             '/kervan.v1.SchedulerService/Place',
             kervan_dot_v1_dot_scheduler__pb2.PlaceRequest.SerializeToString,
             kervan_dot_v1_dot_scheduler__pb2.PlaceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kervan.v1.SchedulerService/GetStats',
+            kervan_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
+            kervan_dot_v1_dot_scheduler__pb2.GetStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_limits(model_dir: Path) -> ModelLimits:
     cfg = json.loads((model_dir / "config.json").read_text())
-    return ModelLimits(cfg["vocab_size"], cfg.get("max_position_embeddings", 4096))
+    return ModelLimits(cfg["vocab_size"], cfg.get("max_position_embeddings", 4096), model_dir.name)
 
 
 async def serve(args: argparse.Namespace) -> None:

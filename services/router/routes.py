@@ -43,7 +43,7 @@ class StaticRoutes:
     def __init__(self, placement: Placement):
         self.placement = placement
 
-    async def route(self, request_id: str, prompt: list[int], timeout: float | None) -> Placement:
+    async def route(self, request_id: str, prompt: list[int], timeout: float | None, model: str = "") -> Placement:
         return self.placement
 
 
@@ -53,10 +53,10 @@ class ScheduledRoutes:
         self.block_size = block_size
         self.channels = channels
 
-    async def route(self, request_id: str, prompt: list[int], timeout: float | None) -> Placement:
+    async def route(self, request_id: str, prompt: list[int], timeout: float | None, model: str = "") -> Placement:
         placed = await self.scheduler.Place(scheduler_pb2.PlaceRequest(
             request_id=request_id, block_hashes=hash_blocks(prompt, self.block_size),
-            num_prompt_tokens=len(prompt)), timeout=timeout)
+            num_prompt_tokens=len(prompt), model=model), timeout=timeout)
         if not placed.prefill_address:
             return Placement(worker=self.channels.stub(placed.decode_address))
         return Placement(prefill=self.channels.stub(placed.prefill_address),

@@ -17,6 +17,7 @@ from typing import AsyncIterator
 import grpc
 
 from services.common.convert import sampling_from_proto
+from services.common.errors import NotFound
 from services.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from services.router.detokenizer import Detokenizer
 from services.router.routes import Placement, ScheduledRoutes, StaticRoutes
@@ -28,6 +29,7 @@ from worker.tokenizer import Tokenizer
 class ModelLimits:
     vocab_size: int
     max_model_len: int
+    name: str = ""  # the served model's name (its directory's, as workers register it)
 
 
 class _Deadline:
@@ -60,6 +62,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
         rid = request.request_id or uuid.uuid4().hex
+        if request.model and request.model != self.limits.name:
+            raise NotFound(f"model {request.model!r} is not served here (this router serves {self.limits.name!r})")
         prompt = self._prompt_ids(request)
         params = sampling_from_proto(request.sampling)
         if len(prompt) + params.max_tokens > self.limits.max_model_len:
@@ -87,7 +91,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def _run(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams, n: int,
                    deadline: "_Deadline") -> AsyncIterator[worker_pb2.TokenUpdate]:
-        place = await self.routes.route(rid, prompt, deadline.remaining())
+        place = await self.routes.route(rid, prompt, deadline.remaining(), self.limits.name)
         if place.worker is None and n > 1:  # samples fork after the prompt: one worker must do both
             place = Placement(worker=place.decode)
         ids = common_pb2.TokenIds(ids=prompt)

@@ -9,7 +9,7 @@ import grpc
 from services.common.config import parse_args as parse_args_with_env
 from services.common.server import Service, run, serve_until_signal, start_server
 from services.proto import kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from services.scheduler.placement import PlacementConfig
+from services.scheduler.placement import POLICIES, PlacementConfig
 from services.scheduler.recent import RecentPlacements
 from services.scheduler.servicer import SchedulerServicer
 
@@ -21,6 +21,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--registry", required=True, help="HOST:PORT of the kv-registry")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--policy", choices=POLICIES, default="kv",
+                    help="kv: KV-overlap and load cost; round_robin and random are baselines")
     ap.add_argument("--overlap-weight", type=float, default=1.0)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--min-remote-prefill-blocks", type=int, default=2,
@@ -29,15 +31,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="prefill-pool queue (tokens) above which the decode worker prefills locally; 0: never")
     ap.add_argument("--recent-window-s", type=float, default=0.1,
                     help="how long a placement counts against a worker before its load reports can show it")
+    ap.add_argument("--seed", type=int, default=None, help="seed of the random draws (random policy, temperature)")
     return parse_args_with_env(ap, "scheduler", argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
     channel = grpc.aio.insecure_channel(args.registry)
     servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(channel),
-                                 PlacementConfig(args.overlap_weight, args.temperature, args.min_remote_prefill_blocks,
-                                                 args.max_prefill_queue_tokens),
-                                 RecentPlacements(args.recent_window_s))
+                                 PlacementConfig(args.policy, args.overlap_weight, args.temperature,
+                                                 args.min_remote_prefill_blocks, args.max_prefill_queue_tokens),
+                                 RecentPlacements(args.recent_window_s), args.seed)
     handle = await start_server([Service(SERVICE_NAME, lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
         servicer, s))], args.host, args.port)
     print(f"scheduler ready on {args.host}:{handle.port}", flush=True)

@@ -2,8 +2,11 @@
 
     cost(worker) = overlap_weight * uncached_prefill_blocks + active_blocks
 
-Filters first (role), then the lowest cost wins (or a softmax draw when a
-temperature is set). The decode worker is chosen first; a separate prefill worker
+Filters first (role, model, room for the prompt's blocks — when no worker has
+room the request queues on the cheapest rather than fail here), then the lowest
+cost wins (or a softmax draw when a temperature is set). The ``round_robin`` and
+``random`` policies ignore the cost: they are the baselines the placement
+benchmark measures KV-aware placement against. The decode worker is chosen first; a separate prefill worker
 only when the uncached part of the prompt is long enough to be worth a KV
 handoff and a prefill worker exists — otherwise the decode worker prefills
 locally (counted as a decode-only fallback when no prefill worker was up).
@@ -29,14 +32,29 @@ class Candidate:
     matched_blocks: int  # leading prompt blocks it already caches
     active_blocks: int  # KV blocks its running requests hold
     prefill_tokens: int = 0  # prompt tokens queued for prefill on it
+    free_blocks: int = 1 << 30  # KV blocks not held by a request (cached or empty)
+    model: str = ""
+
+
+POLICIES = ("kv", "round_robin", "random")
 
 
 @dataclass(frozen=True)
 class PlacementConfig:
+    policy: str = "kv"  # "kv": the cost above; "round_robin", "random": baselines
     overlap_weight: float = 1.0
     temperature: float = 0.0  # 0: argmin; > 0: softmax over -cost / temperature
     min_remote_prefill_blocks: int = 2  # shorter uncached parts are prefilled by the decode worker
     max_prefill_queue_tokens: int = 2048  # a longer prefill queue overflows to the decode worker; 0: never
+
+
+# Why a request prefills where it does.
+REMOTE = "remote"  # on a prefill worker, KV shipped to the decode worker
+AGGREGATED = "aggregated"  # the chosen worker does both
+SHORT = "short"  # the uncached part is too short to be worth a KV handoff
+NO_PREFILL_WORKER = "no_prefill_worker"  # decode-only fallback: no prefill worker is up
+PREFILL_QUEUE_FULL = "prefill_queue_full"  # overflow: the prefill pool is backed up
+REASONS = (REMOTE, AGGREGATED, SHORT, NO_PREFILL_WORKER, PREFILL_QUEUE_FULL)
 
 
 @dataclass(frozen=True)
@@ -44,8 +62,15 @@ class Decision:
     decode: Candidate
     prefill: Candidate | None  # None: prefill on the decode worker
     scores: dict[str, float] = field(default_factory=dict)
-    fallback: bool = False  # remote prefill was wanted but no prefill worker is up
-    overflow: bool = False  # remote prefill was wanted but the prefill pool's queue is full
+    reason: str = REMOTE
+
+    @property
+    def fallback(self) -> bool:
+        return self.reason == NO_PREFILL_WORKER
+
+    @property
+    def overflow(self) -> bool:
+        return self.reason == PREFILL_QUEUE_FULL
 
     @property
     def cached_blocks(self) -> int:
@@ -56,9 +81,18 @@ def cost(c: Candidate, num_prompt_blocks: int, cfg: PlacementConfig) -> float:
     return cfg.overlap_weight * max(0, num_prompt_blocks - c.matched_blocks) + c.active_blocks
 
 
+def has_room(c: Candidate, num_prompt_blocks: int) -> bool:
+    return c.free_blocks > num_prompt_blocks - c.matched_blocks  # the uncached blocks and one to decode into
+
+
 def choose(pool: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig,
-           rng: random.Random | None = None) -> tuple[Candidate, dict[str, float]]:
+           rng: random.Random | None = None, turn: int = 0) -> tuple[Candidate, dict[str, float]]:
+    pool = [c for c in pool if has_room(c, num_prompt_blocks)] or pool
     scores = {c.worker_id: cost(c, num_prompt_blocks, cfg) for c in pool}
+    if cfg.policy == "round_robin":
+        return sorted(pool, key=lambda c: c.worker_id)[turn % len(pool)], scores
+    if cfg.policy == "random":
+        return (rng or random).choice(pool), scores
     if cfg.temperature <= 0:
         return min(pool, key=lambda c: (scores[c.worker_id], c.worker_id)), scores
     best = min(scores.values())
@@ -67,19 +101,24 @@ def choose(pool: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig,
 
 
 def place(candidates: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig,
-          rng: random.Random | None = None) -> Decision | None:
+          rng: random.Random | None = None, turn: int = 0, model: str = "") -> Decision | None:
+    """``turn``: a counter the caller advances per request (round robin); ``model``:
+    only workers serving it (empty: any)."""
+    candidates = [c for c in candidates if not model or c.model == model]
     decoders = [c for c in candidates if c.role in ("decode", "both")]
     if not decoders:
         return None
-    decode, scores = choose(decoders, num_prompt_blocks, cfg, rng)
+    decode, scores = choose(decoders, num_prompt_blocks, cfg, rng, turn)
     uncached = num_prompt_blocks - decode.matched_blocks
-    if decode.role == "both" or uncached < cfg.min_remote_prefill_blocks:
-        return Decision(decode, None, scores)
+    if decode.role == "both":
+        return Decision(decode, None, scores, AGGREGATED)
+    if uncached < cfg.min_remote_prefill_blocks:
+        return Decision(decode, None, scores, SHORT)
     prefillers = [c for c in candidates if c.role == "prefill"]
     if not prefillers:
-        return Decision(decode, None, scores, fallback=True)
-    prefill, prefill_scores = choose(prefillers, num_prompt_blocks, cfg, rng)
+        return Decision(decode, None, scores, NO_PREFILL_WORKER)
+    prefill, prefill_scores = choose(prefillers, num_prompt_blocks, cfg, rng, turn)
     scores = {**scores, **prefill_scores}
     if 0 < cfg.max_prefill_queue_tokens < prefill.prefill_tokens and decode.prefill_tokens < prefill.prefill_tokens:
-        return Decision(decode, None, scores, overflow=True)
-    return Decision(decode, prefill, scores)
+        return Decision(decode, None, scores, PREFILL_QUEUE_FULL)
+    return Decision(decode, prefill, scores, REMOTE)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import random
+from collections import Counter
 
 from services.common.errors import Unavailable
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -12,12 +14,14 @@ from services.scheduler.recent import RecentPlacements
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, registry: kv_registry_pb2_grpc.KvRegistryServiceStub, config: PlacementConfig,
-                 recent: RecentPlacements | None = None):
+                 recent: RecentPlacements | None = None, seed: int | None = None):
         self.registry = registry
         self.config = config
         self.recent = recent or RecentPlacements()
-        self.num_decode_only_fallbacks = 0
-        self.num_prefill_overflows = 0
+        self.rng = random.Random(seed)
+        self.placements = 0
+        self.by_reason: Counter[str] = Counter()
+        self.by_worker: Counter[str] = Counter()
 
     async def Place(self, request: scheduler_pb2.PlaceRequest, context) -> scheduler_pb2.PlaceResponse:
         timeout = context.time_remaining()
@@ -26,23 +30,33 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             self.registry.Match(kv_registry_pb2.MatchRequest(block_hashes=request.block_hashes), timeout=timeout))
         candidates = [self._candidate(w, match.matched_blocks.get(w.info.worker_id, 0)) for w in workers.workers]
         num_blocks = len(request.block_hashes)
-        decision = place(candidates, num_blocks, self.config)
+        decision = place(candidates, num_blocks, self.config, self.rng, self.placements, request.model)
         if decision is None:
-            raise Unavailable("no healthy decode or aggregated worker is registered")
+            model = f" for model {request.model!r}" if request.model else ""
+            raise Unavailable(f"no healthy decode or aggregated worker is registered{model}")
         if not request.dry_run:
             prefiller = decision.prefill or decision.decode
             block_size = workers.workers[0].info.block_size  # one size across the mesh (checked at registration)
             self.recent.add(prefiller.worker_id, prefill_tokens=request.num_prompt_tokens
                             - decision.cached_blocks * block_size)
             self.recent.add(decision.decode.worker_id, blocks=num_blocks - decision.decode.matched_blocks + 1)
-            self.num_decode_only_fallbacks += decision.fallback
-            self.num_prefill_overflows += decision.overflow
+            self.placements += 1
+            self.by_reason[decision.reason] += 1
+            self.by_worker.update({c.worker_id for c in (decision.decode, decision.prefill) if c})
         return scheduler_pb2.PlaceResponse(
             decode_address=decision.decode.address,
             prefill_address=decision.prefill.address if decision.prefill else "",
-            cached_blocks=decision.cached_blocks, scores=decision.scores)
+            cached_blocks=decision.cached_blocks, scores=decision.scores, prefill_reason=decision.reason,
+            decode_worker_id=decision.decode.worker_id,
+            prefill_worker_id=decision.prefill.worker_id if decision.prefill else "",
+            unknown_workers=match.unknown_workers)
+
+    async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context) -> scheduler_pb2.GetStatsResponse:
+        return scheduler_pb2.GetStatsResponse(placements=self.placements, by_prefill_reason=dict(self.by_reason),
+                                              by_worker=dict(self.by_worker))
 
     def _candidate(self, w: kv_registry_pb2.LiveWorker, matched_blocks: int) -> Candidate:
         prefill_tokens, blocks = self.recent.pending(w.info.worker_id)
         return Candidate(w.info.worker_id, w.info.address, w.info.role, matched_blocks,
-                         w.load.num_blocks - w.load.num_free_blocks + blocks, w.load.num_prefill_tokens + prefill_tokens)
+                         w.load.num_blocks - w.load.num_free_blocks + blocks, w.load.num_prefill_tokens + prefill_tokens,
+                         w.load.num_free_blocks - blocks, w.info.model)

@@ -2,8 +2,9 @@
 load every second (and within ``load_interval_s`` of a change, so that placement
 sees queues as they build), and publish its KV events as they happen (polled from the
 engine thread every ``event_interval_s``). A registry that no longer recognises
-this incarnation (it restarted, or this worker was declared dead) is answered by
-registering again and re-announcing every cached block."""
+this incarnation (this worker was declared dead) is answered by registering again
+and sending a full dump of its cached blocks; so is a registry that lost track of
+them (a gap in the events, or a registry restart) and says so in a response."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import uuid
 
 import grpc
 
-from services.common.convert import event_to_proto, load_to_proto
+from services.common.convert import event_to_proto, load_to_proto, tier_to_proto
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from services.worker.async_engine import AsyncEngine
 from worker.kv.block_hash import HASH_NAME
-from worker.kv.events import BlockStored, KVEvent
+from worker.kv.events import MEDIUM_DEVICE, KVEvent
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +48,13 @@ class Membership:
         while True:
             try:
                 events = await self.engine.call(lambda e: e.take_events())
-                if events:
-                    await self._publish(events)
+                dump = events and await self._publish(events)
                 since = loop.time() - last_beat
                 if since >= self.heartbeat_s or (since >= self.load_interval_s and self.engine.load() != self._reported):
-                    await self._heartbeat()
+                    dump = await self._heartbeat() or dump
                     last_beat = loop.time()
+                if dump:
+                    await self._dump()
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     log.warning("registry does not know this incarnation; registering again")
@@ -62,19 +64,28 @@ class Membership:
                     await asyncio.sleep(self.heartbeat_s)
             await asyncio.sleep(self.event_interval_s)
 
-    async def _publish(self, events: list[KVEvent]) -> None:
-        await self.registry.PublishEvents(kv_registry_pb2.PublishEventsRequest(
+    async def _publish(self, events: list[KVEvent]) -> bool:
+        """Send events; True when the registry asks for a full dump."""
+        reply = await self.registry.PublishEvents(kv_registry_pb2.PublishEventsRequest(
             worker_id=self.info.worker_id, incarnation=self.info.incarnation,
             events=[event_to_proto(e) for e in events]), timeout=5)
+        return reply.needs_full_dump
 
-    async def _heartbeat(self) -> None:
+    async def _heartbeat(self) -> bool:
+        """Renew and report load; True when the registry asks for a full dump."""
         load = self.engine.load()
-        await self.registry.Heartbeat(kv_registry_pb2.HeartbeatRequest(
+        reply = await self.registry.Heartbeat(kv_registry_pb2.HeartbeatRequest(
             worker_id=self.info.worker_id, incarnation=self.info.incarnation, load=load_to_proto(load)), timeout=5)
         self._reported = load
+        return reply.needs_full_dump
+
+    async def _dump(self) -> None:
+        seq, cached = await self.engine.call(lambda e: e.kv.dump())
+        reply = await self.registry.ReportBlocks(kv_registry_pb2.ReportBlocksRequest(
+            worker_id=self.info.worker_id, incarnation=self.info.incarnation, seq=seq,
+            tiers=[kv_registry_pb2.TierBlocks(tier=tier_to_proto(MEDIUM_DEVICE), block_hashes=cached)]), timeout=30)
+        log.info("sent a full dump of %d blocks (as of event %d)", reply.num_blocks, seq)
 
     async def _reregister(self) -> None:
         await self.register()
-        cached = await self.engine.call(lambda e: list(e.kv.pool.cached))
-        if cached:  # the registry starts from nothing for this worker: tell it everything
-            await self._publish([BlockStored(1, cached, None, [], self.info.block_size)])
+        await self._dump()  # the registry starts from nothing for this worker: tell it everything

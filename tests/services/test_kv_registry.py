@@ -27,15 +27,15 @@ async def test_prefix_match_counts_leading_blocks_per_worker(redis_client):
     index = PrefixIndex(redis_client)
     await index.register(record("a"))
     await index.register(record("b"))
-    assert await index.apply("a", "i1", [Stored(H[:4], 1)]) == 1
+    assert (await index.apply("a", "i1", [Stored(H[:4], 1)]))[0] == 1
     await index.apply("b", "i1", [Stored(H[:2], 1), Stored([H[3]], 2)])  # b lacks H[2]
-    assert await index.match(H[:5]) == {"a": 4, "b": 2}
-    assert await index.match([H[5]] + H[:3]) == {}
+    assert (await index.match(H[:5]))[0] == {"a": 4, "b": 2}
+    assert (await index.match([H[5]] + H[:3]))[0] == {}
     await index.apply("a", "i1", [Removed([H[1]], 2)])
-    assert await index.match(H[:5]) == {"a": 1, "b": 2}
+    assert (await index.match(H[:5]))[0] == {"a": 1, "b": 2}
     # a retried batch is idempotent
-    assert await index.apply("a", "i1", [Removed([H[1]], 2), AllBlocksCleared(3)]) == 3
-    assert await index.match(H[:5]) == {"b": 2}
+    assert (await index.apply("a", "i1", [Removed([H[1]], 2), AllBlocksCleared(3)]))[0] == 3
+    assert (await index.match(H[:5]))[0] == {"b": 2}
 
 
 async def test_stale_incarnation_is_fenced_and_restart_purges(redis_client):
@@ -43,7 +43,7 @@ async def test_stale_incarnation_is_fenced_and_restart_purges(redis_client):
     await index.register(record("a", "old"))
     await index.apply("a", "old", [Stored(H[:3], 1)])
     await index.register(record("a", "new"))  # the process restarted: its cache is gone
-    assert await index.match(H[:3]) == {}
+    assert (await index.match(H[:3]))[0] == {}
     with pytest.raises(StaleIncarnation):
         await index.apply("a", "old", [Stored(H[:3], 2)])
     with pytest.raises(StaleIncarnation):
@@ -64,5 +64,27 @@ async def test_expired_worker_is_dead_and_purged(redis_client):
         await asyncio.sleep(0.6)
         await index.heartbeat("b", "i1", Load(num_running=1))
     assert [r.worker_id for r, _ in await index.live_workers()] == ["b"]
-    assert await index.match(H[:2]) == {}
+    assert (await index.match(H[:2]))[0] == {}
     assert await redis_client.exists("kervan:own:a") == 0
+
+
+async def test_a_gap_makes_the_worker_unknown_until_its_dump_replaces_its_blocks(redis_client):
+    index = PrefixIndex(redis_client)
+    await index.register(record("a"))
+    await index.register(record("b"))
+    assert await index.apply("a", "i1", [Stored(H[:3], 1)]) == (1, False)
+    assert await index.apply("a", "i1", [Removed([H[0]], 3)]) == (3, True)  # event 2 was lost
+    # unknown, not empty: the last known blocks still answer, flagged
+    assert await index.match(H[:3]) == ({}, ["a"])
+    assert await index.heartbeat("a", "i1", Load()) and not await index.heartbeat("b", "i1", Load())
+    assert await index.replace_blocks("a", "i1", 5, {"device": H[:2], "host": [H[4]]}) == 3
+    assert await index.match(H[:3]) == ({"a": 2}, [])
+    assert await redis_client.hgetall("kervan:own:a") == {H[0].hex().encode(): b"device",
+                                                         H[1].hex().encode(): b"device", H[4].hex().encode(): b"host"}
+    assert await index.apply("a", "i1", [Stored([H[2]], 6)]) == (6, False)
+    assert await index.match(H[:4]) == ({"a": 3}, [])
+    # a registry that starts over vouches for nothing until the dumps arrive
+    await index.forget_all()
+    assert await index.match(H[:1]) == ({"a": 1}, ["a", "b"])
+    with pytest.raises(StaleIncarnation):
+        await index.replace_blocks("a", "old", 7, {})

@@ -7,8 +7,8 @@ from services.scheduler.placement import Candidate, PlacementConfig, place
 CFG = PlacementConfig(overlap_weight=1.0, min_remote_prefill_blocks=2)
 
 
-def cand(wid, role="decode", matched=0, active=0, queued=0):
-    return Candidate(wid, f"{wid}:1", role, matched, active, queued)
+def cand(wid, role="decode", matched=0, active=0, queued=0, free=100, model="m"):
+    return Candidate(wid, f"{wid}:1", role, matched, active, queued, free, model)
 
 
 def test_prefers_the_worker_holding_the_prefix_unless_it_is_busier():
@@ -32,13 +32,13 @@ def test_short_uncached_part_is_prefilled_locally():
 
 def test_decode_only_fallback_without_prefill_workers():
     d = place([cand("d")], 8, CFG)
-    assert d.prefill is None and d.fallback
+    assert d.prefill is None and d.fallback and d.reason == "no_prefill_worker"
 
 
 def test_a_full_prefill_queue_overflows_to_a_less_queued_decode_worker():
     cfg = PlacementConfig(max_prefill_queue_tokens=1000)
     d = place([cand("d", queued=200), cand("p", "prefill", queued=1500)], 8, cfg)
-    assert d.prefill is None and d.overflow and not d.fallback
+    assert d.prefill is None and d.overflow and not d.fallback and d.reason == "prefill_queue_full"
     assert place([cand("d", queued=1600), cand("p", "prefill", queued=1500)], 8, cfg).prefill.worker_id == "p"
     assert place([cand("d"), cand("p", "prefill", queued=900)], 8, cfg).prefill.worker_id == "p"
     never = PlacementConfig(max_prefill_queue_tokens=0)
@@ -55,3 +55,24 @@ def test_temperature_spreads_load_but_favours_the_cheaper():
     rng = random.Random(0)
     picks = [place([cand("a", matched=4), cand("b")], 8, cfg, rng).decode.worker_id for _ in range(400)]
     assert 0.75 < picks.count("a") / 400 < 0.99  # exp(0) vs exp(-2): about 88% to a
+
+
+def test_filters_model_and_room_before_cost():
+    pool = [cand("a", matched=8, model="other"), cand("b", active=3, free=5), cand("c", active=9)]
+    assert place(pool, 8, CFG, model="m").decode.worker_id == "c"  # b has no room for 8 blocks, a serves another model
+    assert place(pool, 8, CFG).decode.worker_id == "a"  # any model
+    assert place(pool, 4, CFG, model="m").decode.worker_id == "b"  # 5 free blocks hold 4 (+1 to decode)
+    full = [cand("b", active=3, free=0), cand("c", active=9, free=1)]
+    assert place(full, 8, CFG).decode.worker_id == "b"  # no room anywhere: queue on the cheapest
+    assert place(pool, 8, CFG, model="missing") is None
+
+
+def test_round_robin_and_random_baselines_ignore_the_cost():
+    pool = [cand("b"), cand("a", matched=8), cand("c")]
+    rr = PlacementConfig(policy="round_robin")
+    assert [place(pool, 8, rr, turn=t).decode.worker_id for t in range(4)] == ["a", "b", "c", "a"]
+    rng = random.Random(1)
+    picks = {place(pool, 8, PlacementConfig(policy="random"), rng).decode.worker_id for _ in range(50)}
+    assert picks == {"a", "b", "c"}
+    d = place([cand("d", matched=1), cand("p1", "prefill"), cand("p2", "prefill")], 8, rr, turn=1)
+    assert (d.decode.worker_id, d.prefill.worker_id, d.reason) == ("d", "p2", "remote")

@@ -129,6 +129,12 @@ class BlockPool:
         for h, block in self.cached.items():
             assert block.block_hash == h
 
+    def dump(self) -> tuple[int, list[BlockHash]]:
+        """Every cached block, as of the last event's sequence number. Events not yet
+        taken are dropped: the dump supersedes them."""
+        self._events.clear()
+        return self._seq, list(self.cached)
+
     def _emit(self, event: KVEvent) -> None:
         self._events.append(event)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from worker.engine.request import Request
+from worker.kv.block_hash import BlockHash
 from worker.kv.block_pool import BlockPool, KVBlock
 from worker.kv.events import KVEvent
 
@@ -128,6 +129,9 @@ class KVCacheManager:
 
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()
+
+    def dump(self) -> tuple[int, list[BlockHash]]:
+        return self.pool.dump()
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()

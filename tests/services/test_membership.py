@@ -1,0 +1,69 @@
+"""A worker's membership against a real kv-registry on a real Redis: its blocks
+reach the index, and a registry that loses track of them (a gap in the events, a
+restart) gets them back from a full dump."""
+
+import asyncio
+
+import grpc
+
+from services.common.server import Service, start_server
+from services.kv_registry.__main__ import SERVICE_NAME
+from services.kv_registry.index import PrefixIndex
+from services.kv_registry.servicer import KvRegistryServicer
+from services.proto import kv_registry_pb2_grpc
+from services.worker.async_engine import AsyncEngine
+from services.worker.membership import Membership
+from tests.conftest import make_engine, make_prompts
+from worker import SamplingParams
+from worker.kv.block_hash import HASH_NAME
+
+
+async def until(predicate, timeout=10.0):
+    for _ in range(int(timeout / 0.02)):
+        if await predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def test_blocks_reach_the_index_and_gaps_and_restarts_are_healed_by_dumps(llama, redis_client):
+    index = PrefixIndex(redis_client)
+    registry = await start_server([Service(SERVICE_NAME, lambda s: kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(
+        KvRegistryServicer(index, 4, HASH_NAME), s))])
+    engine = AsyncEngine(make_engine(llama[1]))
+    engine.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
+    member = Membership(kv_registry_pb2_grpc.KvRegistryServiceStub(channel), engine, "127.0.0.1:1", "both", "m",
+                        heartbeat_s=0.1)
+    task = asyncio.create_task(member.run())
+    wid = member.info.worker_id
+    params = SamplingParams(max_tokens=1, temperature=0)
+    try:
+        async def run(rid, prompt):
+            async for _ in engine.generate(rid, prompt, params):
+                pass
+
+        async def index_has(n):  # the worker's blocks, all of them, none unknown
+            cached = await engine.call(lambda e: list(e.kv.pool.cached))
+            matched, unknown = await index.match(cached[:1])
+            owned = await redis_client.hkeys(f"kervan:own:{wid}")
+            return not unknown and len(cached) == n and sorted(owned) == sorted(h.hex().encode() for h in cached)
+
+        await run("r1", make_prompts([12], seed=40)[0])  # 3 full blocks of 4 tokens
+        await until(lambda: index_has(3))
+        hashes = await engine.call(lambda e: list(e.kv.pool.cached))
+        # an event is lost (its number skipped) and with it what the index knew
+        await engine.call(lambda e: setattr(e.kv.pool, "_seq", e.kv.pool._seq + 1))
+        await redis_client.delete(f"kervan:own:{wid}")
+        await run("r2", make_prompts([8], seed=41)[0])
+        await until(lambda: index_has(5))  # the gap was seen, and the dump restored all of it
+        # the registry restarts: it vouches for nothing until the dump
+        await index.forget_all()
+        assert (await index.match(hashes[:1]))[1] == [wid]
+        await until(lambda: index_has(5))
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await channel.close()
+        await registry.stop(0)
+        engine.stop()
