@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,8 @@ class ClusterSpec:
     dtype: str = "bfloat16"
     num_kv_blocks: int | None = None
     threads_per_worker: int | None = None  # None: this host's cores shared evenly among its workers
+    pin_cores: bool = False  # pin worker i to its own core(s) (benchmarks: no two engines share a core)
+    scheduler_args: tuple[str, ...] = ()  # extra flags for the scheduler, e.g. ("--policy", "round_robin")
 
     @property
     def num_workers(self) -> int:
@@ -55,6 +58,7 @@ class Cluster:
     log_dir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
+    spawned: Counter[str] = field(default_factory=Counter)  # workers started so far, by role
 
     @property
     def router_address(self) -> str:
@@ -67,17 +71,13 @@ class Cluster:
             self._start("kv-registry", "services.kv_registry", "--redis", redis_url,
                         "--block-size", str(self.spec.block_size))
             self._wait_serving(["kv-registry"], timeout)
-            self._start("scheduler", "services.scheduler", "--registry", self.addresses["kv-registry"])
-            workers = [f"{role}-{i}" for role, n in (("prefill", self.spec.num_prefill),
-                                                     ("decode", self.spec.num_decode), ("both", self.spec.num_both))
-                       for i in range(n)]
-            if not any(w.startswith(("decode", "both")) for w in workers):
+            self._start("scheduler", "services.scheduler", "--registry", self.addresses["kv-registry"],
+                        *self.spec.scheduler_args)
+            roles = [role for role, n in (("prefill", self.spec.num_prefill), ("decode", self.spec.num_decode),
+                                          ("both", self.spec.num_both)) for _ in range(n)]
+            if not set(roles) & {"decode", "both"}:
                 raise ValueError("a cluster needs at least one decode or aggregated (both) worker")
-            for name in workers:
-                extra = ["--num-kv-blocks", str(self.spec.num_kv_blocks)] if self.spec.num_kv_blocks else []
-                self._start(name, "services.worker", "--role", name.split("-")[0], "--model", str(self.spec.model_dir),
-                            "--registry", self.addresses["kv-registry"], "--dtype", self.spec.dtype, *extra,
-                            env={"OMP_NUM_THREADS": str(self.spec.worker_threads())})
+            workers = [self.spawn_worker(role) for role in roles]
             self._wait_serving(["scheduler", *workers], timeout)
             self._start("router", "services.router", "--scheduler", self.addresses["scheduler"],
                         "--model", str(self.spec.model_dir), "--block-size", str(self.spec.block_size),
@@ -86,6 +86,38 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
+
+    def spawn_worker(self, role: str) -> str:
+        """Start one more worker (it joins the mesh once it registers); returns its name."""
+        name = f"{role}-{self.spawned[role]}"
+        threads = self.spec.worker_threads()
+        cores = None
+        if self.spec.pin_cores:
+            slot = sum(self.spawned.values())
+            cores = {(slot * threads + k) % (os.cpu_count() or 1) for k in range(threads)}
+        self.spawned[role] += 1
+        extra = ["--num-kv-blocks", str(self.spec.num_kv_blocks)] if self.spec.num_kv_blocks else []
+        self._start(name, "services.worker", "--role", role, "--model", str(self.spec.model_dir),
+                    "--registry", self.addresses["kv-registry"], "--dtype", self.spec.dtype, *extra,
+                    env={"OMP_NUM_THREADS": str(threads)}, cores=cores)
+        return name
+
+    def add_worker(self, role: str, timeout: float = 180.0) -> str:
+        """A worker joining a running cluster: started and waited for."""
+        name = self.spawn_worker(role)
+        self._wait_serving([name], timeout)
+        return name
+
+    def stop_process(self, name: str, grace: float = 10.0) -> int:
+        """SIGTERM one service (a worker drains: it leaves the mesh, then finishes its
+        requests); SIGKILL after ``grace``. Returns its exit code."""
+        proc = self.procs.pop(name)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
 
     def _start_redis(self) -> str:
         port = free_port()
@@ -101,16 +133,20 @@ class Cluster:
             time.sleep(0.05)
         raise TimeoutError("redis-server did not start")
 
-    def _start(self, name: str, module: str, *args: str, port: int = 0, env: dict[str, str] | None = None) -> None:
+    def _start(self, name: str, module: str, *args: str, port: int = 0, env: dict[str, str] | None = None,
+               cores: set[int] | None = None) -> None:
         port = port or free_port()
         self.addresses[name] = f"127.0.0.1:{port}"
-        self._spawn(name, [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args], env)
+        self._spawn(name, [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args], env,
+                    cores)
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+               cores: set[int] | None = None) -> None:
         log = open(self.log_dir / f"{name}.log", "wb")
         # a new session: Ctrl-C in the terminal reaches the launcher only, which stops children in order
         self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True, env={**os.environ, **(env or {})})
+                                            start_new_session=True, env={**os.environ, **(env or {})},
+                                            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
         log.close()
 
     def _wait_serving(self, names: list[str], timeout: float) -> None:

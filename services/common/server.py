@@ -71,10 +71,11 @@ async def start_server(services: list[Service], host: str = "127.0.0.1", port: i
 
 
 async def serve_until_signal(handle: Server, on_stop: Callable[[], Awaitable[None]] | None = None,
-                             grace: float = 5.0, stop: asyncio.Event | None = None) -> None:
+                             grace: float = 5.0, stop: asyncio.Event | None = None,
+                             on_drain: Callable[[], Awaitable[None]] | None = None) -> None:
     """Mark SERVING, wait for SIGTERM or SIGINT (or ``stop``, when the main thread owns
-    the signals), then drain: NOT_SERVING, finish in-flight calls for up to ``grace``
-    seconds, run ``on_stop``."""
+    the signals), then drain: run ``on_drain`` (e.g. leave the mesh), NOT_SERVING,
+    finish in-flight calls for up to ``grace`` seconds, run ``on_stop``."""
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -83,6 +84,8 @@ async def serve_until_signal(handle: Server, on_stop: Callable[[], Awaitable[Non
     await handle.set_serving(True)
     await stop.wait()
     log.info("draining")
+    if on_drain is not None:
+        await on_drain()
     await handle.stop(grace)
     if on_stop is not None:
         await on_stop()

@@ -77,6 +77,10 @@ class PrefixIndex:
             pipe.srem(f"{P}unknown", worker.worker_id)  # a fresh process: known to be empty
             await pipe.execute()
 
+    async def deregister(self, worker_id: str, incarnation: str) -> None:
+        await self._check(worker_id, incarnation)
+        await self.purge(worker_id)
+
     async def heartbeat(self, worker_id: str, incarnation: str, load: Load) -> bool:
         """Renew and record load; True when the registry needs the worker's full dump."""
         key = f"{P}w:{worker_id}"

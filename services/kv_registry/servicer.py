@@ -26,6 +26,10 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
                                                w.block_size, w.hash_name))
         return kv_registry_pb2.RegisterResponse(ttl_s=self.index.ttl_s)
 
+    async def Deregister(self, request, context) -> kv_registry_pb2.DeregisterResponse:
+        await self.index.deregister(request.worker_id, request.incarnation)
+        return kv_registry_pb2.DeregisterResponse()
+
     async def Heartbeat(self, request, context) -> kv_registry_pb2.HeartbeatResponse:
         dump = await self.index.heartbeat(request.worker_id, request.incarnation, load_from_proto(request.load))
         return kv_registry_pb2.HeartbeatResponse(needs_full_dump=dump)

@@ -78,6 +78,18 @@ class HeartbeatResponse(_message.Message):
     needs_full_dump: bool
     def __init__(self, needs_full_dump: _Optional[bool] = ...) -> None: ...
 
+class DeregisterRequest(_message.Message):
+    __slots__ = ("worker_id", "incarnation")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class DeregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class KvEvent(_message.Message):
     __slots__ = ("seq", "stored", "removed", "cleared")
     SEQ_FIELD_NUMBER: _ClassVar[int]

@@ -41,6 +41,11 @@ class KvRegistryServiceStub:
                 request_serializer=kervan_dot_v1_dot_kv__registry__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=kervan_dot_v1_dot_kv__registry__pb2.RegisterResponse.FromString,
                 _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/kervan.v1.KvRegistryService/Deregister',
+                request_serializer=kervan_dot_v1_dot_kv__registry__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=kervan_dot_v1_dot_kv__registry__pb2.DeregisterResponse.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/kervan.v1.KvRegistryService/Heartbeat',
                 request_serializer=kervan_dot_v1_dot_kv__registry__pb2.HeartbeatRequest.SerializeToString,
@@ -75,6 +80,13 @@ class KvRegistryServiceServicer:
 
     def Register(self, request, context):
         """Join the mesh (or rejoin with a new incarnation).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Deregister(self, request, context):
+        """Leave the mesh (a draining worker): placement stops choosing it at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -123,6 +135,11 @@ def add_KvRegistryServiceServicer_to_server(servicer, server):
                     servicer.Register,
                     request_deserializer=kervan_dot_v1_dot_kv__registry__pb2.RegisterRequest.FromString,
                     response_serializer=kervan_dot_v1_dot_kv__registry__pb2.RegisterResponse.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=kervan_dot_v1_dot_kv__registry__pb2.DeregisterRequest.FromString,
+                    response_serializer=kervan_dot_v1_dot_kv__registry__pb2.DeregisterResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
@@ -179,6 +196,33 @@ class KvRegistryService:
             '/kervan.v1.KvRegistryService/Register',
             kervan_dot_v1_dot_kv__registry__pb2.RegisterRequest.SerializeToString,
             kervan_dot_v1_dot_kv__registry__pb2.RegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kervan.v1.KvRegistryService/Deregister',
+            kervan_dot_v1_dot_kv__registry__pb2.DeregisterRequest.SerializeToString,
+            kervan_dot_v1_dot_kv__registry__pb2.DeregisterResponse.FromString,
             options,
             channel_credentials,
             insecure,

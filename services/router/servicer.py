@@ -9,6 +9,7 @@ away cancels the worker calls, which abort the request and free its blocks."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,6 +24,10 @@ from services.router.detokenizer import Detokenizer
 from services.router.routes import Placement, ScheduledRoutes, StaticRoutes
 from worker.engine.sampling_params import InvalidRequest
 from worker.tokenizer import Tokenizer
+
+
+log = logging.getLogger(__name__)
+MAX_PLACEMENTS = 3
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             samples: dict[int, _Sample] = {}
             cached = 0
             try:
-                async for update in self._run(rid, prompt, request.sampling, params.n, _Deadline(context)):
+                async for update in self._placed(rid, prompt, request.sampling, params.n, _Deadline(context)):
                     cached = max(cached, update.cached_prompt_tokens)
                     sample = samples.setdefault(update.sample_index, _Sample(
                         Detokenizer(self.tokenizer) if self.tokenizer else None))
@@ -88,6 +93,24 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 await context.abort(err.code(), err.details() or "worker failed")
         finally:
             self.in_flight.discard(rid)
+
+    async def _placed(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams, n: int,
+                      deadline: "_Deadline") -> AsyncIterator[worker_pb2.TokenUpdate]:
+        """``_run``, placed again when the chosen worker is unavailable before it produced
+        anything (it left or died after the scheduler chose it), up to MAX_PLACEMENTS."""
+        for attempt in range(1, MAX_PLACEMENTS + 1):
+            produced = False
+            try:
+                async for update in self._run(rid, prompt, sampling, n, deadline):
+                    produced = True
+                    yield update
+                return
+            except grpc.aio.AioRpcError as err:
+                if produced or err.code() != grpc.StatusCode.UNAVAILABLE or attempt == MAX_PLACEMENTS:
+                    raise
+                log.info("request %s: worker unavailable before its first token (%s); placing again", rid,
+                         err.details())
+                await asyncio.sleep(0.05 * attempt)
 
     async def _run(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams, n: int,
                    deadline: "_Deadline") -> AsyncIterator[worker_pb2.TokenUpdate]:

@@ -44,7 +44,7 @@ async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: 
     handle = await start_server(
         [Service(SERVICE_NAME, lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, s))],
         args.host, args.port)
-    membership_task = registry_channel = None
+    membership = membership_task = registry_channel = None
     if args.registry:
         registry_channel = grpc.aio.insecure_channel(args.registry)
         membership = Membership(kv_registry_pb2_grpc.KvRegistryServiceStub(registry_channel), async_engine,
@@ -53,13 +53,19 @@ async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: 
         membership_task = asyncio.get_running_loop().create_task(membership.run())
     print(f"worker ready on {args.host}:{handle.port}", flush=True)
 
+    async def on_drain() -> None:
+        if membership_task is not None:
+            membership_task.cancel()  # no heartbeat may re-register this worker now
+            await asyncio.gather(membership_task, return_exceptions=True)
+            await membership.deregister()
+
     async def on_stop() -> None:
         if membership_task is not None:
             membership_task.cancel()
             await registry_channel.close()
         await servicer.close()
 
-    await serve_until_signal(handle, on_stop, stop=stop)
+    await serve_until_signal(handle, on_stop, stop=stop, on_drain=on_drain)
 
 
 def main(argv: list[str] | None = None) -> None:

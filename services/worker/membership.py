@@ -40,6 +40,14 @@ class Membership:
     async def register(self) -> None:
         await self.registry.Register(kv_registry_pb2.RegisterRequest(worker=self.info), timeout=5)
 
+    async def deregister(self) -> None:
+        """Leave the mesh before draining, so that nothing new is placed here."""
+        try:
+            await self.registry.Deregister(kv_registry_pb2.DeregisterRequest(
+                worker_id=self.info.worker_id, incarnation=self.info.incarnation), timeout=2)
+        except grpc.aio.AioRpcError as err:  # the registry will expire this worker by itself
+            log.warning("could not deregister: %s", err.code().name)
+
     async def run(self) -> None:
         """Heartbeats and event publishing until cancelled."""
         await self.register()

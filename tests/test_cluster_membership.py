@@ -1,0 +1,89 @@
+"""Workers joining and leaving a running mesh of real processes while traffic flows."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from control_plane.client import Completion, accumulate, build_request, stream
+from control_plane.launcher import Cluster, ClusterSpec
+from services.proto import scheduler_pb2, scheduler_pb2_grpc
+from tests.conftest import make_prompts
+from worker.kv.block_hash import hash_blocks
+
+
+async def complete(address, prompt, n) -> Completion:
+    out = Completion()
+    async for msg in stream(address, build_request(token_ids=prompt, max_tokens=n, temperature=0.0,
+                                                   ignore_eos=True), timeout=120):
+        accumulate(out, msg)
+    return out
+
+
+async def stats(cluster) -> scheduler_pb2.GetStatsResponse:
+    async with grpc.aio.insecure_channel(cluster.addresses["scheduler"]) as ch:
+        return await scheduler_pb2_grpc.SchedulerServiceStub(ch).GetStats(scheduler_pb2.GetStatsRequest())
+
+
+def test_workers_join_and_leave_while_requests_flow(llama, tmp_path):
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, dtype="float32",
+                                  num_kv_blocks=256), tmp_path)
+    cluster.start(timeout=240)
+    try:
+        prompts = make_prompts([20 + i % 13 for i in range(300)], seed=50)
+
+        async def traffic():
+            outs, done = [], asyncio.Event()
+
+            async def client(k):  # closed loop, bounded by the prompt list
+                for prompt in prompts[k::4]:
+                    if done.is_set():
+                        return
+                    outs.append(await complete(cluster.router_address, prompt, 6))
+
+            async def until(predicate):
+                for _ in range(1200):
+                    ok = predicate()
+                    if ok if not asyncio.iscoroutine(ok) else await ok:
+                        return
+                    await asyncio.sleep(0.05)
+                raise AssertionError("condition not reached")
+
+            clients = [asyncio.create_task(client(k)) for k in range(4)]
+            await until(lambda: len(outs) >= 4)
+            name = await asyncio.to_thread(cluster.add_worker, "both")  # joins mid-traffic
+            joined = f"both@{cluster.addresses[name]}"  # worker ids are role@address
+
+            async def chosen():
+                return (await stats(cluster)).by_worker.get(joined, 0) > 0
+            await until(chosen)
+            code = await asyncio.to_thread(cluster.stop_process, "both-0")  # drains mid-traffic
+            settled = len(outs)
+            await until(lambda: len(outs) >= settled + 8)  # served by the newcomer alone
+            done.set()
+            await asyncio.gather(*clients)
+            return outs, code
+
+        outs, code = asyncio.run(traffic())
+        assert code == 0  # drained cleanly
+        assert [len(o.token_ids) for o in outs] == [6] * len(outs)
+        assert all(o.finish_reason == "length" for o in outs)
+        s = asyncio.run(stats(cluster))
+        assert s.placements >= len(outs) and set(s.by_worker) == {
+            f"both@{cluster.addresses['both-0']}", f"both@{cluster.addresses['both-1']}"}
+
+        async def dry_run():  # answers without counting; only the remaining worker is a candidate
+            async with grpc.aio.insecure_channel(cluster.addresses["scheduler"]) as ch:
+                stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+                placed = await stub.Place(scheduler_pb2.PlaceRequest(
+                    request_id="dry", block_hashes=hash_blocks(prompts[0], 16), num_prompt_tokens=len(prompts[0]),
+                    dry_run=True))
+                return placed, await stub.GetStats(scheduler_pb2.GetStatsRequest())
+
+        placed, after = asyncio.run(dry_run())
+        assert placed.decode_address == cluster.addresses["both-1"] and placed.prefill_reason == "aggregated"
+        assert list(placed.scores) == [f"both@{cluster.addresses['both-1']}"]
+        assert after.placements == s.placements
+    finally:
+        cluster.stop()
