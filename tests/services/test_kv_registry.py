@@ -88,3 +88,25 @@ async def test_a_gap_makes_the_worker_unknown_until_its_dump_replaces_its_blocks
     assert await index.match(H[:1]) == ({"a": 1}, ["a", "b"])
     with pytest.raises(StaleIncarnation):
         await index.replace_blocks("a", "old", 7, {})
+
+
+def test_leading_owners_walks_slot_bitmaps_as_redis_numbers_bits():
+    from services.kv_registry.block_owners import leading_owners
+    # slot 0 is the first byte's most significant bit; slot 9 is in the second byte
+    a, b, j = 0x80, 0x40, 0x0040
+    bitmaps = [bytes([a | b]) + bytes([j]), bytes([a | b, j]), bytes([a]), None, bytes([a])]
+    assert leading_owners(bitmaps, {0: "a", 1: "b", 9: "j"}) == {"a": 3, "b": 2, "j": 2}
+    assert leading_owners([bytes([a])], {0: "a"}) == {"a": 1}
+    assert leading_owners([None, bytes([a])], {0: "a"}) == {}
+
+
+async def test_empty_bitmaps_are_deleted_and_slots_reused(redis_client):
+    index = PrefixIndex(redis_client)
+    await index.register(record("a"))
+    await index.register(record("b"))
+    await index.apply("b", "i1", [Stored(H[:2], 1)])
+    await index.apply("b", "i1", [Removed(H[:2], 2)])
+    assert await redis_client.keys("kervan:blk:*") == []
+    await index.purge("a")
+    await index.register(record("c"))  # takes the slot a left
+    assert await redis_client.hgetall("kervan:slots") == {b"b": b"1", b"c": b"0"}

@@ -1,0 +1,105 @@
+"""Which workers hold which KV block, as one small bitmap per block in Redis.
+
+Every registered worker gets a slot (the lowest free one); ``blk:{hash}`` is a
+bitmap with the owners' slot bits set, deleted when its last bit clears. A
+longest-prefix match is then one round trip of one MGET (plus the slot table and
+the unknown set, pipelined) and a walk of AND-ed integers on the client: a
+128-block prompt moves ~128 short strings, where a set per block (SMEMBERS of
+each) moved every owner's id for every block and cost several times more (the
+registry benchmark measures both)."""
+
+from __future__ import annotations
+
+import redis.asyncio as redis
+from redis.asyncio.client import Pipeline
+
+# KEYS[1]: the slot table (worker id -> slot); ARGV[1]: the worker id. Returns its slot.
+_ALLOCATE = """
+local have = redis.call('HGET', KEYS[1], ARGV[1])
+if have then return tonumber(have) end
+local used = {}
+for _, s in ipairs(redis.call('HVALS', KEYS[1])) do used[tonumber(s)] = true end
+local slot = 0
+while used[slot] do slot = slot + 1 end
+redis.call('HSET', KEYS[1], ARGV[1], slot)
+return slot
+"""
+
+# KEYS: block bitmaps; ARGV[1]: the slot to clear. Empty bitmaps are deleted.
+_CLEAR = """
+for _, key in ipairs(KEYS) do
+  redis.call('SETBIT', key, ARGV[1], 0)
+  if redis.call('BITCOUNT', key) == 0 then redis.call('DEL', key) end
+end
+return #KEYS
+"""
+
+
+class BlockOwners:
+    def __init__(self, client: redis.Redis, prefix: str):
+        self.r = client
+        self.prefix = prefix
+        self.slots_key = f"{prefix}slots"
+        self._allocate = client.register_script(_ALLOCATE)
+        self._clear = client.register_script(_CLEAR)
+
+    def key(self, block_hex: str) -> str:
+        return f"{self.prefix}blk:{block_hex}"
+
+    async def allocate_slot(self, worker_id: str) -> int:
+        return int(await self._allocate(keys=[self.slots_key], args=[worker_id]))
+
+    async def release_slot(self, worker_id: str) -> None:
+        await self.r.hdel(self.slots_key, worker_id)
+
+    def add(self, pipe: Pipeline, slot: int, block_hexes: list[str]) -> None:
+        for h in block_hexes:
+            pipe.setbit(self.key(h), slot, 1)
+
+    async def remove(self, pipe: Pipeline, slot: int, block_hexes: list[str], chunk: int = 4096) -> None:
+        """Queue the clearing of ``slot`` in the blocks' bitmaps on ``pipe``."""
+        for i in range(0, len(block_hexes), chunk):
+            await self._clear(keys=[self.key(h) for h in block_hexes[i:i + chunk]], args=[slot], client=pipe)
+
+    async def match(self, block_hashes: list[bytes], unknown_key: str) -> tuple[dict[str, int], list[str]]:
+        """Worker id -> how many leading blocks of the prompt it holds; the unknown workers."""
+        async with self.r.pipeline(transaction=False) as pipe:
+            if block_hashes:
+                pipe.mget([self.key(h.hex()) for h in block_hashes])
+            pipe.hgetall(self.slots_key)
+            pipe.smembers(unknown_key)
+            *bitmaps, slots, unknown = await pipe.execute()
+        unknown_ids = sorted(w.decode() for w in unknown)
+        if not block_hashes:
+            return {}, unknown_ids
+        return leading_owners(bitmaps[0], {int(s): w.decode() for w, s in slots.items()}), unknown_ids
+
+
+def leading_owners(bitmaps: list[bytes | None], workers: dict[int, str]) -> dict[str, int]:
+    """Slot bitmaps of consecutive blocks -> worker id -> leading blocks it holds.
+
+    Redis numbers bitmap bits from the most significant bit of the first byte, so
+    with every bitmap padded to one width, slot ``s`` is integer bit ``8 * width - 1 - s``."""
+    width = max((len(b) for b in bitmaps if b), default=0)
+    if not width:
+        return {}
+    top = 8 * width - 1
+    counts: dict[str, int] = {}
+    alive = -1  # all ones
+    for i, raw in enumerate(bitmaps):
+        now = alive & int.from_bytes((raw or b"").ljust(width, b"\0"), "big")
+        dropped = alive & ~now if i else 0
+        while dropped:
+            bit = dropped.bit_length() - 1
+            dropped &= ~(1 << bit)
+            if top - bit in workers:
+                counts[workers[top - bit]] = i
+        alive = now
+        if not alive:
+            return counts
+    while alive:
+        bit = alive.bit_length() - 1
+        alive &= ~(1 << bit)
+        if top - bit in workers:
+            counts[workers[top - bit]] = len(bitmaps)
+    return counts
