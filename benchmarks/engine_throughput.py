@@ -10,8 +10,8 @@ each and their ratio, and the engine's KV waste (allocated but unfilled slots
 over allocated, summed over every step). Rounds alternate the two systems on
 fresh prompts; the headline numbers are medians over rounds.
 
-    python benchmarks/engine_throughput.py                # embedded default model, 3 rounds
-    python benchmarks/engine_throughput.py --model DIR --num-requests 128
+    python -m benchmarks.engine_throughput                # embedded default model, 3 rounds
+    python -m benchmarks.engine_throughput --model DIR --num-requests 128
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
    another process through the shared-memory and the gRPC-stream paths, against a
    plain shared-memory copy of the same bytes (copy in, copy out) in this process.
 
-    python benchmarks/mesh_throughput.py            # ~6 min on the embedded default model
+    python -m benchmarks.mesh_throughput            # ~8 min on the embedded default model
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from pathlib import Path
 import grpc
 import torch
 
-from control_plane.client import build_request
+from benchmarks.load import pct_ms, run_closed_loop
 from control_plane.launcher import Cluster, ClusterSpec, free_port, new_log_dir
-from services.proto import router_pb2_grpc, worker_pb2_grpc
+from services.proto import worker_pb2_grpc
 from services.worker import kv_transfer
 from worker import Engine, SamplingParams
 from worker.default_model import ensure_default_model
@@ -43,17 +43,10 @@ def workload(num, prompt_range, output_range, vocab, seed):
             for _ in range(num)]
 
 
-def pct(values, q):
-    if not values:
-        return None
-    values = sorted(values)
-    return round(values[min(len(values) - 1, int(q / 100 * len(values)))] * 1000, 2)
-
-
 def summary(seconds, tokens, ttfts, itls) -> dict:
     return {"output_tokens_per_s": round(tokens / seconds, 1), "seconds": round(seconds, 2),
-            "ttft_ms": {"p50": pct(ttfts, 50), "p99": pct(ttfts, 99)},
-            "itl_ms": {"p50": pct(itls, 50), "p99": pct(itls, 99)}}
+            "ttft_ms": {"p50": pct_ms(ttfts, 50), "p99": pct_ms(ttfts, 99)},
+            "itl_ms": {"p50": pct_ms(itls, 50), "p99": pct_ms(itls, 99)}}
 
 
 def run_engine(engine: Engine, work, concurrency: int) -> dict:
@@ -81,36 +74,9 @@ def run_engine(engine: Engine, work, concurrency: int) -> dict:
 
 
 async def run_mesh(address: str, work, concurrency: int) -> dict:
-    sem = asyncio.Semaphore(concurrency)
-    ttfts, itls = [], []
-    tokens = 0
-
-    async def one(prompt, n):
-        nonlocal tokens
-        async with sem:
-            start = last = time.perf_counter()
-            first = True
-            async for msg in stub.Generate(build_request(token_ids=prompt, max_tokens=n, temperature=0.0,
-                                                         ignore_eos=True), timeout=600):
-                new = len(msg.delta.token_ids)
-                if not new:
-                    continue
-                now = time.perf_counter()
-                tokens += new
-                if first:
-                    ttfts.append(now - start)
-                    first = False
-                else:
-                    itls.extend([(now - last) / new] * new)
-                last = now
-
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = router_pb2_grpc.RouterServiceStub(channel)
-        await one([5] * 8, 2)  # warm-up (not part of the workload: no prefix hit for it)
-        tokens, ttfts[:], itls[:] = 0, [], []
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(p, n) for p, n in work))
-        return summary(time.perf_counter() - t0, tokens, ttfts, itls)
+    results, seconds = await run_closed_loop(address, work, concurrency)
+    return summary(seconds, sum(r.tokens for r in results), [r.ttft for r in results],
+                   [x for r in results for x in r.itls])
 
 
 def plain_copy_bytes_per_s(data: torch.Tensor, rounds: int) -> float:

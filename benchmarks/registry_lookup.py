@@ -14,7 +14,7 @@ chain's 128 hashes and gets, per worker, how many leading blocks it holds.
 - ``grpc_match``: the bitmaps behind the kv-registry's Match RPC, as the scheduler
   sees it (an in-process server on loopback).
 
-    python benchmarks/registry_lookup.py        # ~1 min; --blocks 100000 for a quick run
+    python -m benchmarks.registry_lookup        # ~1 min; --blocks 100000 for a quick run
 """
 
 from __future__ import annotations

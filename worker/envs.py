@@ -1,6 +1,6 @@
 """Every environment variable Kervan reads, in one place.
 
-Besides the two below, each service option ``--some-option`` of service NAME
+Besides the three below, each service option ``--some-option`` of service NAME
 (worker, router, scheduler, kv_registry) reads ``KERVAN_<NAME>_<SOME_OPTION>``
 when the flag is not given; the rule lives in ``services/common/config.py``."""
 
@@ -26,3 +26,10 @@ def attention_backend() -> str:
     if value not in ("auto", "native", "torch"):
         raise ValueError(f"{KERVAN_ATTENTION_BACKEND}={value!r}; expected auto, native or torch")
     return value
+
+# the services' log level (DEBUG shows, e.g., every placement with its scores)
+KERVAN_LOG_LEVEL = "KERVAN_LOG_LEVEL"
+
+
+def log_level() -> str:
+    return os.environ.get(KERVAN_LOG_LEVEL, "INFO").upper()

@@ -12,3 +12,4 @@ class Load:
     num_free_blocks: int = 0  # cached or empty
     num_blocks: int = 0
     num_prefill_tokens: int = 0  # prompt tokens admitted, not yet computed
+    num_evictable_blocks: int = 0  # free blocks still holding cached prefixes (a subset of the free ones)

@@ -94,5 +94,6 @@ async def serve_until_signal(handle: Server, on_stop: Callable[[], Awaitable[Non
 def run(main: Callable[[], Awaitable[None]]) -> None:
     """Run a service's async main on uvloop (on the calling thread)."""
     import uvloop
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from worker.envs import log_level
+    logging.basicConfig(level=log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     uvloop.run(main())

@@ -23,14 +23,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--policy", choices=POLICIES, default="kv",
                     help="kv: KV-overlap and load cost; round_robin and random are baselines")
-    ap.add_argument("--overlap-weight", type=float, default=1.0)
+    ap.add_argument("--overlap-weight", type=float, default=PlacementConfig.overlap_weight,
+                    help="weight of uncached prompt blocks")
+    ap.add_argument("--eviction-weight", type=float, default=PlacementConfig.eviction_weight,
+                    help="weight of cached blocks a request would evict")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--min-remote-prefill-blocks", type=int, default=2,
                     help="uncached prompt blocks below which the decode worker prefills locally")
     ap.add_argument("--max-prefill-queue-tokens", type=int, default=PlacementConfig.max_prefill_queue_tokens,
                     help="prefill-pool queue (tokens) above which the decode worker prefills locally; 0: never")
-    ap.add_argument("--recent-window-s", type=float, default=0.1,
-                    help="how long a placement counts against a worker before its load reports can show it")
+    ap.add_argument("--load-window-s", type=float, default=0.1,
+                    help="how long a placement counts against a worker's load before its reports can show it")
+    ap.add_argument("--prefix-window-s", type=float, default=3.0,
+                    help="how long a placed prompt's blocks count as the worker's before its KV events can show them")
     ap.add_argument("--seed", type=int, default=None, help="seed of the random draws (random policy, temperature)")
     return parse_args_with_env(ap, "scheduler", argv)
 
@@ -38,9 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     channel = grpc.aio.insecure_channel(args.registry)
     servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(channel),
-                                 PlacementConfig(args.policy, args.overlap_weight, args.temperature,
-                                                 args.min_remote_prefill_blocks, args.max_prefill_queue_tokens),
-                                 RecentPlacements(args.recent_window_s), args.seed)
+                                 PlacementConfig(args.policy, args.overlap_weight, args.eviction_weight,
+                                                 args.temperature, args.min_remote_prefill_blocks,
+                                                 args.max_prefill_queue_tokens),
+                                 RecentPlacements(args.load_window_s, args.prefix_window_s), args.seed)
     handle = await start_server([Service(SERVICE_NAME, lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
         servicer, s))], args.host, args.port)
     print(f"scheduler ready on {args.host}:{handle.port}", flush=True)

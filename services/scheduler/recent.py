@@ -1,11 +1,13 @@
-"""Work this scheduler placed that workers' load reports may not show yet.
+"""What this scheduler placed that the workers' reports may not show yet.
 
-Workers report their load when it changes, at most every ~0.1 s, so a burst of
-requests placed between two reports would all see the same idle worker and pile
-onto it. Like Dynamo's router, which tracks the sequences it routed, the
-scheduler counts what it placed on each worker for ``window_s`` after placing it
-— long enough for a report to include it, short enough not to double count
-much."""
+Two lags hide recent placements. Load reports come when load changes, at most
+every ~0.1 s, so a burst placed between two reports would all see the same idle
+worker: each placement's prefill tokens and blocks count against its worker for
+``load_window_s``. KV events come only after a prompt's blocks are computed (a
+long prefill takes a second or more), so requests sharing a new prefix would all
+miss it and scatter over the workers: the placed prompt's block hashes count as
+the worker's (predicted) for ``prefix_window_s`` — the way SGLang's cache-aware
+router and Dynamo's approximate indexer remember what they routed."""
 
 from __future__ import annotations
 
@@ -15,23 +17,48 @@ from typing import Callable
 
 
 class RecentPlacements:
-    def __init__(self, window_s: float = 0.1, clock: Callable[[], float] = time.monotonic):
-        self.window_s = window_s
+    def __init__(self, load_window_s: float = 0.1, prefix_window_s: float = 3.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.load_window_s = load_window_s
+        self.prefix_window_s = prefix_window_s
         self.clock = clock
         self._placed: dict[str, deque[tuple[float, int, int]]] = {}  # worker -> (when, prefill tokens, blocks)
+        self._prefixes: dict[str, dict[bytes, float]] = {}  # worker -> block hash -> when placed
 
-    def add(self, worker_id: str, prefill_tokens: int = 0, blocks: int = 0) -> None:
-        self._placed.setdefault(worker_id, deque()).append((self.clock(), prefill_tokens, blocks))
+    def add(self, worker_id: str, prefill_tokens: int = 0, blocks: int = 0, block_hashes: list[bytes] = ()) -> None:
+        now = self.clock()
+        self._placed.setdefault(worker_id, deque()).append((now, prefill_tokens, blocks))
+        if block_hashes:
+            predicted = self._prefixes.setdefault(worker_id, {})
+            for h in block_hashes:
+                predicted.pop(h, None)  # re-insert: the dict stays in placement order
+                predicted[h] = now
 
     def pending(self, worker_id: str) -> tuple[int, int]:
-        """(prefill tokens, KV blocks) placed on the worker within the window."""
+        """(prefill tokens, KV blocks) placed on the worker within the load window."""
         placed = self._placed.get(worker_id)
         if not placed:
             return 0, 0
-        horizon = self.clock() - self.window_s
+        horizon = self.clock() - self.load_window_s
         while placed and placed[0][0] < horizon:
             placed.popleft()
         if not placed:
             del self._placed[worker_id]
             return 0, 0
         return sum(p[1] for p in placed), sum(p[2] for p in placed)
+
+    def predicted_blocks(self, worker_id: str, block_hashes: list[bytes]) -> int:
+        """Leading blocks of the prompt placed on the worker within the prefix window."""
+        predicted = self._prefixes.get(worker_id)
+        if not predicted:
+            return 0
+        horizon = self.clock() - self.prefix_window_s
+        while predicted:  # oldest first: drop what the KV events have had time to confirm
+            oldest = next(iter(predicted))
+            if predicted[oldest] >= horizon:
+                break
+            del predicted[oldest]
+        n = 0
+        while n < len(block_hashes) and block_hashes[n] in predicted:
+            n += 1
+        return n

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections import Counter
 
@@ -10,6 +11,8 @@ from services.common.errors import Unavailable
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.placement import Candidate, PlacementConfig, place
 from services.scheduler.recent import RecentPlacements
+
+log = logging.getLogger(__name__)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -28,18 +31,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         workers, match = await asyncio.gather(
             self.registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), timeout=timeout),
             self.registry.Match(kv_registry_pb2.MatchRequest(block_hashes=request.block_hashes), timeout=timeout))
-        candidates = [self._candidate(w, match.matched_blocks.get(w.info.worker_id, 0)) for w in workers.workers]
-        num_blocks = len(request.block_hashes)
+        hashes = list(request.block_hashes)
+        candidates = [self._candidate(w, max(match.matched_blocks.get(w.info.worker_id, 0),
+                                             self.recent.predicted_blocks(w.info.worker_id, hashes)))
+                      for w in workers.workers]
+        num_blocks = len(hashes)
         decision = place(candidates, num_blocks, self.config, self.rng, self.placements, request.model)
         if decision is None:
             model = f" for model {request.model!r}" if request.model else ""
             raise Unavailable(f"no healthy decode or aggregated worker is registered{model}")
+        log.debug("place %s: decode %s prefill %s (%s), scores %s", request.request_id, decision.decode.worker_id,
+                  decision.prefill.worker_id if decision.prefill else "-", decision.reason,
+                  {w: round(v, 1) for w, v in decision.scores.items()})
         if not request.dry_run:
             prefiller = decision.prefill or decision.decode
             block_size = workers.workers[0].info.block_size  # one size across the mesh (checked at registration)
             self.recent.add(prefiller.worker_id, prefill_tokens=request.num_prompt_tokens
-                            - decision.cached_blocks * block_size)
-            self.recent.add(decision.decode.worker_id, blocks=num_blocks - decision.decode.matched_blocks + 1)
+                            - decision.cached_blocks * block_size, block_hashes=hashes)
+            self.recent.add(decision.decode.worker_id, blocks=num_blocks - decision.decode.matched_blocks + 1,
+                            block_hashes=hashes)
             self.placements += 1
             self.by_reason[decision.reason] += 1
             self.by_worker.update({c.worker_id for c in (decision.decode, decision.prefill) if c})
@@ -59,4 +69,4 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         prefill_tokens, blocks = self.recent.pending(w.info.worker_id)
         return Candidate(w.info.worker_id, w.info.address, w.info.role, matched_blocks,
                          w.load.num_blocks - w.load.num_free_blocks + blocks, w.load.num_prefill_tokens + prefill_tokens,
-                         w.load.num_free_blocks - blocks, w.info.model)
+                         w.load.num_free_blocks - blocks, w.load.num_evictable_blocks, w.info.model)

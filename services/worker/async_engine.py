@@ -135,7 +135,7 @@ class AsyncEngine:
     def _snapshot_load(self) -> None:
         sched = self.engine.scheduler
         self._load = Load(len(sched.running), len(sched.waiting), self.engine.kv.num_free_blocks,
-                          self.engine.config.num_kv_blocks, sched.num_prefill_tokens)
+                          self.engine.config.num_kv_blocks, sched.num_prefill_tokens, self.engine.kv.pool.num_evictable)
 
     def _post(self, command: tuple) -> None:
         self._inbox.put(command)

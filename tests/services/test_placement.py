@@ -7,17 +7,17 @@ from services.scheduler.placement import Candidate, PlacementConfig, place
 CFG = PlacementConfig(overlap_weight=1.0, min_remote_prefill_blocks=2)
 
 
-def cand(wid, role="decode", matched=0, active=0, queued=0, free=100, model="m"):
-    return Candidate(wid, f"{wid}:1", role, matched, active, queued, free, model)
+def cand(wid, role="decode", matched=0, active=0, queued=0, free=100, model="m", evictable=0):
+    return Candidate(wid, f"{wid}:1", role, matched, active, queued, free, evictable, model)
 
 
 def test_prefers_the_worker_holding_the_prefix_unless_it_is_busier():
     d = place([cand("a", matched=6), cand("b")], 8, CFG)
-    assert d.decode.worker_id == "a" and d.scores == {"a": 2.0, "b": 8.0}
-    d = place([cand("a", matched=6, active=10), cand("b")], 8, CFG)
-    assert d.decode.worker_id == "b"  # 2 + 10 > 8 + 0
-    weighted = place([cand("a", matched=6, active=10), cand("b")], 8, PlacementConfig(overlap_weight=3.0))
-    assert weighted.decode.worker_id == "a"  # 3*2 + 10 < 3*8
+    assert d.decode.worker_id == "a" and d.scores == {"a": 4.0, "b": 16.0}  # a miss costs prefill and memory
+    d = place([cand("a", matched=6, active=15), cand("b")], 8, CFG)
+    assert d.decode.worker_id == "b"  # 2 + (15 + 2) > 8 + (0 + 8)
+    weighted = place([cand("a", matched=6, active=15), cand("b")], 8, PlacementConfig(overlap_weight=3.0))
+    assert weighted.decode.worker_id == "a"  # 3*2 + 17 < 3*8 + 8
 
 
 def test_long_uncached_prompts_go_to_a_prefill_worker():
@@ -53,8 +53,8 @@ def test_aggregated_workers_prefill_themselves_and_no_decoder_means_none():
 def test_temperature_spreads_load_but_favours_the_cheaper():
     cfg = PlacementConfig(temperature=2.0)
     rng = random.Random(0)
-    picks = [place([cand("a", matched=4), cand("b")], 8, cfg, rng).decode.worker_id for _ in range(400)]
-    assert 0.75 < picks.count("a") / 400 < 0.99  # exp(0) vs exp(-2): about 88% to a
+    picks = [place([cand("a", matched=7), cand("b", matched=6)], 8, cfg, rng).decode.worker_id for _ in range(400)]
+    assert 0.7 < picks.count("a") / 400 < 0.95  # costs 3 vs 6: exp(0) vs exp(-1.5), about 82% to a
 
 
 def test_filters_model_and_room_before_cost():
@@ -76,3 +76,12 @@ def test_round_robin_and_random_baselines_ignore_the_cost():
     assert picks == {"a", "b", "c"}
     d = place([cand("d", matched=1), cand("p1", "prefill"), cand("p2", "prefill")], 8, rr, turn=1)
     assert (d.decode.worker_id, d.prefill.worker_id, d.reason) == ("d", "p2", "remote")
+
+
+def test_a_new_prefix_goes_where_it_evicts_no_cached_one():
+    # both idle with 40 free blocks; a's are all cached prefixes, b's mostly empty
+    d = place([cand("a", free=40, evictable=40), cand("b", free=40, evictable=10, active=5)], 8, CFG)
+    assert d.decode.worker_id == "b" and d.scores == {"a": 25.0, "b": 21.0}  # a would evict 9 blocks
+    never = PlacementConfig(overlap_weight=1.0, eviction_weight=0)
+    assert place([cand("a", free=40, evictable=40), cand("b", free=40, evictable=10, active=5)], 8,
+                 never).decode.worker_id == "a"

@@ -36,6 +36,7 @@ class BlockPool:
         self.cached: dict[BlockHash, KVBlock] = {}
         self._events: list[KVEvent] = []
         self._seq = 0
+        self.num_evictable = 0  # free blocks still holding cached KV (evicting them loses a prefix)
 
     @property
     def num_blocks(self) -> int:
@@ -58,6 +59,7 @@ class BlockPool:
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
+                self.num_evictable -= 1
                 evicted.append(block.block_hash)
                 del self.cached[block.block_hash]
                 block.block_hash = None
@@ -72,6 +74,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 del self.free_queue[block.block_id]
+                self.num_evictable -= block.block_hash is not None
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: list[KVBlock]) -> None:
@@ -81,6 +84,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
+                self.num_evictable += block.block_hash is not None
             elif block.ref_cnt < 0:
                 raise RuntimeError(f"block {block.block_id} freed more often than taken")
 
@@ -112,6 +116,7 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        self.num_evictable = 0
         self._emit(AllBlocksCleared(self._next_seq()))
 
     def take_events(self) -> list[KVEvent]:
@@ -128,6 +133,7 @@ class BlockPool:
                 assert self.cached.get(block.block_hash) is block, block
         for h, block in self.cached.items():
             assert block.block_hash == h
+        assert self.num_evictable == sum(b.block_hash is not None for b in self.free_queue.values())
 
     def dump(self) -> tuple[int, list[BlockHash]]:
         """Every cached block, as of the last event's sequence number. Events not yet
