@@ -67,3 +67,28 @@ async def test_blocks_reach_the_index_and_gaps_and_restarts_are_healed_by_dumps(
         await channel.close()
         await registry.stop(0)
         engine.stop()
+
+
+async def test_a_worker_hashing_differently_is_refused_at_registration(redis_client):
+    from services.proto import kv_registry_pb2
+    registry = await start_server([Service(SERVICE_NAME, lambda s: kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(
+        KvRegistryServicer(PrefixIndex(redis_client), 16, HASH_NAME), s))])
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}") as channel:
+            stub = kv_registry_pb2_grpc.KvRegistryServiceStub(channel)
+            info = dict(worker_id="w", address="127.0.0.1:1", role="decode", model="m", incarnation="i")
+            for block_size, hash_name in ((8, HASH_NAME), (16, "xxhash64")):
+                try:
+                    await stub.Register(kv_registry_pb2.RegisterRequest(worker=kv_registry_pb2.WorkerInfo(
+                        **info, block_size=block_size, hash_name=hash_name)))
+                except grpc.aio.AioRpcError as err:
+                    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    assert f"{block_size} tokens with {hash_name!r}" in err.details()
+                    assert f"16 tokens with {HASH_NAME!r}" in err.details()
+                else:
+                    raise AssertionError("registered a worker that hashes blocks differently")
+            await stub.Register(kv_registry_pb2.RegisterRequest(worker=kv_registry_pb2.WorkerInfo(
+                **info, block_size=16, hash_name=HASH_NAME)))
+            assert await redis_client.sismember("kervan:workers", "w")
+    finally:
+        await registry.stop(0)
