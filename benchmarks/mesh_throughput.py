@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from benchmarks import plots
 from benchmarks.load import pct_ms, run_closed_loop
 from control_plane.launcher import Cluster, ClusterSpec, free_port, new_log_dir
 from services.proto import worker_pb2_grpc
@@ -204,6 +205,13 @@ def main() -> None:
             entry[f"{name}_vs_engine_throughput"] = round(sorted(ratios)[len(ratios) // 2], 2)
             entry[f"{name}_vs_engine_rounds"] = [round(x, 2) for x in ratios]
     report["kv_transfer"] = kv_transfer_report(model_dir, args.kv_tokens, rounds=5)
+    top = report["concurrency"].get(32)
+    if top:
+        systems = ["engine", *clusters]
+        plots.grouped_bars("mesh_throughput", "32 concurrent requests (median round)",
+                           ["output tokens/s", "TTFT p50", "inter-token p99"],
+                           {s: [top[s]["output_tokens_per_s"], top[s]["ttft_ms"]["p50"], top[s]["itl_ms"]["p99"]]
+                            for s in systems}, ["tokens/s", "ms", "ms"])
     print(json.dumps(report, indent=2))
 
 
