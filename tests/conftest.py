@@ -83,3 +83,19 @@ def hf_greedy(model, prompt, max_new_tokens):
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def cluster(llama, tmp_path_factory):
+    """The whole mesh as real processes (redis-server, kv-registry, scheduler, a prefill
+    and a decode worker, router), started by the launcher ``kervan up`` uses; shared by
+    the tests that need one."""
+    from control_plane.launcher import Cluster, ClusterSpec
+    c = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1, dtype="float32", num_kv_blocks=256),
+                tmp_path_factory.mktemp("cluster-logs"))
+    c.start(timeout=240)
+    yield c
+    procs = dict(c.procs)
+    c.stop()
+    # SIGTERM drained every service cleanly (redis-server included)
+    assert {name: p.returncode for name, p in procs.items()} == {name: 0 for name in procs}

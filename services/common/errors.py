@@ -15,6 +15,11 @@ import asyncio
 import logging
 
 import grpc
+from google.protobuf.any_pb2 import Any
+from google.protobuf.duration_pb2 import Duration
+from google.rpc import status_pb2
+from google.rpc.error_details_pb2 import RetryInfo
+from grpc_status import rpc_status
 
 from worker.engine.sampling_params import InvalidRequest
 
@@ -22,7 +27,12 @@ log = logging.getLogger(__name__)
 
 
 class Overloaded(Exception):
-    """Admission refused: queues or KV are full. Retry later."""
+    """Admission refused: queues or KV are full. Retry later (the status carries a
+    google.rpc.RetryInfo with ``retry_after_s``)."""
+
+    def __init__(self, message: str, retry_after_s: float = 0.5):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class Unavailable(Exception):
@@ -31,6 +41,10 @@ class Unavailable(Exception):
 
 class NotFound(Exception):
     """The request names something this mesh does not have (e.g. a model)."""
+
+
+class AlreadyExists(Exception):
+    """The request names something that exists already (e.g. an in-flight request id)."""
 
 
 class FailedPrecondition(Exception):
@@ -48,11 +62,36 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, NotFound):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, AlreadyExists):
+        return grpc.StatusCode.ALREADY_EXISTS
     return grpc.StatusCode.INTERNAL
+
+
+def overloaded_status(exc: Overloaded) -> grpc.Status:
+    """RESOURCE_EXHAUSTED with a google.rpc.RetryInfo: when to try again."""
+    delay = Duration()
+    delay.FromMilliseconds(int(exc.retry_after_s * 1000))
+    detail = Any()
+    detail.Pack(RetryInfo(retry_delay=delay))
+    return rpc_status.to_status(status_pb2.Status(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                                  message=str(exc), details=[detail]))
+
+
+def retry_after_s(err: grpc.aio.AioRpcError) -> float | None:
+    """The RetryInfo delay of a failed call, if its status carries one."""
+    status = rpc_status.from_call(err)
+    for detail in status.details if status else ():
+        if detail.Is(RetryInfo.DESCRIPTOR):
+            info = RetryInfo()
+            detail.Unpack(info)
+            return info.retry_delay.ToMilliseconds() / 1000
+    return None
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     code = status_for(exc)
+    if isinstance(exc, Overloaded):
+        await context.abort_with_status(overloaded_status(exc))
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error")
         await context.abort(code, f"internal error: {type(exc).__name__}")

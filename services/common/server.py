@@ -49,11 +49,13 @@ class Server:
         await self.server.stop(grace)
 
 
-async def start_server(services: list[Service], host: str = "127.0.0.1", port: int = 0) -> Server:
-    """Start serving (health NOT_SERVING until ``set_serving(True)``); port 0 picks a free one."""
+async def start_server(services: list[Service], host: str = "127.0.0.1", port: int = 0,
+                       max_message_bytes: int = MAX_MESSAGE_BYTES) -> Server:
+    """Start serving (health NOT_SERVING until ``set_serving(True)``); port 0 picks a free one.
+    Larger messages are refused with RESOURCE_EXHAUSTED before any servicer sees them."""
     server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes)])
     for service in services:
         service.register(server)
     health_servicer = health.aio.HealthServicer()

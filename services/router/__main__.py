@@ -31,6 +31,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="the workers' model directory (default: embedded model)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
+    ap.add_argument("--max-in-flight", type=int, default=1024,
+                    help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED")
+    ap.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                    help="larger requests are refused with RESOURCE_EXHAUSTED")
     return parse_args_with_env(ap, "router", argv)
 
 
@@ -55,10 +59,10 @@ async def serve(args: argparse.Namespace) -> None:
                                         decode_address=args.decode))
     else:
         raise SystemExit("give --scheduler, or --worker, or --prefill and --decode")
-    servicer = RouterServicer(routes, Tokenizer.from_dir(model_dir), model_limits(model_dir))
+    servicer = RouterServicer(routes, Tokenizer.from_dir(model_dir), model_limits(model_dir), args.max_in_flight)
     handle = await start_server(
         [Service(SERVICE_NAME, lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s))],
-        args.host, args.port)
+        args.host, args.port, max_message_bytes=args.max_request_bytes)
     print(f"router ready on {args.host}:{handle.port}", flush=True)
     async def close() -> None:
         await channels.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import AsyncIterator
 import grpc
 
 from services.common.convert import sampling_from_proto
-from services.common.errors import NotFound
+from services.common.errors import AlreadyExists, NotFound, Overloaded, retry_after_s
 from services.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from services.router.detokenizer import Detokenizer
 from services.router.routes import Placement, ScheduledRoutes, StaticRoutes
@@ -28,6 +29,7 @@ from worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 MAX_PLACEMENTS = 3
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,10 @@ class _Sample:
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
-    def __init__(self, routes: StaticRoutes | ScheduledRoutes, tokenizer: Tokenizer | None, limits: ModelLimits):
+    def __init__(self, routes: StaticRoutes | ScheduledRoutes, tokenizer: Tokenizer | None, limits: ModelLimits,
+                 max_in_flight: int = 1024):
         self.routes = routes
+        self.max_in_flight = max_in_flight
         self.tokenizer = tokenizer
         self.limits = limits
         self.in_flight: set[str] = set()
@@ -66,6 +70,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
+        if request.request_id and not REQUEST_ID.fullmatch(request.request_id):
+            raise InvalidRequest(f"request_id must be 1-128 characters of A-Z a-z 0-9 . _ : - "
+                                 f"(got {len(request.request_id)} characters)")
         rid = request.request_id or uuid.uuid4().hex
         if request.model and request.model != self.limits.name:
             raise NotFound(f"model {request.model!r} is not served here (this router serves {self.limits.name!r})")
@@ -75,7 +82,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise InvalidRequest(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                  f"the maximum model length {self.limits.max_model_len}")
         if rid in self.in_flight:
-            raise InvalidRequest(f"request_id {rid!r} is already in flight")
+            raise AlreadyExists(f"request_id {rid!r} is already in flight")
+        if len(self.in_flight) >= self.max_in_flight:
+            raise Overloaded(f"the router has {len(self.in_flight)} requests in flight, its limit; retry later")
         self.in_flight.add(rid)
         try:
             samples: dict[int, _Sample] = {}
@@ -90,6 +99,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     if update.finish_reason:
                         yield self._finished(rid, update, sample, len(prompt), cached, start)
             except grpc.aio.AioRpcError as err:  # the worker's status is the client's answer
+                if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise Overloaded(err.details() or "overloaded", retry_after_s(err) or 0.5) from None
                 await context.abort(err.code(), err.details() or "worker failed")
         finally:
             self.in_flight.discard(rid)

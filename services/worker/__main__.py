@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-waiting", type=int, default=256,
+                    help="requests queued beyond a full batch before new ones get RESOURCE_EXHAUSTED")
     return parse_args_with_env(ap, "worker", argv)
 
 
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = Path(args.model) if args.model else ensure_default_model()
     engine = Engine.from_pretrained(model_dir, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
                                     max_num_seqs=args.max_num_seqs)
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, args.max_waiting)
     loop_ready = threading.Event()
     holder: dict = {}
 

@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, TypeVar
 
+from services.common.errors import Overloaded
 from services.common.load import Load
 from worker import Engine, InvalidRequest, RequestOutput, SamplingParams
 
@@ -57,8 +58,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, max_waiting: int | None = None):
+        """``max_waiting``: requests admitted beyond a full batch (``max_num_seqs``)
+        before new ones are refused with ``Overloaded``; None: no limit."""
         self.engine = engine
+        self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}  # engine thread only
@@ -91,6 +95,9 @@ class AsyncEngine:
         if request_id in self._active:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight")
         self.validate(prompt, params)  # fail fast, before the engine thread sees it
+        if self.max_waiting is not None and len(self._active) >= self.engine.config.max_num_seqs + self.max_waiting:
+            raise Overloaded(f"this worker has {len(self._active)} requests in flight, its limit "
+                             f"(max_num_seqs + max_waiting); retry later or elsewhere")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._active.add(request_id)
         self._post(("add", request_id, prompt, params, stream, options))

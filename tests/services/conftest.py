@@ -37,8 +37,9 @@ class Mesh:
     router: router_pb2_grpc.RouterServiceStub
 
 
-async def start_worker(model_dir: Path, role: str, kv_transport: str = "auto", **engine_options):
-    engine = AsyncEngine(make_engine(model_dir, **engine_options))
+async def start_worker(model_dir: Path, role: str, kv_transport: str = "auto", max_waiting: int | None = None,
+                       **engine_options):
+    engine = AsyncEngine(make_engine(model_dir, **engine_options), max_waiting)
     engine.start()
     servicer = WorkerServicer(engine, role, kv_transport)
     server = await start_server([Service(WORKER_NAME, lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(
@@ -54,7 +55,8 @@ async def start_worker(model_dir: Path, role: str, kv_transport: str = "auto", *
     return Worker(engine, server.port, worker_pb2_grpc.WorkerServiceStub(channel)), stop
 
 
-async def start_mesh(model_dir: Path, disaggregated: bool = False, kv_transport: str = "auto", **engine_options):
+async def start_mesh(model_dir: Path, disaggregated: bool = False, kv_transport: str = "auto",
+                     max_waiting: int | None = None, **engine_options):
     """A router over one aggregated worker, or over a prefill and a decode worker."""
     stops = []
     if disaggregated:
@@ -65,7 +67,7 @@ async def start_mesh(model_dir: Path, disaggregated: bool = False, kv_transport:
         placement = Placement(prefill=prefill.stub, decode=decode.stub, decode_address=f"127.0.0.1:{decode.port}")
         workers = [prefill, decode]
     else:
-        worker, stop = await start_worker(model_dir, "both", **engine_options)
+        worker, stop = await start_worker(model_dir, "both", max_waiting=max_waiting, **engine_options)
         stops.append(stop)
         placement = Placement(worker=worker.stub)
         workers = [worker]

@@ -179,6 +179,10 @@ class Engine:
         if len(token_ids) + params.max_tokens > limit:
             raise InvalidRequest(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                                  f"exceeds the maximum model length {limit}")
+        blocks = -(-(len(token_ids) + params.max_tokens) // self.config.block_size)
+        if blocks > self.config.num_kv_blocks:  # it could never be scheduled here
+            raise InvalidRequest(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) needs "
+                                 f"{blocks} KV blocks; this worker has {self.config.num_kv_blocks}")
         return token_ids
 
     def _output(self, request_id: str) -> RequestOutput:

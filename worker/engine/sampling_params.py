@@ -11,6 +11,9 @@ class InvalidRequest(ValueError):
     """A request the engine refuses; the message names the field to fix."""
 
 
+MAX_STOP_TOKEN_IDS = 64
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -38,7 +41,9 @@ class SamplingParams:
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
                f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
+               f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)[:8]!r}")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+               f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
 
     @property
     def is_greedy(self) -> bool:
@@ -47,7 +52,7 @@ class SamplingParams:
     def validate_for(self, vocab_size: int, max_n: int) -> None:
         _check(self.n <= max_n, f"n must be <= {max_n}, got {self.n}")
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        _check(not bad, f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        _check(not bad, f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
 
 
 def _is_number(x: object) -> bool:

@@ -1,0 +1,47 @@
+"""Helpers for tests against the process mesh (the ``cluster`` fixture in conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from control_plane.client import Completion, accumulate, build_request, stream
+from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+
+async def complete(cluster, **kwargs) -> Completion:
+    out = Completion()
+    async for msg in stream(cluster.router_address, build_request(**kwargs), timeout=60):
+        accumulate(out, msg)
+    return out
+
+
+async def wait_cached(cluster, prompt, num_blocks):
+    """KV events reach the registry asynchronously: wait until it sees the blocks."""
+    from worker.kv.block_hash import hash_blocks
+    async with grpc.aio.insecure_channel(cluster.addresses["kv-registry"]) as ch:
+        stub = kv_registry_pb2_grpc.KvRegistryServiceStub(ch)
+        for _ in range(100):
+            match = await stub.Match(kv_registry_pb2.MatchRequest(block_hashes=hash_blocks(prompt, 16)))
+            if max(match.matched_blocks.values(), default=0) >= num_blocks:
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError("registry never saw the prompt's blocks")
+
+
+async def worker_loads(cluster):
+    loads = {}
+    for name in ("prefill-0", "decode-0"):
+        async with grpc.aio.insecure_channel(cluster.addresses[name]) as ch:
+            loads[name] = await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())
+    return loads
+
+
+async def wait_idle(cluster):
+    for _ in range(200):
+        loads = await worker_loads(cluster)
+        if all(x.num_running == x.num_waiting == 0 and x.num_free_blocks == x.num_blocks for x in loads.values()):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"workers not idle: {loads}")
