@@ -41,6 +41,8 @@ class ClusterSpec:
     threads_per_worker: int | None = None  # None: this host's cores shared evenly among its workers
     pin_cores: bool = False  # pin worker i to its own core(s) (benchmarks: no two engines share a core)
     scheduler_args: tuple[str, ...] = ()  # extra flags for the scheduler, e.g. ("--policy", "round_robin")
+    router_args: tuple[str, ...] = ()  # extra flags for the router, e.g. ("--max-migrations", "0")
+    registry_args: tuple[str, ...] = ()  # extra flags for the kv-registry, e.g. ("--ttl", "2")
 
     @property
     def num_workers(self) -> int:
@@ -69,7 +71,7 @@ class Cluster:
         try:
             redis_url = self.spec.redis_url or self._start_redis()
             self._start("kv-registry", "services.kv_registry", "--redis", redis_url,
-                        "--block-size", str(self.spec.block_size))
+                        "--block-size", str(self.spec.block_size), *self.spec.registry_args)
             self._wait_serving(["kv-registry"], timeout)
             self._start("scheduler", "services.scheduler", "--registry", self.addresses["kv-registry"],
                         *self.spec.scheduler_args)
@@ -81,7 +83,7 @@ class Cluster:
             self._wait_serving(["scheduler", *workers], timeout)
             self._start("router", "services.router", "--scheduler", self.addresses["scheduler"],
                         "--model", str(self.spec.model_dir), "--block-size", str(self.spec.block_size),
-                        port=self.spec.router_port)
+                        *self.spec.router_args, port=self.spec.router_port)
             self._wait_serving(["router"], timeout)
         except BaseException:
             self.stop()

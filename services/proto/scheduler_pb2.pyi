@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("request_id", "block_hashes", "num_prompt_tokens", "dry_run", "model")
+    __slots__ = ("request_id", "block_hashes", "num_prompt_tokens", "dry_run", "model", "exclude_addresses")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     num_prompt_tokens: int
     dry_run: bool
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., dry_run: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+    exclude_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., dry_run: _Optional[bool] = ..., model: _Optional[str] = ..., exclude_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PlaceResponse(_message.Message):
     __slots__ = ("decode_address", "prefill_address", "cached_blocks", "scores", "prefill_reason", "decode_worker_id", "prefill_worker_id", "unknown_workers")

@@ -15,6 +15,7 @@ from services.common.config import parse_args as parse_args_with_env
 from services.common.server import Service, run, serve_until_signal, start_server
 from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2_grpc
 from services.router.routes import Channels, Placement, ScheduledRoutes, StaticRoutes
+from services.router.runner import MigrationPolicy
 from services.router.servicer import ModelLimits, RouterServicer
 from worker.tokenizer import Tokenizer
 
@@ -31,6 +32,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="the workers' model directory (default: embedded model)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
+    ap.add_argument("--max-migrations", type=int, default=MigrationPolicy.max_migrations,
+                    help="times a request may move to another worker when its worker is lost (0: never)")
+    ap.add_argument("--stall-timeout-s", type=float, default=MigrationPolicy.stall_timeout_s,
+                    help="no token for this long after the first: the worker is taken for lost")
     ap.add_argument("--max-in-flight", type=int, default=1024,
                     help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED")
     ap.add_argument("--max-request-bytes", type=int, default=4 << 20,
@@ -53,13 +58,14 @@ async def serve(args: argparse.Namespace) -> None:
         scheduler_channel = grpc.aio.insecure_channel(args.scheduler)
         routes = ScheduledRoutes(scheduler_pb2_grpc.SchedulerServiceStub(scheduler_channel), args.block_size, channels)
     elif args.worker:
-        routes = StaticRoutes(Placement(worker=channels.stub(args.worker)))
+        routes = StaticRoutes(Placement(worker=channels.stub(args.worker), worker_address=args.worker))
     elif args.prefill and args.decode:
         routes = StaticRoutes(Placement(prefill=channels.stub(args.prefill), decode=channels.stub(args.decode),
-                                        decode_address=args.decode))
+                                        decode_address=args.decode, prefill_address=args.prefill))
     else:
         raise SystemExit("give --scheduler, or --worker, or --prefill and --decode")
-    servicer = RouterServicer(routes, Tokenizer.from_dir(model_dir), model_limits(model_dir), args.max_in_flight)
+    servicer = RouterServicer(routes, Tokenizer.from_dir(model_dir), model_limits(model_dir), args.max_in_flight,
+                              MigrationPolicy(args.max_migrations, args.stall_timeout_s))
     handle = await start_server(
         [Service(SERVICE_NAME, lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s))],
         args.host, args.port, max_message_bytes=args.max_request_bytes)

@@ -22,6 +22,8 @@ class Placement:
     prefill: worker_pb2_grpc.WorkerServiceStub | None = None
     decode: worker_pb2_grpc.WorkerServiceStub | None = None
     decode_address: str = ""
+    worker_address: str = ""
+    prefill_address: str = ""
 
 
 class Channels:
@@ -43,7 +45,8 @@ class StaticRoutes:
     def __init__(self, placement: Placement):
         self.placement = placement
 
-    async def route(self, request_id: str, prompt: list[int], timeout: float | None, model: str = "") -> Placement:
+    async def route(self, request_id: str, prompt: list[int], timeout: float | None, model: str = "",
+                    exclude: list[str] = ()) -> Placement:
         return self.placement
 
 
@@ -53,11 +56,15 @@ class ScheduledRoutes:
         self.block_size = block_size
         self.channels = channels
 
-    async def route(self, request_id: str, prompt: list[int], timeout: float | None, model: str = "") -> Placement:
+    async def route(self, request_id: str, prompt: list[int], timeout: float | None, model: str = "",
+                    exclude: list[str] = ()) -> Placement:
+        """``exclude``: worker addresses the router found unreachable (the registry may
+        not know yet)."""
         placed = await self.scheduler.Place(scheduler_pb2.PlaceRequest(
             request_id=request_id, block_hashes=hash_blocks(prompt, self.block_size),
-            num_prompt_tokens=len(prompt), model=model), timeout=timeout)
+            num_prompt_tokens=len(prompt), model=model, exclude_addresses=exclude), timeout=timeout)
         if not placed.prefill_address:
-            return Placement(worker=self.channels.stub(placed.decode_address))
+            return Placement(worker=self.channels.stub(placed.decode_address), worker_address=placed.decode_address)
         return Placement(prefill=self.channels.stub(placed.prefill_address),
-                         decode=self.channels.stub(placed.decode_address), decode_address=placed.decode_address)
+                         decode=self.channels.stub(placed.decode_address), decode_address=placed.decode_address,
+                         prefill_address=placed.prefill_address)

@@ -1,20 +1,16 @@
 """RouterService: validate and tokenize, forward to workers, stream text back.
 
-A request runs either on one aggregated worker (Execute), or disaggregated:
-Prefill on a prefill worker (which pushes the prompt's KV to the decode worker
-and returns the first token), then Decode on the decode worker. Deadlines are
-passed on (Python gRPC does not propagate them by itself); a client that goes
-away cancels the worker calls, which abort the request and free its blocks."""
+Running a request on the workers (placement, migration when a worker is lost)
+is ``runner.py``'s. Deadlines are passed on (Python gRPC does not propagate them
+by itself); a client that goes away cancels the worker calls, which abort the
+request and free its blocks."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import grpc
 
@@ -22,13 +18,12 @@ from services.common.convert import sampling_from_proto
 from services.common.errors import AlreadyExists, NotFound, Overloaded, retry_after_s
 from services.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from services.router.detokenizer import Detokenizer
-from services.router.routes import Placement, ScheduledRoutes, StaticRoutes
+from services.router.routes import ScheduledRoutes, StaticRoutes
+from services.router.runner import MigrationPolicy, RequestRunner
 from worker.engine.sampling_params import InvalidRequest
 from worker.tokenizer import Tokenizer
 
 
-log = logging.getLogger(__name__)
-MAX_PLACEMENTS = 3
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -60,13 +55,12 @@ class _Sample:
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, routes: StaticRoutes | ScheduledRoutes, tokenizer: Tokenizer | None, limits: ModelLimits,
-                 max_in_flight: int = 1024):
-        self.routes = routes
+                 max_in_flight: int = 1024, migration: MigrationPolicy = MigrationPolicy()):
+        self.runner = RequestRunner(routes, limits.name, migration)
         self.max_in_flight = max_in_flight
         self.tokenizer = tokenizer
         self.limits = limits
         self.in_flight: set[str] = set()
-        self._background: set[asyncio.Task] = set()
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
@@ -90,12 +84,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             samples: dict[int, _Sample] = {}
             cached = 0
             try:
-                async for update in self._placed(rid, prompt, request.sampling, params.n, _Deadline(context)):
+                async for attempt, update in self.runner.run(rid, prompt, request.sampling, params.n,
+                                                             _Deadline(context)):
                     cached = max(cached, update.cached_prompt_tokens)
                     sample = samples.setdefault(update.sample_index, _Sample(
                         Detokenizer(self.tokenizer) if self.tokenizer else None))
                     if update.token_ids:
-                        yield self._delta(rid, update, sample)
+                        yield self._delta(rid, update, sample, attempt)
                     if update.finish_reason:
                         yield self._finished(rid, update, sample, len(prompt), cached, start)
             except grpc.aio.AioRpcError as err:  # the worker's status is the client's answer
@@ -104,56 +99,6 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 await context.abort(err.code(), err.details() or "worker failed")
         finally:
             self.in_flight.discard(rid)
-
-    async def _placed(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams, n: int,
-                      deadline: "_Deadline") -> AsyncIterator[worker_pb2.TokenUpdate]:
-        """``_run``, placed again when the chosen worker is unavailable before it produced
-        anything (it left or died after the scheduler chose it), up to MAX_PLACEMENTS."""
-        for attempt in range(1, MAX_PLACEMENTS + 1):
-            produced = False
-            try:
-                async for update in self._run(rid, prompt, sampling, n, deadline):
-                    produced = True
-                    yield update
-                return
-            except grpc.aio.AioRpcError as err:
-                if produced or err.code() != grpc.StatusCode.UNAVAILABLE or attempt == MAX_PLACEMENTS:
-                    raise
-                log.info("request %s: worker unavailable before its first token (%s); placing again", rid,
-                         err.details())
-                await asyncio.sleep(0.05 * attempt)
-
-    async def _run(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams, n: int,
-                   deadline: "_Deadline") -> AsyncIterator[worker_pb2.TokenUpdate]:
-        place = await self.routes.route(rid, prompt, deadline.remaining(), self.limits.name)
-        if place.worker is None and n > 1:  # samples fork after the prompt: one worker must do both
-            place = Placement(worker=place.decode)
-        ids = common_pb2.TokenIds(ids=prompt)
-        if place.worker is not None:
-            async for msg in place.worker.Execute(worker_pb2.ExecuteRequest(
-                    request_id=rid, prompt=ids, sampling=sampling), timeout=deadline.remaining()):
-                yield msg.update
-            return
-        first = await place.prefill.Prefill(worker_pb2.PrefillRequest(
-            request_id=rid, prompt=ids, sampling=sampling, decode_address=place.decode_address),
-            timeout=deadline.remaining())
-        yield worker_pb2.TokenUpdate(index=0, token_ids=[first.first_token],
-                                     logprobs=[first.first_logprob] if sampling.logprobs else [],
-                                     finish_reason=first.finish_reason, cached_prompt_tokens=first.cached_prompt_tokens)
-        if first.finish_reason:
-            return
-        try:
-            async for msg in place.decode.Decode(worker_pb2.DecodeRequest(
-                    request_id=rid, prompt=ids, sampling=sampling, first_token=first.first_token,
-                    first_logprob=first.first_logprob, kv_handle=first.kv_handle), timeout=deadline.remaining()):
-                yield msg.update
-        except asyncio.CancelledError:
-            # the client left between handoff and decode: drop the staged KV now, not at lease end
-            task = asyncio.get_running_loop().create_task(
-                place.decode.Abort(worker_pb2.AbortRequest(request_id=rid), timeout=5))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-            raise
 
     def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -177,7 +122,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise InvalidRequest("prompt is empty")
         return ids
 
-    def _delta(self, rid: str, msg: worker_pb2.TokenUpdate, sample: _Sample) -> router_pb2.GenerateResponse:
+    def _delta(self, rid: str, msg: worker_pb2.TokenUpdate, sample: _Sample, attempt: int
+               ) -> router_pb2.GenerateResponse:
         now = time.perf_counter()
         sample.first_token_at = sample.first_token_at or now
         sample.last_token_at = now
@@ -185,7 +131,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         text = sample.detok.add(list(msg.token_ids), final=bool(msg.finish_reason)) if sample.detok else ""
         return router_pb2.GenerateResponse(request_id=rid, delta=router_pb2.TokenDelta(
             sample_index=msg.sample_index, index=msg.index, token_ids=msg.token_ids, text=text,
-            logprobs=msg.logprobs))
+            logprobs=msg.logprobs, attempt=attempt))
 
     @staticmethod
     def _finished(rid: str, msg: worker_pb2.TokenUpdate, sample: _Sample, prompt_tokens: int, cached: int,

@@ -32,9 +32,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             self.registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), timeout=timeout),
             self.registry.Match(kv_registry_pb2.MatchRequest(block_hashes=request.block_hashes), timeout=timeout))
         hashes = list(request.block_hashes)
+        excluded = set(request.exclude_addresses)
         candidates = [self._candidate(w, max(match.matched_blocks.get(w.info.worker_id, 0),
                                              self.recent.predicted_blocks(w.info.worker_id, hashes)))
-                      for w in workers.workers]
+                      for w in workers.workers if w.info.address not in excluded]
         num_blocks = len(hashes)
         decision = place(candidates, num_blocks, self.config, self.rng, self.placements, request.model)
         if decision is None:

@@ -36,6 +36,7 @@ class Membership:
         self.event_interval_s = event_interval_s
         self.load_interval_s = load_interval_s
         self._reported = None
+        self._dump_wanted = False
 
     async def register(self) -> None:
         await self.registry.Register(kv_registry_pb2.RegisterRequest(worker=self.info), timeout=5)
@@ -49,28 +50,49 @@ class Membership:
             log.warning("could not deregister: %s", err.code().name)
 
     async def run(self) -> None:
-        """Heartbeats and event publishing until cancelled."""
+        """Heartbeats and event publishing until cancelled: two loops, so that lease
+        renewal never waits for the engine thread (a long step cannot starve it)."""
         await self.register()
-        last_beat = 0.0
+        await asyncio.gather(self._beat_loop(), self._event_loop())
+
+    async def _beat_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        last_beat = 0.0
         while True:
-            try:
-                events = await self.engine.call(lambda e: e.take_events())
-                dump = events and await self._publish(events)
-                since = loop.time() - last_beat
-                if since >= self.heartbeat_s or (since >= self.load_interval_s and self.engine.load() != self._reported):
-                    dump = await self._heartbeat() or dump
-                    last_beat = loop.time()
-                if dump:
-                    await self._dump()
-            except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    log.warning("registry does not know this incarnation; registering again")
-                    await self._reregister()
-                else:
-                    log.warning("registry unreachable: %s", err.code().name)
-                    await asyncio.sleep(self.heartbeat_s)
+            since = loop.time() - last_beat
+            if since >= self.heartbeat_s or (since >= self.load_interval_s and self.engine.load() != self._reported):
+                if await self._guarded(self._heartbeat):
+                    self._dump_wanted = True
+                last_beat = loop.time()
+            await asyncio.sleep(min(self.load_interval_s, self.heartbeat_s) / 2)
+
+    async def _event_loop(self) -> None:
+        while True:
+            events = await self.engine.call(lambda e: e.take_events())
+            if events and await self._guarded(lambda: self._publish(events)):
+                self._dump_wanted = True
+            if self._dump_wanted:
+                self._dump_wanted = False
+                await self._guarded(self._dump)
             await asyncio.sleep(self.event_interval_s)
+
+    async def _guarded(self, call) -> bool:
+        """``call()``'s answer; False when the registry failed it. A registry that no
+        longer knows this incarnation gets a new registration (and then a dump)."""
+        try:
+            return bool(await call())
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                log.warning("registry does not know this incarnation; registering again")
+                try:
+                    await self.register()
+                    self._dump_wanted = True  # the registry starts from nothing for this worker
+                except grpc.aio.AioRpcError as again:
+                    log.warning("registering again failed: %s", again.code().name)
+            else:
+                log.warning("registry unreachable: %s", err.code().name)
+                await asyncio.sleep(self.heartbeat_s)
+            return False
 
     async def _publish(self, events: list[KVEvent]) -> bool:
         """Send events; True when the registry asks for a full dump."""
@@ -94,6 +116,3 @@ class Membership:
             tiers=[kv_registry_pb2.TierBlocks(tier=tier_to_proto(MEDIUM_DEVICE), block_hashes=cached)]), timeout=30)
         log.info("sent a full dump of %d blocks (as of event %d)", reply.num_blocks, seq)
 
-    async def _reregister(self) -> None:
-        await self.register()
-        await self._dump()  # the registry starts from nothing for this worker: tell it everything

@@ -1,0 +1,198 @@
+"""Running one request on the workers the scheduler chooses, and moving it when a
+worker is lost.
+
+An attempt is one placement: ``Execute`` on one worker, or ``Prefill`` on one and
+``Decode`` on another. An attempt that fails with the worker unreachable (or
+stalls: no token for ``stall_timeout_s``) is
+- placed again from scratch when it produced nothing yet (up to MAX_PLACEMENTS),
+- migrated when it did: placed again with the prompt plus every token already
+  delivered as its prompt and the remaining budget, its tokens re-indexed so the
+  client sees one contiguous stream (up to ``max_migrations``).
+Greedy and unseeded sampling migrate (greedy continues exactly as it would have;
+an unseeded sample stays a valid sample); seeded sampling and n > 1 do not (their
+continuation could not equal the fault-free one): they end UNAVAILABLE, saying so.
+
+Addresses found unreachable are excluded from this request's placements and, for
+``suspect_s``, from everyone's: the registry only notices a dead worker when its
+heartbeat lease expires."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from services.common.errors import Unavailable
+from services.proto import common_pb2, worker_pb2
+from services.router.routes import Placement, ScheduledRoutes, StaticRoutes
+
+log = logging.getLogger(__name__)
+MAX_PLACEMENTS = 3
+LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # the worker went away (or drained us out)
+
+
+@dataclass(frozen=True)
+class MigrationPolicy:
+    max_migrations: int = 2  # 0: a lost worker ends the request UNAVAILABLE
+    stall_timeout_s: float = 30.0  # no token for this long after the first: the worker is lost
+    suspect_s: float = 10.0
+
+
+class WorkerLost(Exception):
+    def __init__(self, address: str, why: str):
+        super().__init__(f"worker {address or '?'} lost: {why}")
+        self.address = address
+
+
+def not_migratable(sampling: common_pb2.SamplingParams, n: int) -> str | None:
+    if n > 1:
+        return "n > 1 requests are not migrated"
+    if sampling.HasField("seed") and sampling.temperature != 0:
+        return "seeded sampling is not migrated (the continuation would differ from an unbroken run)"
+    return None
+
+
+class Suspects:
+    """Addresses recently found unreachable."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self._until: dict[str, float] = {}
+
+    def mark(self, address: str) -> None:
+        if address:
+            self._until[address] = time.monotonic() + self.ttl_s
+
+    def current(self) -> set[str]:
+        now = time.monotonic()
+        self._until = {a: t for a, t in self._until.items() if t > now}
+        return set(self._until)
+
+
+class RequestRunner:
+    def __init__(self, routes: StaticRoutes | ScheduledRoutes, model: str, policy: MigrationPolicy):
+        self.routes = routes
+        self.model = model
+        self.policy = policy
+        self.suspects = Suspects(policy.suspect_s)
+        self._background: set[asyncio.Task] = set()
+        self.num_migrations = 0
+
+    async def run(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams, n: int,
+                  deadline) -> AsyncIterator[tuple[int, worker_pb2.TokenUpdate]]:
+        """(attempt, update) pairs; updates of later attempts carry indices continuing
+        the earlier ones and no cached-prompt count (theirs covers delivered tokens)."""
+        delivered: list[int] = []
+        excluded: set[str] = set()
+        attempt = placements = 0
+        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else 16
+        while True:
+            produced = False
+            base = len(delivered)  # tokens this attempt's worker counts as prompt
+            resumed = common_pb2.SamplingParams()
+            resumed.CopyFrom(sampling)
+            resumed.max_tokens = max_tokens - base
+            worker_rid = rid if attempt == 0 else f"{rid}.m{attempt}"
+            try:
+                async for update in self._attempt(worker_rid, prompt + delivered, resumed, n, deadline,
+                                                  excluded | self.suspects.current()):
+                    produced = True
+                    if attempt:
+                        update.index += base
+                        update.cached_prompt_tokens = 0
+                    if update.sample_index == 0:
+                        delivered += update.token_ids
+                    yield attempt, update
+                return
+            except WorkerLost as lost:
+                excluded.add(lost.address)
+                self.suspects.mark(lost.address)
+                if not produced and not delivered:
+                    placements += 1
+                    if placements >= MAX_PLACEMENTS:
+                        raise Unavailable(f"{lost}; no other worker took the request") from None
+                    log.info("request %s: %s before its first token; placing again", rid, lost)
+                    await asyncio.sleep(0.05 * placements)
+                    continue
+                reason = not_migratable(sampling, n)
+                if reason or attempt >= self.policy.max_migrations:
+                    raise Unavailable(f"{lost} after {len(delivered)} tokens; "
+                                      f"{reason or f'migration limit ({self.policy.max_migrations}) reached'}") from None
+                attempt += 1
+                self.num_migrations += 1
+                log.info("request %s: %s after %d tokens; migrating (attempt %d)", rid, lost, len(delivered), attempt)
+
+    async def _attempt(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams, n: int, deadline,
+                       exclude: set[str]) -> AsyncIterator[worker_pb2.TokenUpdate]:
+        place = await self.routes.route(rid, prompt, deadline.remaining(), self.model, sorted(exclude))
+        if place.worker is None and n > 1:  # samples fork after the prompt: one worker must do both
+            place = Placement(worker=place.decode, worker_address=place.decode_address)
+        ids = common_pb2.TokenIds(ids=prompt)
+        if place.worker is not None:
+            call = place.worker.Execute(worker_pb2.ExecuteRequest(request_id=rid, prompt=ids, sampling=sampling),
+                                        timeout=deadline.remaining())
+            async for msg in self._stream(call, place.worker_address):
+                yield msg.update
+            return
+        try:
+            first = await place.prefill.Prefill(worker_pb2.PrefillRequest(
+                request_id=rid, prompt=ids, sampling=sampling, decode_address=place.decode_address),
+                timeout=deadline.remaining())
+        except grpc.aio.AioRpcError as err:
+            if err.code() in LOST:
+                raise WorkerLost(place.prefill_address, err.details() or err.code().name) from None
+            raise
+        yield worker_pb2.TokenUpdate(index=0, token_ids=[first.first_token],
+                                     logprobs=[first.first_logprob] if sampling.logprobs else [],
+                                     finish_reason=first.finish_reason, cached_prompt_tokens=first.cached_prompt_tokens)
+        if first.finish_reason:
+            return
+        call = place.decode.Decode(worker_pb2.DecodeRequest(
+            request_id=rid, prompt=ids, sampling=sampling, first_token=first.first_token,
+            first_logprob=first.first_logprob, kv_handle=first.kv_handle), timeout=deadline.remaining())
+        try:
+            async for msg in self._stream(call, place.decode_address):
+                yield msg.update
+        except asyncio.CancelledError:
+            # the client left between handoff and decode: drop the staged KV now, not at lease end
+            task = asyncio.get_running_loop().create_task(
+                place.decode.Abort(worker_pb2.AbortRequest(request_id=rid), timeout=5))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            raise
+
+    async def _stream(self, call, address: str):
+        """The call's messages; a lost worker or a stall raises WorkerLost. The call is
+        cancelled whenever this ends early (migration, client gone, error). The stall
+        watchdog is one timer re-armed per message (cheaper than a timeout per read)."""
+        loop = asyncio.get_running_loop()
+        stalled = False
+        watchdog = None
+
+        def on_stall() -> None:
+            nonlocal stalled
+            stalled = True
+            call.cancel()
+
+        try:
+            async for msg in call:
+                if watchdog is not None:
+                    watchdog.cancel()
+                yield msg
+                watchdog = loop.call_later(self.policy.stall_timeout_s, on_stall)
+        except grpc.aio.AioRpcError as err:
+            if err.code() in LOST:
+                raise WorkerLost(address, err.details() or err.code().name) from None
+            raise
+        except asyncio.CancelledError:
+            if stalled:
+                raise WorkerLost(address, f"no token for {self.policy.stall_timeout_s:g} s") from None
+            raise
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+            call.cancel()

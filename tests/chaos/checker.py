@@ -1,0 +1,127 @@
+"""The one checker every chaos test uses, and the client that feeds it.
+
+A request's stream is recorded as (attempt, index, token ids) deltas plus how it
+ended. ``check`` asserts what Kervan promises under failure: every request ends
+exactly once (finished, or failed with an intended status); delivered indices are
+contiguous from 0 with no repeats; a finished greedy request equals its fault-free
+tokens. Each test also proves its fault happened (``process_gone``) and that KV
+blocks and Redis keys came back to baseline (``wait_baseline``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from control_plane.client import build_request
+from services.proto import router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+REPORT = Path(os.environ.get("KERVAN_CHAOS_REPORT", "chaos-report.json"))
+
+
+@dataclass
+class Outcome:
+    deltas: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (attempt, index, token ids)
+    finished: int = 0  # Finished messages seen
+    status: grpc.StatusCode | None = None  # set when the call failed
+    details: str = ""
+    first_token_after: dict[int, float] = field(default_factory=dict)  # attempt -> monotonic time of its first token
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for _, _, ids in self.deltas for t in ids]
+
+
+async def stream(address: str, prompt: list[int], max_tokens: int, on_delta=None, **sampling) -> Outcome:
+    out = Outcome()
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = router_pb2_grpc.RouterServiceStub(channel).Generate(build_request(
+            token_ids=prompt, max_tokens=max_tokens, temperature=sampling.pop("temperature", 0.0), ignore_eos=True,
+            **sampling), timeout=120)
+        try:
+            async for msg in call:
+                if msg.WhichOneof("kind") == "delta":
+                    d = msg.delta
+                    out.first_token_after.setdefault(d.attempt, time.monotonic())
+                    out.deltas.append((d.attempt, d.index, list(d.token_ids)))
+                    if on_delta is not None:
+                        await on_delta(out)
+                else:
+                    out.finished += 1
+        except grpc.aio.AioRpcError as err:
+            out.status, out.details = err.code(), err.details() or ""
+    return out
+
+
+def check(outcomes: list[Outcome], expected: list[list[int]] | None = None,
+          allowed: tuple[grpc.StatusCode, ...] = ()) -> dict:
+    """Asserts the promises; returns counts for the report."""
+    counts = {"sent": len(outcomes), "completed": 0, "migrated": 0, "failed_as_intended": 0, "lost": 0,
+              "duplicate_tokens": 0}
+    for k, out in enumerate(outcomes):
+        indices = [i for _, start, ids in out.deltas for i in range(start, start + len(ids))]
+        counts["duplicate_tokens"] += len(indices) - len(set(indices))
+        assert indices == list(range(len(indices))), f"request {k}: deltas {out.deltas[:30]}... not contiguous"
+        if out.status is None:
+            assert out.finished == 1, f"request {k} ended {out.finished} times"
+            counts["completed"] += 1
+            counts["migrated"] += any(a > 0 for a, _, _ in out.deltas)
+            if expected is not None:
+                assert out.tokens == expected[k], f"request {k}: output differs from the fault-free run"
+        elif out.status in allowed:
+            assert out.details, f"request {k}: {out.status.name} without a message"
+            counts["failed_as_intended"] += 1
+        else:
+            counts["lost"] += 1
+    assert counts["lost"] == 0 and counts["duplicate_tokens"] == 0, counts
+    return counts
+
+
+def process_gone(proc, timeout: float = 10.0) -> None:
+    proc.wait(timeout=timeout)
+    assert proc.poll() is not None and not Path(f"/proc/{proc.pid}").exists()
+
+
+async def wait_baseline(cluster, workers: list[str], redis_url: str | None = None, timeout: float = 20.0) -> None:
+    """Every listed worker idle with all blocks free; dead workers' Redis keys gone."""
+    import redis.asyncio as redis
+
+    from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
+    deadline = time.monotonic() + timeout
+    live = {cluster.addresses[w] for w in workers}
+    while True:
+        loads = []
+        for w in workers:
+            async with grpc.aio.insecure_channel(cluster.addresses[w]) as ch:
+                loads.append(await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest()))
+        async with grpc.aio.insecure_channel(cluster.addresses["kv-registry"]) as ch:  # also purges the expired
+            listed = await kv_registry_pb2_grpc.KvRegistryServiceStub(ch).ListWorkers(
+                kv_registry_pb2.ListWorkersRequest())
+        keys_ok = True
+        if redis_url:
+            r = redis.Redis.from_url(redis_url)
+            registered = {k.decode().split("@", 1)[1] for k in await r.smembers("kervan:workers")}
+            keys_ok = registered == live and len(await r.keys("kervan:w:*")) == len(live)
+            await r.aclose()
+        idle = all(x.num_running == x.num_waiting == 0 and x.num_free_blocks == x.num_blocks for x in loads)
+        if idle and keys_ok and {w.info.address for w in listed.workers} == live:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not back to baseline: loads {loads}, listed {[w.info.address for w in listed.workers]}")
+        await asyncio.sleep(0.1)
+
+
+def record(test: str, fault: str, counts: dict, fault_to_first_token_s: float | None = None) -> None:
+    """Add one scenario to the chaos report (a JSON file; CI keeps the last run's)."""
+    report = json.loads(REPORT.read_text()) if REPORT.exists() else {"scenarios": {}}
+    report["scenarios"][test] = {"fault": fault, **counts,
+                                 "fault_to_first_token_on_new_worker_s": fault_to_first_token_s}
+    totals = {k: sum(s[k] for s in report["scenarios"].values())
+              for k in ("sent", "completed", "migrated", "failed_as_intended", "lost", "duplicate_tokens")}
+    report["totals"] = totals
+    REPORT.write_text(json.dumps(report, indent=2))

@@ -1,0 +1,159 @@
+"""Chaos: decode workers killed or stopped while they stream (real processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from control_plane.launcher import Cluster, ClusterSpec
+from services.proto import worker_pb2, worker_pb2_grpc
+from tests.chaos.checker import check, process_gone, record, stream, wait_baseline
+from tests.conftest import make_engine, make_prompts
+from worker import SamplingParams
+
+MAX_TOKENS = 300
+
+
+def start(llama, tmp_path, *router_args) -> Cluster:
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, dtype="float32",
+                                  num_kv_blocks=256, router_args=router_args, registry_args=("--ttl", "2")), tmp_path)
+    cluster.start(timeout=240)
+    return cluster
+
+
+async def busy_worker(cluster) -> str:
+    for name in ("both-0", "both-1"):
+        async with grpc.aio.insecure_channel(cluster.addresses[name]) as ch:
+            load = await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())
+        if load.num_running:
+            return name
+    raise AssertionError("no worker is running the request")
+
+
+def fault_free(llama, prompt, max_tokens=MAX_TOKENS) -> list[int]:
+    [out] = make_engine(llama[1]).generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                    ignore_eos=True))
+    return out.token_ids
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
+def test_a_decode_worker_lost_mid_stream_is_migrated(llama, tmp_path, signal_name):
+    cluster = start(llama, tmp_path, "--stall-timeout-s", "3")
+    try:
+        prompt = make_prompts([20], seed=70)[0]
+        faults = {}
+
+        async def kill_after_a_few(out):
+            if len(out.tokens) >= 5 and not faults:
+                name = await busy_worker(cluster)
+                faults["worker"], faults["at"] = name, time.monotonic()
+                proc = cluster.procs[name]
+                proc.kill() if signal_name == "SIGKILL" else proc.terminate()
+
+        out = asyncio.run(stream(cluster.router_address, prompt, MAX_TOKENS, on_delta=kill_after_a_few))
+        process_gone(cluster.procs.pop(faults["worker"]))
+        counts = check([out], [fault_free(llama, prompt)])
+        if signal_name == "SIGKILL":  # SIGTERM drains: the stream may finish where it was
+            assert counts["migrated"] == 1 and max(a for a, _, _ in out.deltas) == 1
+        survivor = "both-1" if faults["worker"] == "both-0" else "both-0"
+        asyncio.run(wait_baseline(cluster, [survivor], f"redis://{cluster.addresses['redis']}/0"))
+        moved = out.first_token_after.get(1)
+        record(f"decode_worker_{signal_name}", f"{signal_name} to the worker streaming, after 5 tokens", counts,
+               round(moved - faults["at"], 3) if moved else None)
+    finally:
+        cluster.stop()
+
+
+def test_without_migration_a_lost_worker_ends_the_stream_unavailable(llama, tmp_path):
+    cluster = start(llama, tmp_path, "--max-migrations", "0")
+    try:
+        prompt = make_prompts([20], seed=71)[0]
+        killed = {}
+
+        async def kill_after_a_few(out):
+            if len(out.tokens) >= 5 and not killed:
+                killed["worker"] = await busy_worker(cluster)
+                cluster.procs[killed["worker"]].kill()
+
+        t0 = time.monotonic()
+        out = asyncio.run(stream(cluster.router_address, prompt, MAX_TOKENS, on_delta=kill_after_a_few))
+        process_gone(cluster.procs.pop(killed["worker"]))
+        assert out.status == grpc.StatusCode.UNAVAILABLE and "migration limit (0)" in out.details
+        assert time.monotonic() - t0 < 30  # a clear error, never a hang
+        counts = check([out], allowed=(grpc.StatusCode.UNAVAILABLE,))
+        assert counts["failed_as_intended"] == 1
+        record("decode_worker_SIGKILL_no_migration", "SIGKILL with --max-migrations 0", counts)
+    finally:
+        cluster.stop()
+
+
+def test_a_stopped_decode_worker_is_left_behind_and_its_late_tokens_never_arrive(llama, tmp_path):
+    cluster = start(llama, tmp_path, "--stall-timeout-s", "2")
+    try:
+        prompt = make_prompts([20], seed=72)[0]
+        stopped = {}
+
+        async def stop_after_a_few(out):
+            if len(out.tokens) >= 5 and not stopped:
+                name = await busy_worker(cluster)
+                proc = cluster.procs[name]
+                stopped.update(worker=name, at=time.monotonic())
+                os.kill(proc.pid, signal.SIGSTOP)
+                for _ in range(100):  # the fault happened: the process is stopped (delivery is asynchronous)
+                    if open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T":
+                        break
+                    await asyncio.sleep(0.01)
+                else:
+                    raise AssertionError("the worker did not stop")
+                waker = threading.Timer(4.0, os.kill, (proc.pid, signal.SIGCONT))  # past its 2 s lease
+                waker.start()
+                stopped["waker"] = waker
+
+        out = asyncio.run(stream(cluster.router_address, prompt, MAX_TOKENS, on_delta=stop_after_a_few))
+        counts = check([out], [fault_free(llama, prompt)])
+        assert counts["migrated"] == 1
+        stopped["waker"].join()  # the zombie is awake again
+        # it rejoins as a fresh registration; its old stream was cancelled by the router, and
+        # its KV for it is freed: both workers idle, both registered
+        asyncio.run(wait_baseline(cluster, ["both-0", "both-1"], f"redis://{cluster.addresses['redis']}/0"))
+        record("decode_worker_SIGSTOP", "SIGSTOP past the lease, SIGCONT 4 s later", counts,
+               round(out.first_token_after[1] - stopped["at"], 3))
+    finally:
+        cluster.stop()
+
+
+def test_a_prefill_worker_killed_during_the_handoff_is_replaced_by_local_prefill(llama, tmp_path):
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1, dtype="float32", num_kv_blocks=256,
+                                  registry_args=("--ttl", "2")), tmp_path)
+    cluster.start(timeout=240)
+    try:
+        prompt = make_prompts([480], seed=73)[0]  # 30 blocks: prefilled remotely, KV pushed
+
+        async def run():
+            async def kill_when_it_has_the_request():
+                async with grpc.aio.insecure_channel(cluster.addresses["prefill-0"]) as ch:
+                    stub = worker_pb2_grpc.WorkerServiceStub(ch)
+                    while True:
+                        load = await stub.GetLoad(worker_pb2.GetLoadRequest())
+                        if load.num_running or load.num_waiting or load.num_free_blocks < load.num_blocks:
+                            cluster.procs["prefill-0"].kill()
+                            return time.monotonic()
+
+            killer = asyncio.create_task(kill_when_it_has_the_request())
+            out = await stream(cluster.router_address, prompt, 16)
+            return out, await killer
+
+        out, killed_at = asyncio.run(run())
+        process_gone(cluster.procs.pop("prefill-0"))
+        counts = check([out], [fault_free(llama, prompt, 16)])
+        asyncio.run(wait_baseline(cluster, ["decode-0"], f"redis://{cluster.addresses['redis']}/0"))
+        record("prefill_worker_SIGKILL_in_handoff", "SIGKILL to the prefill worker holding the request", counts,
+               round(out.first_token_after[0] - killed_at, 3))
+    finally:
+        cluster.stop()
