@@ -20,6 +20,8 @@ from google.protobuf.duration_pb2 import Duration
 from google.rpc import status_pb2
 from google.rpc.error_details_pb2 import RetryInfo
 from grpc_status import rpc_status
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worker.engine.sampling_params import InvalidRequest
 
@@ -56,7 +58,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, Unavailable):
+    if isinstance(exc, (Unavailable, RedisConnectionError, RedisTimeoutError)):
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, FailedPrecondition):
         return grpc.StatusCode.FAILED_PRECONDITION

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from services.common.convert import event_from_proto, load_from_proto, load_to_proto, tier_from_proto
 from services.common.errors import FailedPrecondition
+from services.kv_registry.generation import Generations
 from services.kv_registry.index import PrefixIndex, WorkerRecord
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 
@@ -11,6 +12,8 @@ from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
     def __init__(self, index: PrefixIndex, block_size: int, hash_name: str):
         self.index = index
+        self.generations = Generations(index.r, "kervan:generation", grace_s=2.0 * index.ttl_s)
+        self._last_live: list[kv_registry_pb2.LiveWorker] = []
         self.block_size = block_size
         self.hash_name = hash_name
 
@@ -51,6 +54,7 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
         return kv_registry_pb2.MatchResponse(matched_blocks=matched, unknown_workers=unknown)
 
     async def ListWorkers(self, request, context) -> kv_registry_pb2.ListWorkersResponse:
+        await self.generations.check()
         out = kv_registry_pb2.ListWorkersResponse()
         for record, load in await self.index.live_workers():
             out.workers.add(
@@ -58,4 +62,9 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
                                                 model=record.model, incarnation=record.incarnation,
                                                 block_size=record.block_size, hash_name=record.hash_name),
                 load=load_to_proto(load))
+        if self.generations.rebuilding:  # Redis came back empty: the workers not back yet still serve
+            back = {w.info.worker_id for w in out.workers}
+            out.workers.extend(w for w in self._last_live if w.info.worker_id not in back)
+        else:
+            self._last_live = list(out.workers)
         return out

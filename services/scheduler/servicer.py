@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import Counter
+
+import grpc
 
 from services.common.errors import Unavailable
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -22,15 +25,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.config = config
         self.recent = recent or RecentPlacements()
         self.rng = random.Random(seed)
+        self.stale_workers_s = 30.0
+        self._last_workers = (kv_registry_pb2.ListWorkersResponse(), float("-inf"))
         self.placements = 0
         self.by_reason: Counter[str] = Counter()
         self.by_worker: Counter[str] = Counter()
 
     async def Place(self, request: scheduler_pb2.PlaceRequest, context) -> scheduler_pb2.PlaceResponse:
-        timeout = context.time_remaining()
-        workers, match = await asyncio.gather(
-            self.registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), timeout=timeout),
-            self.registry.Match(kv_registry_pb2.MatchRequest(block_hashes=request.block_hashes), timeout=timeout))
+        workers, match = await self._registry_view(request, context.time_remaining())
         hashes = list(request.block_hashes)
         excluded = set(request.exclude_addresses)
         candidates = [self._candidate(w, max(match.matched_blocks.get(w.info.worker_id, 0),
@@ -61,6 +63,23 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             decode_worker_id=decision.decode.worker_id,
             prefill_worker_id=decision.prefill.worker_id if decision.prefill else "",
             unknown_workers=match.unknown_workers)
+
+    async def _registry_view(self, request: scheduler_pb2.PlaceRequest, timeout: float | None
+                             ) -> tuple[kv_registry_pb2.ListWorkersResponse, kv_registry_pb2.MatchResponse]:
+        """Live workers and prefix overlap. While the registry (or its Redis) is down,
+        the last live set seen within ``stale_workers_s`` serves, placement on load alone."""
+        try:
+            workers, match = await asyncio.gather(
+                self.registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), timeout=timeout),
+                self.registry.Match(kv_registry_pb2.MatchRequest(block_hashes=request.block_hashes), timeout=timeout))
+        except grpc.aio.AioRpcError as err:
+            seen, at = self._last_workers
+            if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() - at > self.stale_workers_s:
+                raise Unavailable(f"kv-registry unavailable: {err.details()}") from None
+            log.warning("kv-registry unavailable (%s): placing on the last known workers, by load", err.details())
+            return seen, kv_registry_pb2.MatchResponse(unknown_workers=[w.info.worker_id for w in seen.workers])
+        self._last_workers = (workers, time.monotonic())
+        return workers, match
 
     async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context) -> scheduler_pb2.GetStatsResponse:
         return scheduler_pb2.GetStatsResponse(placements=self.placements, by_prefill_reason=dict(self.by_reason),
