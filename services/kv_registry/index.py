@@ -48,6 +48,18 @@ class WorkerRecord:
     hash_name: str
 
 
+# Renew a lease only for the incarnation that holds it, in one step: an expired or
+# re-registered key is never recreated or extended by a late heartbeat. KEYS: w:{id},
+# unknown; ARGV: incarnation, worker id, ttl, then load field/value pairs. Returns -1
+# (stale), else whether the registry wants the worker's full dump.
+_RENEW = """
+if redis.call('HGET', KEYS[1], 'incarnation') ~= ARGV[1] then return -1 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return redis.call('SISMEMBER', KEYS[2], ARGV[2])
+"""
+
+
 class StaleIncarnation(FailedPrecondition):
     """A call from a worker process the registry no longer recognises: re-register."""
 
@@ -57,6 +69,7 @@ class PrefixIndex:
         self.r = client
         self.ttl_s = ttl_s
         self.owners = BlockOwners(client, P)
+        self._renew = client.register_script(_RENEW)
 
     async def match(self, block_hashes: list[bytes]) -> tuple[dict[str, int], list[str]]:
         """Worker id -> how many leading blocks of the prompt it holds, and the workers
@@ -89,14 +102,12 @@ class PrefixIndex:
 
     async def heartbeat(self, worker_id: str, incarnation: str, load: Load) -> bool:
         """Renew and record load; True when the registry needs the worker's full dump."""
-        key = f"{P}w:{worker_id}"
-        await self._check(worker_id, incarnation)
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={k: str(v) for k, v in asdict(load).items()})
-            pipe.expire(key, self.ttl_s)
-            pipe.sismember(f"{P}unknown", worker_id)
-            *_, unknown = await pipe.execute()
-        return bool(unknown)
+        fields = [x for k, v in asdict(load).items() for x in (k, str(v))]
+        answer = await self._renew(keys=[f"{P}w:{worker_id}", f"{P}unknown"],
+                                   args=[incarnation, worker_id, self.ttl_s, *fields])
+        if answer < 0:
+            raise StaleIncarnation(f"worker {worker_id!r} incarnation {incarnation!r} is not registered; re-register")
+        return bool(answer)
 
     async def apply(self, worker_id: str, incarnation: str, events: list[KVEvent]) -> tuple[int, bool]:
         """Apply events in sequence order; returns the last applied seq and whether
