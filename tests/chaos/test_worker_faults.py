@@ -36,6 +36,19 @@ async def busy_worker(cluster) -> str:
     raise AssertionError("no worker is running the request")
 
 
+def after_a_few_tokens(cluster, fault, n: int = 5):
+    """An on_delta callback that, once ``n`` tokens arrived, applies ``fault(proc)`` (once)
+    to the worker streaming; the returned dict then holds its name and the time."""
+    done: dict = {}
+
+    async def on_delta(out):
+        if len(out.tokens) >= n and not done:
+            name = await busy_worker(cluster)
+            done.update(worker=name, at=time.monotonic())
+            await fault(cluster.procs[name])
+    return on_delta, done
+
+
 def fault_free(llama, prompt, max_tokens=MAX_TOKENS) -> list[int]:
     [out] = make_engine(llama[1]).generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                     ignore_eos=True))
@@ -47,16 +60,11 @@ def test_a_decode_worker_lost_mid_stream_is_migrated(llama, tmp_path, signal_nam
     cluster = start(llama, tmp_path, "--stall-timeout-s", "3")
     try:
         prompt = make_prompts([20], seed=70)[0]
-        faults = {}
 
-        async def kill_after_a_few(out):
-            if len(out.tokens) >= 5 and not faults:
-                name = await busy_worker(cluster)
-                faults["worker"], faults["at"] = name, time.monotonic()
-                proc = cluster.procs[name]
-                proc.kill() if signal_name == "SIGKILL" else proc.terminate()
-
-        out = asyncio.run(stream(cluster.router_address, prompt, MAX_TOKENS, on_delta=kill_after_a_few))
+        async def fault(proc):
+            proc.kill() if signal_name == "SIGKILL" else proc.terminate()
+        on_delta, faults = after_a_few_tokens(cluster, fault)
+        out = asyncio.run(stream(cluster.router_address, prompt, MAX_TOKENS, on_delta=on_delta))
         process_gone(cluster.procs.pop(faults["worker"]))
         counts = check([out], [fault_free(llama, prompt)])
         if signal_name == "SIGKILL":  # SIGTERM drains: the stream may finish where it was
@@ -74,15 +82,12 @@ def test_without_migration_a_lost_worker_ends_the_stream_unavailable(llama, tmp_
     cluster = start(llama, tmp_path, "--max-migrations", "0")
     try:
         prompt = make_prompts([20], seed=71)[0]
-        killed = {}
 
-        async def kill_after_a_few(out):
-            if len(out.tokens) >= 5 and not killed:
-                killed["worker"] = await busy_worker(cluster)
-                cluster.procs[killed["worker"]].kill()
-
+        async def kill(proc):
+            proc.kill()
+        on_delta, killed = after_a_few_tokens(cluster, kill)
         t0 = time.monotonic()
-        out = asyncio.run(stream(cluster.router_address, prompt, MAX_TOKENS, on_delta=kill_after_a_few))
+        out = asyncio.run(stream(cluster.router_address, prompt, MAX_TOKENS, on_delta=on_delta))
         process_gone(cluster.procs.pop(killed["worker"]))
         assert out.status == grpc.StatusCode.UNAVAILABLE and "migration limit (0)" in out.details
         assert time.monotonic() - t0 < 30  # a clear error, never a hang
@@ -97,25 +102,20 @@ def test_a_stopped_decode_worker_is_left_behind_and_its_late_tokens_never_arrive
     cluster = start(llama, tmp_path, "--stall-timeout-s", "2")
     try:
         prompt = make_prompts([20], seed=72)[0]
-        stopped = {}
 
-        async def stop_after_a_few(out):
-            if len(out.tokens) >= 5 and not stopped:
-                name = await busy_worker(cluster)
-                proc = cluster.procs[name]
-                stopped.update(worker=name, at=time.monotonic())
-                os.kill(proc.pid, signal.SIGSTOP)
-                for _ in range(100):  # the fault happened: the process is stopped (delivery is asynchronous)
-                    if open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T":
-                        break
-                    await asyncio.sleep(0.01)
-                else:
-                    raise AssertionError("the worker did not stop")
-                waker = threading.Timer(4.0, os.kill, (proc.pid, signal.SIGCONT))  # past its 2 s lease
-                waker.start()
-                stopped["waker"] = waker
-
-        out = asyncio.run(stream(cluster.router_address, prompt, MAX_TOKENS, on_delta=stop_after_a_few))
+        async def stop(proc):
+            os.kill(proc.pid, signal.SIGSTOP)
+            for _ in range(100):  # the fault happened: the process is stopped (delivery is asynchronous)
+                if open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T":
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the worker did not stop")
+            waker = threading.Timer(4.0, os.kill, (proc.pid, signal.SIGCONT))  # past its 2 s lease
+            waker.start()
+            stopped["waker"] = waker
+        on_delta, stopped = after_a_few_tokens(cluster, stop)
+        out = asyncio.run(stream(cluster.router_address, prompt, MAX_TOKENS, on_delta=on_delta))
         counts = check([out], [fault_free(llama, prompt)])
         assert counts["migrated"] == 1
         stopped["waker"].join()  # the zombie is awake again
