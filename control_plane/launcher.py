@@ -43,6 +43,7 @@ class ClusterSpec:
     scheduler_args: tuple[str, ...] = ()  # extra flags for the scheduler, e.g. ("--policy", "round_robin")
     router_args: tuple[str, ...] = ()  # extra flags for the router, e.g. ("--max-migrations", "0")
     registry_args: tuple[str, ...] = ()  # extra flags for the kv-registry, e.g. ("--ttl", "2")
+    worker_args: tuple[str, ...] = ()  # extra flags for every worker, e.g. ("--max-waiting", "8")
 
     @property
     def num_workers(self) -> int:
@@ -89,8 +90,9 @@ class Cluster:
             self.stop()
             raise
 
-    def spawn_worker(self, role: str) -> str:
-        """Start one more worker (it joins the mesh once it registers); returns its name."""
+    def spawn_worker(self, role: str, *args: str) -> str:
+        """Start one more worker (it joins the mesh once it registers), with ``args`` added
+        to its flags; returns its name."""
         name = f"{role}-{self.spawned[role]}"
         threads = self.spec.worker_threads()
         cores = None
@@ -101,12 +103,13 @@ class Cluster:
         extra = ["--num-kv-blocks", str(self.spec.num_kv_blocks)] if self.spec.num_kv_blocks else []
         self._start(name, "services.worker", "--role", role, "--model", str(self.spec.model_dir),
                     "--registry", self.addresses["kv-registry"], "--dtype", self.spec.dtype, *extra,
+                    *self.spec.worker_args, *args,
                     env={"OMP_NUM_THREADS": str(threads)}, cores=cores)
         return name
 
-    def add_worker(self, role: str, timeout: float = 180.0) -> str:
+    def add_worker(self, role: str, *args: str, timeout: float = 180.0) -> str:
         """A worker joining a running cluster: started and waited for."""
-        name = self.spawn_worker(role)
+        name = self.spawn_worker(role, *args)
         self._wait_serving([name], timeout)
         return name
 

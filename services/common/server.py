@@ -55,7 +55,10 @@ async def start_server(services: list[Service], host: str = "127.0.0.1", port: i
     Larger messages are refused with RESOURCE_EXHAUSTED before any servicer sees them."""
     server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=[
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes)])
+        ("grpc.max_send_message_length", max_message_bytes),
+        # accept the keepalive pings peers use to notice a dead or unreachable server
+        ("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.keepalive_permit_without_calls", 1)])
     for service in services:
         service.register(server)
     health_servicer = health.aio.HealthServicer()

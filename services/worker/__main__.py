@@ -33,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="how a prefill worker pushes KV: shared memory (same host), gRPC stream, or auto")
     ap.add_argument("--kv-lease", type=float, default=30.0, help="seconds a KV handoff may take")
     ap.add_argument("--registry", default=None, help="HOST:PORT of the kv-registry to join (optional)")
+    ap.add_argument("--advertise-address", default=None,
+                    help="HOST:PORT others reach this worker at, when not the one it binds (a proxy, a Service)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -50,7 +52,7 @@ async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: 
     if args.registry:
         registry_channel = grpc.aio.insecure_channel(args.registry)
         membership = Membership(kv_registry_pb2_grpc.KvRegistryServiceStub(registry_channel), async_engine,
-                                f"{args.host}:{handle.port}", args.role, model_dir.name)
+                                args.advertise_address or f"{args.host}:{handle.port}", args.role, model_dir.name)
         await membership.register()  # fail at start, not later, if the mesh refuses this worker
         membership_task = asyncio.get_running_loop().create_task(membership.run())
     print(f"worker ready on {args.host}:{handle.port}", flush=True)

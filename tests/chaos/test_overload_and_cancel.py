@@ -1,0 +1,83 @@
+"""Chaos: overload at several times capacity, and clients that leave mid-stream and
+mid-handoff (real processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from control_plane.launcher import Cluster, ClusterSpec
+from tests.chaos.checker import check, record, stream, wait_baseline
+from tests.conftest import make_engine, make_prompts
+from worker import SamplingParams
+
+
+def rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tmp_path):
+    # each worker admits 4 running + 4 waiting: 16 in all; 64 arrive at once
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, dtype="float32",
+                                  num_kv_blocks=256, worker_args=("--max-num-seqs", "4", "--max-waiting", "4")),
+                      tmp_path)
+    cluster.start(timeout=240)
+    try:
+        prompts = make_prompts([16 + i % 9 for i in range(64)], seed=90)
+        expected = [o.token_ids for o in make_engine(llama[1]).generate(
+            prompts, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))]
+        services = ["router", "both-0", "both-1"]
+        before = {name: rss_mb(cluster.procs[name].pid) for name in services}
+
+        async def burst():
+            t0 = time.monotonic()
+            outs = await asyncio.gather(*(stream(cluster.router_address, p, 64) for p in prompts))
+            return outs, time.monotonic() - t0
+
+        for _ in range(3):  # three waves: memory must not grow with them
+            outs, seconds = asyncio.run(burst())
+            refused = [o for o in outs if o.status == grpc.StatusCode.RESOURCE_EXHAUSTED]
+            counts = check(outs, [e if o.status is None else None for o, e in zip(outs, expected)],
+                           allowed=(grpc.StatusCode.RESOURCE_EXHAUSTED,))
+            assert counts["completed"] >= 16 and len(refused) >= 16, counts
+            assert all("limit" in o.details for o in refused)
+        after = {name: rss_mb(cluster.procs[name].pid) for name in services}
+        assert all(after[n] - before[n] < 200 for n in services), (before, after)
+        asyncio.run(wait_baseline(cluster, ["both-0", "both-1"]))
+        counts["rss_growth_mb"] = {n: round(after[n] - before[n], 1) for n in services}
+        record("overload_4x", "64 requests at once against room for 16, three waves", counts)
+    finally:
+        cluster.stop()
+
+
+def test_clients_leaving_mid_stream_and_mid_handoff_free_every_block(cluster):
+    prompts = make_prompts([300 + i for i in range(8)], seed=91)  # long prompts: prefilled remotely, KV pushed
+
+    async def leave(prompt, after_tokens):
+        task = asyncio.create_task(stream(cluster.router_address, prompt, 150))
+        if after_tokens == 0:  # leave during the prefill and KV handoff
+            await asyncio.sleep(0.01)
+        else:
+            await asyncio.sleep(0.3)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    async def run():
+        await asyncio.gather(*(leave(p, k % 2) for k, p in enumerate(prompts)))
+        await wait_baseline(cluster, ["prefill-0", "decode-0"])
+        # the mesh still serves
+        return await stream(cluster.router_address, prompts[0][:40], 8)
+
+    out = asyncio.run(run())
+    counts = check([out])
+    assert counts["completed"] == 1
+    record("client_cancels", "8 clients leaving during the handoff or mid-stream, then one staying",
+           {**counts, "sent": 9, "cancelled_by_client": 8})
