@@ -1,7 +1,8 @@
 """Which workers hold which KV block, as one small bitmap per block in Redis.
 
 Every registered worker gets a slot (the lowest free one); ``blk:{hash}`` is a
-bitmap with the owners' slot bits set, deleted when its last bit clears. A
+bitmap with the owners' slot bits set, deleted when its last bit clears (KV events
+write them in ``scripts.APPLY``). A
 longest-prefix match is then one round trip of one MGET (plus the slot table and
 the unknown set, pipelined) and a walk of AND-ed integers on the client: a
 128-block prompt moves ~128 short strings, where a set per block (SMEMBERS of
@@ -51,10 +52,6 @@ class BlockOwners:
 
     async def release_slot(self, worker_id: str) -> None:
         await self.r.hdel(self.slots_key, worker_id)
-
-    def add(self, pipe: Pipeline, slot: int, block_hexes: list[str]) -> None:
-        for h in block_hexes:
-            pipe.setbit(self.key(h), slot, 1)
 
     async def remove(self, pipe: Pipeline, slot: int, block_hexes: list[str], chunk: int = 4096) -> None:
         """Queue the clearing of ``slot`` in the blocks' bitmaps on ``pipe``."""

@@ -30,8 +30,9 @@ import redis.asyncio as redis
 
 from services.common.errors import FailedPrecondition
 from services.common.load import Load
+from services.kv_registry import scripts
 from services.kv_registry.block_owners import BlockOwners
-from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from worker.kv.events import BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
 P = "kervan:"
@@ -48,18 +49,6 @@ class WorkerRecord:
     hash_name: str
 
 
-# Renew a lease only for the incarnation that holds it, in one step: an expired or
-# re-registered key is never recreated or extended by a late heartbeat. KEYS: w:{id},
-# unknown; ARGV: incarnation, worker id, ttl, then load field/value pairs. Returns -1
-# (stale), else whether the registry wants the worker's full dump.
-_RENEW = """
-if redis.call('HGET', KEYS[1], 'incarnation') ~= ARGV[1] then return -1 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return redis.call('SISMEMBER', KEYS[2], ARGV[2])
-"""
-
-
 class StaleIncarnation(FailedPrecondition):
     """A call from a worker process the registry no longer recognises: re-register."""
 
@@ -69,7 +58,8 @@ class PrefixIndex:
         self.r = client
         self.ttl_s = ttl_s
         self.owners = BlockOwners(client, P)
-        self._renew = client.register_script(_RENEW)
+        self._renew = client.register_script(scripts.RENEW)
+        self._apply = client.register_script(scripts.APPLY)
 
     async def match(self, block_hashes: list[bytes]) -> tuple[dict[str, int], list[str]]:
         """Worker id -> how many leading blocks of the prompt it holds, and the workers
@@ -110,52 +100,36 @@ class PrefixIndex:
         return bool(answer)
 
     async def apply(self, worker_id: str, incarnation: str, events: list[KVEvent]) -> tuple[int, bool]:
-        """Apply events in sequence order; returns the last applied seq and whether
-        the registry needs the worker's full dump (a gap now or before)."""
-        slot = await self._check(worker_id, incarnation)
-        last = int(await self.r.get(f"{P}seq:{worker_id}") or 0)
-        own = f"{P}own:{worker_id}"
-        gap = False
-        async with self.r.pipeline(transaction=False) as pipe:
-            for event in events:
-                seq = event.seq
-                if seq <= last:
-                    continue  # a retry of an applied batch: idempotent
-                if seq != last + 1:
-                    log.warning("worker %s: KV events %d..%d missing; asking for a full dump", worker_id, last + 1,
-                                seq - 1)
-                    gap = True
-                last = seq
-                hexes = [h.hex() for h in getattr(event, "block_hashes", [])]
-                if isinstance(event, BlockStored) and hexes:
-                    self.owners.add(pipe, slot, hexes)
-                    pipe.hset(own, mapping={h: event.medium for h in hexes})
-                elif isinstance(event, BlockRemoved) and hexes:
-                    await self.owners.remove(pipe, slot, hexes)
-                    pipe.hdel(own, *hexes)
-                elif isinstance(event, AllBlocksCleared):
-                    await pipe.execute()
-                    await self._drop_ownership(worker_id)
-            pipe.set(f"{P}seq:{worker_id}", last)
-            if gap:
-                pipe.sadd(f"{P}unknown", worker_id)
-            pipe.sismember(f"{P}unknown", worker_id)
-            *_, unknown = await pipe.execute()
-        return last, bool(unknown)
+        """Apply events in sequence order, atomically and only for the registered
+        incarnation; returns the last applied seq and whether the registry needs the
+        worker's full dump (a gap now or before)."""
+        ops: list = []
+        for e in events:
+            kind = "S" if isinstance(e, BlockStored) else "R" if isinstance(e, BlockRemoved) else "C"
+            hexes = [h.hex() for h in getattr(e, "block_hashes", [])]
+            ops += [kind, e.seq, getattr(e, "medium", ""), len(hexes), *hexes]
+        last, unknown, gap = await self._write(worker_id, incarnation, ops)
+        if gap:
+            log.warning("worker %s: KV events missing (batch %d..%d); asking for a full dump", worker_id,
+                        events[0].seq, events[-1].seq)
+        return last, unknown
 
     async def replace_blocks(self, worker_id: str, incarnation: str, seq: int, tiers: dict[str, list[bytes]]) -> int:
         """A full dump, as of event ``seq``: becomes all the registry knows of the worker."""
-        slot = await self._check(worker_id, incarnation)
-        await self._drop_ownership(worker_id)
-        owned = {h.hex(): tier for tier, hashes in tiers.items() for h in hashes}
-        async with self.r.pipeline(transaction=True) as pipe:
-            self.owners.add(pipe, slot, list(owned))
-            if owned:
-                pipe.hset(f"{P}own:{worker_id}", mapping=owned)
-            pipe.set(f"{P}seq:{worker_id}", seq)
-            pipe.srem(f"{P}unknown", worker_id)
-            await pipe.execute()
-        return len(owned)
+        ops: list = ["C", seq, "", 0]
+        for tier, hashes in tiers.items():
+            ops += ["S", seq, tier, len(hashes), *(h.hex() for h in hashes)]
+        await self._write(worker_id, incarnation, ops, replace=True)
+        return len({h for hashes in tiers.values() for h in hashes})
+
+    async def _write(self, worker_id: str, incarnation: str, ops: list, replace: bool = False
+                     ) -> tuple[int, bool, bool]:
+        answer = await self._apply(keys=[f"{P}w:{worker_id}", f"{P}own:{worker_id}", f"{P}seq:{worker_id}",
+                                         f"{P}unknown"],
+                                   args=[incarnation, worker_id, f"{P}blk:", "1" if replace else "0", *ops])
+        if answer == -1:
+            raise StaleIncarnation(f"worker {worker_id!r} incarnation {incarnation!r} is not registered; re-register")
+        return int(answer[0]), bool(answer[1]), bool(answer[2])
 
     async def live_workers(self) -> list[tuple[WorkerRecord, Load]]:
         """Registered workers whose registration has not expired; expired ones are purged."""

@@ -1,0 +1,63 @@
+"""The registry's Redis scripts: each checks the caller's incarnation and makes its
+change in the same atomic step, so a worker whose lease was lost (a zombie woken
+up) can neither renew it nor write KV ownership — there is no moment between the
+check and the write for the registry to purge it."""
+
+from __future__ import annotations
+
+# KEYS: w:{id}, unknown; ARGV: incarnation, worker id, ttl, then load field/value pairs.
+# Returns -1 (stale incarnation), else whether the registry wants the worker's full dump.
+RENEW = """
+if redis.call('HGET', KEYS[1], 'incarnation') ~= ARGV[1] then return -1 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return redis.call('SISMEMBER', KEYS[2], ARGV[2])
+"""
+
+# KEYS: w:{id}, own:{id}, seq:{id}, unknown; ARGV: incarnation, worker id, block key
+# prefix, replace ("1": a full dump, whose seq is taken as is and which makes the
+# worker known again), then per event: kind (S stored, R removed, C cleared), seq,
+# tier, n, n block hashes (hex). Events at or below the last applied seq are skipped
+# (retries are idempotent); a jump in seq marks the worker unknown. Returns -1 (stale
+# incarnation), else {last seq, 1 if the registry wants a full dump, 1 if this call found a gap}.
+APPLY = """
+if redis.call('HGET', KEYS[1], 'incarnation') ~= ARGV[1] then return -1 end
+local slot = tonumber(redis.call('HGET', KEYS[1], 'slot'))
+local prefix = ARGV[3]
+local replace = ARGV[4] == '1'
+local last = tonumber(redis.call('GET', KEYS[3]) or '0')
+local gap = false
+
+local function clear(key)
+  redis.call('SETBIT', key, slot, 0)
+  if redis.call('BITCOUNT', key) == 0 then redis.call('DEL', key) end
+end
+
+local i = 5
+while i <= #ARGV do
+  local kind, seq, tier, n = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], tonumber(ARGV[i + 3])
+  local first = i + 4
+  i = first + n
+  if replace or seq > last then
+    if not replace and seq ~= last + 1 then gap = true end
+    last = seq
+    if kind == 'S' then
+      for j = first, first + n - 1 do
+        redis.call('SETBIT', prefix .. ARGV[j], slot, 1)
+        redis.call('HSET', KEYS[2], ARGV[j], tier)
+      end
+    elseif kind == 'R' then
+      for j = first, first + n - 1 do
+        clear(prefix .. ARGV[j])
+        redis.call('HDEL', KEYS[2], ARGV[j])
+      end
+    elseif kind == 'C' then
+      for _, h in ipairs(redis.call('HKEYS', KEYS[2])) do clear(prefix .. h) end
+      redis.call('DEL', KEYS[2])
+    end
+  end
+end
+redis.call('SET', KEYS[3], last)
+if replace then redis.call('SREM', KEYS[4], ARGV[2]) elseif gap then redis.call('SADD', KEYS[4], ARGV[2]) end
+return {last, redis.call('SISMEMBER', KEYS[4], ARGV[2]), gap and 1 or 0}
+"""
