@@ -1,6 +1,6 @@
 """``kervan up``: a whole local cluster as supervised processes.
 
-    redis-server -> kv-registry -> scheduler -> workers (prefill, decode, both) -> router
+    redis-server -> kv-registry -> control plane -> scheduler -> workers (prefill, decode, both) -> router
 
 Every service is its own process on 127.0.0.1 with a port chosen here; the
 launcher waits until each reports SERVING on the standard health service before
@@ -74,6 +74,8 @@ class Cluster:
             self._start("kv-registry", "services.kv_registry", "--redis", redis_url,
                         "--block-size", str(self.spec.block_size), *self.spec.registry_args)
             self._wait_serving(["kv-registry"], timeout)
+            self._spawn("control-plane", [sys.executable, "-m", "control_plane.membership", "--redis", redis_url,
+                                          "--registry", self.addresses["kv-registry"]])
             self._start("scheduler", "services.scheduler", "--registry", self.addresses["kv-registry"],
                         *self.spec.scheduler_args)
             roles = [role for role, n in (("prefill", self.spec.num_prefill), ("decode", self.spec.num_decode),

@@ -1,0 +1,104 @@
+"""``python -m control_plane.membership``: the control plane's watch over worker leases.
+
+Workers hold leases in Redis (``kervan:w:{id}``, renewed by their heartbeats). This
+process declares a worker dead the moment its lease expires — Redis keyspace
+notifications (``notify-keyspace-events Ex``, set here) say so at once — and has the
+kv-registry purge it through its API (``ListWorkers`` purges every expired worker
+and its KV ownership), so that the scheduler, which reads the live set for every
+placement, stops choosing it at once. A reconciliation loop every ``--interval``
+seconds does the same whether or not a notification arrived: notifications are a
+fast path, the loop is the source of truth (Redis does not queue notifications
+for a subscriber that was disconnected)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+import grpc
+import redis.asyncio as redis
+
+from services.common.config import parse_args as parse_args_with_env
+from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
+
+log = logging.getLogger(__name__)
+LEASE_PREFIX = "kervan:w:"
+
+
+class LeaseWatcher:
+    def __init__(self, client: redis.Redis, registry: kv_registry_pb2_grpc.KvRegistryServiceStub,
+                 interval_s: float = 1.0):
+        self.r = client
+        self.registry = registry
+        self.interval_s = interval_s
+        self.declared_dead: list[str] = []
+
+    async def run(self) -> None:
+        await asyncio.gather(self._notifications(), self._reconcile())
+
+    async def _notifications(self) -> None:
+        while True:
+            try:
+                flags = (await self.r.config_get("notify-keyspace-events")).get("notify-keyspace-events", "")
+                if not ("E" in flags and ("x" in flags or "A" in flags)):
+                    await self.r.config_set("notify-keyspace-events", flags + "Ex")
+                pubsub = self.r.pubsub()
+                await pubsub.psubscribe("__keyevent@*__:expired")
+                async for msg in pubsub.listen():
+                    key = msg.get("data")
+                    if isinstance(key, bytes) and key.startswith(LEASE_PREFIX.encode()):
+                        worker_id = key[len(LEASE_PREFIX):].decode()
+                        log.warning("worker %s declared dead: its lease expired", worker_id)
+                        self.declared_dead.append(worker_id)
+                        await self._purge()
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as err:
+                log.warning("Redis notifications lost (%s); reconnecting", err)
+                await asyncio.sleep(self.interval_s)
+
+    async def _reconcile(self) -> None:
+        while True:
+            await self._purge()
+            await asyncio.sleep(self.interval_s)
+
+    async def _purge(self) -> None:
+        try:
+            await self.registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), timeout=5)
+        except grpc.aio.AioRpcError as err:
+            log.warning("kv-registry unreachable: %s", err.code().name)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m control_plane.membership", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
+    ap.add_argument("--registry", required=True, help="HOST:PORT of the kv-registry")
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between reconciliations")
+    return parse_args_with_env(ap, "control_plane", argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    client = redis.Redis.from_url(args.redis)
+    async with grpc.aio.insecure_channel(args.registry) as channel:
+        watcher = LeaseWatcher(client, kv_registry_pb2_grpc.KvRegistryServiceStub(channel), args.interval)
+        task = asyncio.ensure_future(watcher.run())
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        print("control-plane membership watch ready", flush=True)
+        try:
+            await task
+        except asyncio.CancelledError:
+            log.info("stopping")
+        finally:
+            await client.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from services.common.server import run
+    args = parse_args(argv)
+    run(lambda: serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""The control plane declares a worker dead when its lease expires — at once, from
+Redis's keyspace notification, without waiting for anyone to read the live set."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from control_plane.membership import LeaseWatcher
+from services.common.server import Service, start_server
+from services.kv_registry.__main__ import SERVICE_NAME
+from services.kv_registry.index import PrefixIndex, WorkerRecord
+from services.kv_registry.servicer import KvRegistryServicer
+from services.proto import kv_registry_pb2_grpc
+from worker.kv.block_hash import HASH_NAME
+from worker.kv.events import BlockStored
+
+
+async def test_an_expired_lease_is_purged_at_once(redis_client):
+    index = PrefixIndex(redis_client, ttl_s=1)
+    registry = await start_server([Service(SERVICE_NAME, lambda s: kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(
+        KvRegistryServicer(index, 16, HASH_NAME), s))])
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
+    watcher = LeaseWatcher(redis_client, kv_registry_pb2_grpc.KvRegistryServiceStub(channel), interval_s=3600)
+    task = asyncio.create_task(watcher.run())  # reconciles once at start, then only notifications
+    try:
+        await index.register(WorkerRecord("w", "127.0.0.1:1", "decode", "m", "i1", 16, HASH_NAME))
+        await index.apply("w", "i1", [BlockStored(1, [b"\x01" * 32, b"\x02" * 32], None, [], 16)])
+        assert await redis_client.hlen("kervan:own:w") == 2
+        for _ in range(100):  # the lease (1 s) expires; nobody heartbeats, nobody lists workers
+            if not await redis_client.sismember("kervan:workers", "w"):
+                break
+            await asyncio.sleep(0.05)
+        assert watcher.declared_dead == ["w"]
+        assert not await redis_client.exists("kervan:own:w") and not await redis_client.keys("kervan:blk:*")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await channel.close()
+        await registry.stop(0)
