@@ -86,11 +86,10 @@ def test_without_migration_a_lost_worker_ends_the_stream_unavailable(llama, tmp_
         async def kill(proc):
             proc.kill()
         on_delta, killed = after_a_few_tokens(cluster, kill)
-        t0 = time.monotonic()
         out = asyncio.run(stream(cluster.router_address, prompt, MAX_TOKENS, on_delta=on_delta))
         process_gone(cluster.procs.pop(killed["worker"]))
+        # a clear error, never a hang (that would end DEADLINE_EXCEEDED, at the client's 120 s)
         assert out.status == grpc.StatusCode.UNAVAILABLE and "migration limit (0)" in out.details
-        assert time.monotonic() - t0 < 30  # a clear error, never a hang
         counts = check([out], allowed=(grpc.StatusCode.UNAVAILABLE,))
         assert counts["failed_as_intended"] == 1
         record("decode_worker_SIGKILL_no_migration", "SIGKILL with --max-migrations 0", counts)
