@@ -18,6 +18,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import ErrorInterceptor
+from services.common.runtime import SERVICE_NAME as RUNTIME_SERVICE
+from services.common.runtime import RuntimeServicer
+from services.proto import runtime_pb2_grpc
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -63,9 +66,10 @@ async def start_server(services: list[Service], host: str = "127.0.0.1", port: i
         service.register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(), server)
     names = [s.name for s in services]
     reflection.enable_server_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                         reflection.SERVICE_NAME], server)
+                                         RUNTIME_SERVICE, reflection.SERVICE_NAME], server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")

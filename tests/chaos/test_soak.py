@@ -1,7 +1,7 @@
 """Chaos soak: mixed load for a bounded time while faults are injected at random
 (fixed seed): workers SIGKILLed and replaced, Redis restarted empty. Every request
-must end exactly once with its fault-free tokens; the services' memory and open file
-descriptors must stay flat."""
+must end exactly once with its fault-free tokens; the services' memory, open file
+descriptors, threads and asyncio tasks (their RuntimeService) must stay flat."""
 
 from __future__ import annotations
 
@@ -10,18 +10,25 @@ import os
 import random
 import time
 
+import grpc
+
 from control_plane.launcher import Cluster, ClusterSpec
+from services.proto import runtime_pb2, runtime_pb2_grpc
 from tests.chaos.checker import check, process_gone, record, stream, wait_baseline
-from tests.chaos.test_overload_and_cancel import rss_mb
 from tests.conftest import make_engine, make_prompts
 from worker import SamplingParams
 
 SOAK_S = float(os.environ.get("KERVAN_SOAK_S", "40"))
-SERVICES = ("router", "scheduler", "kv-registry")
+SERVICES = ("router", "scheduler", "kv-registry")  # the workers are replaced as the soak goes
 
 
-def fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+async def runtime(cluster, names) -> dict[str, runtime_pb2.GetRuntimeStatsResponse]:
+    out = {}
+    for name in names:
+        async with grpc.aio.insecure_channel(cluster.addresses[name]) as ch:
+            out[name] = await runtime_pb2_grpc.RuntimeServiceStub(ch).GetRuntimeStats(
+                runtime_pb2.GetRuntimeStatsRequest())
+    return out
 
 
 def test_soak_with_random_faults(llama, tmp_path):
@@ -35,8 +42,7 @@ def test_soak_with_random_faults(llama, tmp_path):
         expected = [o.token_ids for o in make_engine(llama[1]).generate(
             pool, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))]
         asyncio.run(stream(cluster.router_address, pool[0], 4))  # warm-up before the baseline
-        pids = {name: cluster.procs[name].pid for name in SERVICES}
-        before = {name: (rss_mb(pid), fds(pid)) for name, pid in pids.items()}
+        before = asyncio.run(runtime(cluster, SERVICES))
         faults: list[str] = []
 
         async def soak():
@@ -74,13 +80,15 @@ def test_soak_with_random_faults(llama, tmp_path):
         assert counts["completed"] == len(outcomes)
         workers = sorted(n for n in cluster.procs if n.startswith("both-"))
         asyncio.run(wait_baseline(cluster, workers, f"redis://{cluster.addresses['redis']}/0", timeout=30))
-        after = {name: (rss_mb(pid), fds(pid)) for name, pid in pids.items()}
-        for name in SERVICES:
-            assert after[name][0] - before[name][0] < 100, (name, before[name], after[name])
-            assert after[name][1] - before[name][1] < 16, (name, before[name], after[name])
-        counts.update(faults=faults, seconds=SOAK_S,
-                      rss_mb={n: [round(before[n][0]), round(after[n][0])] for n in SERVICES},
-                      fds={n: [before[n][1], after[n][1]] for n in SERVICES})
+        after = asyncio.run(runtime(cluster, SERVICES))
+        for name in SERVICES:  # flat: no memory, file descriptors, threads or tasks left behind by faults
+            b, a = before[name], after[name]
+            assert a.rss_bytes - b.rss_bytes < 100 << 20, (name, b, a)
+            assert a.open_fds - b.open_fds < 16 and a.threads <= b.threads + 2, (name, b, a)
+            assert a.asyncio_tasks <= b.asyncio_tasks + 4, (name, b, a)
+        counts.update(faults=faults, seconds=SOAK_S, runtime_before_after={
+            n: {k: [getattr(before[n], k), getattr(after[n], k)] for k in ("rss_bytes", "open_fds", "threads",
+                                                                            "asyncio_tasks")} for n in SERVICES})
         record("soak", f"{SOAK_S:g} s of 4 clients with random faults (seed 1234)", counts)
     finally:
         cluster.stop()
