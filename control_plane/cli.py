@@ -82,9 +82,10 @@ def sampling_options(fn):
 @click.option("--addr", default="127.0.0.1:8470", show_default=True, help="the router's HOST:PORT")
 @click.option("--token-ids", default=None, help="comma-separated prompt token ids instead of text")
 @sampling_options
+@click.option("--stop", multiple=True, help="a string that ends the answer (repeatable)")
 @click.option("--timeout", type=float, default=120.0, show_default=True, help="deadline in seconds")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object with token_ids, finish_reason, usage")
-def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos, timeout,
+def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos, stop, timeout,
              as_json) -> None:
     """Send PROMPT to a running Kervan router and stream the answer."""
     import asyncio
@@ -97,7 +98,7 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
         raise click.UsageError("give a PROMPT or --token-ids (one of them)")
     ids = [int(t) for t in token_ids.split(",")] if token_ids else None
     request = build_request(prompt, ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            min_p=min_p, seed=seed, ignore_eos=ignore_eos)
+                            min_p=min_p, seed=seed, ignore_eos=ignore_eos, stop=list(stop))
     completion = Completion()
 
     async def run() -> None:

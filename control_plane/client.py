@@ -16,9 +16,10 @@ FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_
 def build_request(prompt: str | None = None, token_ids: list[int] | None = None, *, request_id: str = "",
                   max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                   top_k: int = 0, min_p: float = 0.0, seed: int | None = None, n: int | None = None,
-                  ignore_eos: bool = False, stop_token_ids: list[int] = ()) -> router_pb2.GenerateRequest:
+                  ignore_eos: bool = False, stop_token_ids: list[int] = (), stop: list[str] = ()
+                  ) -> router_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(top_k=top_k, min_p=min_p, ignore_eos=ignore_eos,
-                                         stop_token_ids=list(stop_token_ids))
+                                         stop_token_ids=list(stop_token_ids), stop=list(stop))
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("seed", seed), ("n", n)):
         if value is not None:

@@ -37,6 +37,12 @@ def raw(**fields) -> router_pb2.GenerateRequest:
     return router_pb2.GenerateRequest(**fields)
 
 
+def with_stop(*stop) -> router_pb2.GenerateRequest:
+    request = ids()
+    request.sampling.stop.extend(stop)
+    return request
+
+
 ROUTER_CATALOG = [  # (case, request, status, words the message must contain)
     ("no prompt", raw(), INVALID, "prompt"),
     ("empty text", raw(text=b""), INVALID, "prompt"),
@@ -71,6 +77,10 @@ ROUTER_CATALOG = [  # (case, request, status, words the message must contain)
     ("stop id outside the vocabulary", ids(stop_token_ids=[VOCAB]), INVALID, "stop_token_ids"),
     ("stop id 2**32-1", ids(stop_token_ids=[2**32 - 1]), INVALID, "stop_token_ids"),
     ("too many stop ids", ids(stop_token_ids=list(range(100))), INVALID, "stop_token_ids"),
+    ("empty stop string", with_stop("a", ""), INVALID, "sampling.stop"),
+    ("17 stop strings", with_stop(*"abcdefghijklmnopq"), INVALID, "sampling.stop"),
+    ("stop string of 257 characters", with_stop("x" * 257), INVALID, "sampling.stop"),
+    ("stop strings without a tokenizer", with_stop("the end"), INVALID, "tokenizer"),
     ("unknown model", raw(token_ids=common_pb2.TokenIds(ids=[5]), model="gpt-17"), NOT_FOUND, "model"),
     ("request id too long", raw(request_id="r" * 129, token_ids=common_pb2.TokenIds(ids=[5])), INVALID,
      "request_id"),

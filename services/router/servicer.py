@@ -20,6 +20,7 @@ from services.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from services.router.detokenizer import Detokenizer
 from services.router.routes import ScheduledRoutes, StaticRoutes
 from services.router.runner import MigrationPolicy, RequestRunner
+from services.router.stop_strings import StopWatch, validate_stop
 from worker.engine.sampling_params import InvalidRequest
 from worker.tokenizer import Tokenizer
 
@@ -47,7 +48,9 @@ class _Deadline:
 
 @dataclass
 class _Sample:
-    detok: Detokenizer
+    detok: Detokenizer | None
+    stop: StopWatch | None = None
+    ended: bool = False
     completion_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -72,6 +75,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise NotFound(f"model {request.model!r} is not served here (this router serves {self.limits.name!r})")
         prompt = self._prompt_ids(request)
         params = sampling_from_proto(request.sampling)
+        stop = list(request.sampling.stop)
+        validate_stop(stop, self.tokenizer is not None)
         if len(prompt) + params.max_tokens > self.limits.max_model_len:
             raise InvalidRequest(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                  f"the maximum model length {self.limits.max_model_len}")
@@ -82,21 +87,38 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.in_flight.add(rid)
         try:
             samples: dict[int, _Sample] = {}
-            cached = 0
+            cached = ended = 0
+            updates = self.runner.run(rid, prompt, request.sampling, params.n, _Deadline(context))
             try:
-                async for attempt, update in self.runner.run(rid, prompt, request.sampling, params.n,
-                                                             _Deadline(context)):
+                async for attempt, update in updates:
                     cached = max(cached, update.cached_prompt_tokens)
                     sample = samples.setdefault(update.sample_index, _Sample(
-                        Detokenizer(self.tokenizer) if self.tokenizer else None))
+                        Detokenizer(self.tokenizer) if self.tokenizer else None, StopWatch(stop) if stop else None))
+                    if sample.ended:
+                        continue  # stopped by a stop string; the worker is still finishing other samples
                     if update.token_ids:
-                        yield self._delta(rid, update, sample, attempt)
+                        delta = self._delta(rid, update, sample, attempt)
+                        if sample.stop is not None:
+                            delta.delta.text, hit = sample.stop.feed(delta.delta.text, bool(update.finish_reason))
+                            if hit:
+                                update.finish_reason = common_pb2.FINISH_REASON_STOP
+                        yield delta
                     if update.finish_reason:
+                        if sample.stop is not None and sample.stop.held:  # ended without new tokens: flush
+                            yield router_pb2.GenerateResponse(request_id=rid, delta=router_pb2.TokenDelta(
+                                sample_index=update.sample_index, index=sample.completion_tokens,
+                                text=sample.stop.feed("", True)[0], attempt=attempt))
                         yield self._finished(rid, update, sample, len(prompt), cached, start)
+                        sample.ended = True
+                        ended += 1
+                        if ended == params.n:
+                            break  # closing the updates cancels what the workers still run
             except grpc.aio.AioRpcError as err:  # the worker's status is the client's answer
                 if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise Overloaded(err.details() or "overloaded", retry_after_s(err) or 0.5) from None
                 await context.abort(err.code(), err.details() or "worker failed")
+            finally:
+                await updates.aclose()
         finally:
             self.in_flight.discard(rid)
 

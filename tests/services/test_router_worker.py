@@ -140,3 +140,29 @@ async def test_deadline_is_passed_on_and_expiry_frees_the_request(llama_mesh):
             token_ids=common_pb2.TokenIds(ids=make_prompts([30], seed=26)[0]), sampling=greedy(400)), timeout=0.3)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await wait_idle(llama_mesh)
+
+
+async def test_a_stop_string_ends_the_text_before_it_and_the_workers_stop(text_mesh):
+    def request(stop=()):
+        return router_pb2.GenerateRequest(text=b"Once upon a time", sampling=common_pb2.SamplingParams(
+            max_tokens=60, temperature=0.0, ignore_eos=True, stop=list(stop)))
+
+    deltas, [fin] = await collect(text_mesh.router, request())
+    full = "".join(d.delta.text for d in deltas)
+    stop = full[12:15]  # a piece of the greedy text; the output must end right before its first occurrence
+    assert len(full) > 20 and stop
+    deltas, [fin] = await collect(text_mesh.router, request([stop, "\x00never"]))
+    assert "".join(d.delta.text for d in deltas) == full[:full.index(stop)]
+    assert fin.finished.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert fin.finished.usage.completion_tokens < 60
+    await wait_idle(text_mesh)  # the rest of the request was cancelled on the worker
+
+
+def test_stop_watch_holds_back_what_could_start_a_stop_string():
+    from services.router.stop_strings import StopWatch
+    watch = StopWatch(["END", "xy"])
+    assert watch.feed("abcE", False) == ("ab", False)  # "cE" could begin "END"
+    assert watch.feed("N", False) == ("c", False)  # "EN" still could
+    assert watch.feed("Dzz", False) == ("", True)  # it was: nothing of it is ever streamed
+    watch = StopWatch(["END"])
+    assert watch.feed("hello E", False) == ("hello", False) and watch.feed("", True) == (" E", False)
