@@ -31,6 +31,7 @@ class Outcome:
     status: grpc.StatusCode | None = None  # set when the call failed
     details: str = ""
     first_token_after: dict[int, float] = field(default_factory=dict)  # attempt -> monotonic time of its first token
+    seconds: float = 0.0  # from the call to its end
 
     @property
     def tokens(self) -> list[int]:
@@ -39,6 +40,7 @@ class Outcome:
 
 async def stream(address: str, prompt: list[int], max_tokens: int, on_delta=None, **sampling) -> Outcome:
     out = Outcome()
+    t0 = time.monotonic()
     async with grpc.aio.insecure_channel(address) as channel:
         call = router_pb2_grpc.RouterServiceStub(channel).Generate(build_request(
             token_ids=prompt, max_tokens=max_tokens, temperature=sampling.pop("temperature", 0.0), ignore_eos=True,
@@ -55,6 +57,7 @@ async def stream(address: str, prompt: list[int], max_tokens: int, on_delta=None
                     out.finished += 1
         except grpc.aio.AioRpcError as err:
             out.status, out.details = err.code(), err.details() or ""
+    out.seconds = time.monotonic() - t0
     return out
 
 

@@ -50,6 +50,10 @@ def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tm
         assert all(after[n] - before[n] < 200 for n in services), (before, after)
         asyncio.run(wait_baseline(cluster, ["both-0", "both-1"]))
         counts["rss_growth_mb"] = {n: round(after[n] - before[n], 1) for n in services}
+        refused_s = sorted(o.seconds for o in refused)
+        done_s = sorted(o.seconds for o in outs if o.status is None)
+        counts["refused_after_s"] = {"p50": round(refused_s[len(refused_s) // 2], 3), "max": round(refused_s[-1], 3)}
+        counts["completed_after_s"] = {"p50": round(done_s[len(done_s) // 2], 3), "max": round(done_s[-1], 3)}
         record("overload_4x", "64 requests at once against room for 16, three waves", counts)
     finally:
         cluster.stop()
