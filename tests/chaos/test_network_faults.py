@@ -55,15 +55,19 @@ def test_a_worker_cut_off_by_the_network_is_migrated_away_from(llama, tmp_path, 
             prompts, SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))]
 
         async def run():
-            tasks = [asyncio.create_task(stream(cluster.router_address, p, 300)) for p in prompts]
+            streaming, all_streaming = set(), asyncio.Event()
+
+            async def on_delta(out):  # the fault must hit streams that already delivered tokens
+                if len(out.tokens) >= 3:
+                    streaming.add(id(out))
+                    if len(streaming) == len(prompts):
+                        all_streaming.set()
+
+            tasks = [asyncio.create_task(stream(cluster.router_address, p, 300, on_delta=on_delta)) for p in prompts]
+            await asyncio.wait_for(all_streaming.wait(), 120)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:  # straight to both-1, not via the proxy
-                stub = worker_pb2_grpc.WorkerServiceStub(ch)
-                for _ in range(500):
-                    if (await stub.GetLoad(worker_pb2.GetLoadRequest())).num_running:
-                        break
-                    await asyncio.sleep(0.01)
-                else:
-                    raise AssertionError("no stream was placed on the proxied worker")
+                load = await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())
+            assert load.num_running, "no stream was placed on the proxied worker"
             at = time.monotonic()
             if fault == "reset":
                 proxies.call(proxy.reset)
