@@ -20,15 +20,21 @@ log = logging.getLogger(__name__)
 
 
 class Generations:
-    def __init__(self, client: redis.Redis, key: str, grace_s: float):
+    def __init__(self, client: redis.Redis, key: str, grace_s: float, check_interval_s: float = 0.25):
         self.r = client
         self.key = key
         self.grace_s = grace_s
+        self.check_interval_s = check_interval_s  # ListWorkers runs for every placement: not a GET each time
         self.current: str | None = None
         self.rebuilding_until = 0.0
         self.started = 0  # generations seen after the first
+        self._checked_at = float("-inf")
 
     async def check(self) -> None:
+        now = time.monotonic()
+        if now - self._checked_at < self.check_interval_s:
+            return
+        self._checked_at = now
         gen = await self.r.get(self.key)
         if gen is None:
             await self.r.set(self.key, uuid.uuid4().hex, nx=True)

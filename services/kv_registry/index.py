@@ -166,9 +166,8 @@ class PrefixIndex:
             pipe.delete(own)
             await pipe.execute()
 
-    async def _check(self, worker_id: str, incarnation: str) -> int:
-        """The worker's slot, if ``incarnation`` is the registered one."""
-        current, slot = await self.r.hmget(f"{P}w:{worker_id}", ["incarnation", "slot"])
+    async def _check(self, worker_id: str, incarnation: str) -> None:
+        """Raises StaleIncarnation unless ``incarnation`` is the registered one."""
+        current = await self.r.hget(f"{P}w:{worker_id}", "incarnation")
         if current is None or current.decode() != incarnation:
             raise StaleIncarnation(f"worker {worker_id!r} incarnation {incarnation!r} is not registered; re-register")
-        return int(slot)

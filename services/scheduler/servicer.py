@@ -47,12 +47,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                   decision.prefill.worker_id if decision.prefill else "-", decision.reason,
                   {w: round(v, 1) for w, v in decision.scores.items()})
         if not request.dry_run:
-            prefiller = decision.prefill or decision.decode
             block_size = workers.workers[0].info.block_size  # one size across the mesh (checked at registration)
-            self.recent.add(prefiller.worker_id, prefill_tokens=request.num_prompt_tokens
-                            - decision.cached_blocks * block_size, block_hashes=hashes)
-            self.recent.add(decision.decode.worker_id, blocks=num_blocks - decision.decode.matched_blocks + 1,
-                            block_hashes=hashes)
+            prefill_tokens = request.num_prompt_tokens - decision.cached_blocks * block_size
+            if decision.prefill:
+                self.recent.add(decision.prefill.worker_id, prefill_tokens=prefill_tokens, block_hashes=hashes)
+            self.recent.add(decision.decode.worker_id, prefill_tokens=0 if decision.prefill else prefill_tokens,
+                            blocks=num_blocks - decision.decode.matched_blocks + 1, block_hashes=hashes)
             self.placements += 1
             self.by_reason[decision.reason] += 1
             self.by_worker.update({c.worker_id for c in (decision.decode, decision.prefill) if c})

@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from control_plane.client import build_request
-from services.proto import router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.proto import router_pb2_grpc, runtime_pb2, runtime_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 REPORT = Path(os.environ.get("KERVAN_CHAOS_REPORT", "chaos-report.json"))
 
@@ -116,6 +116,16 @@ async def wait_baseline(cluster, workers: list[str], redis_url: str | None = Non
         if time.monotonic() > deadline:
             raise AssertionError(f"not back to baseline: loads {loads}, listed {[w.info.address for w in listed.workers]}")
         await asyncio.sleep(0.1)
+
+
+async def runtime(cluster, names) -> dict[str, runtime_pb2.GetRuntimeStatsResponse]:
+    """Each named service's live counts (RSS, fds, threads, asyncio tasks)."""
+    out = {}
+    for name in names:
+        async with grpc.aio.insecure_channel(cluster.addresses[name]) as ch:
+            out[name] = await runtime_pb2_grpc.RuntimeServiceStub(ch).GetRuntimeStats(
+                runtime_pb2.GetRuntimeStatsRequest())
+    return out
 
 
 def record(test: str, fault: str, counts: dict, fault_to_first_token_s: float | None = None) -> None:

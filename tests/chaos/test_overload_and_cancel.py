@@ -9,16 +9,9 @@ import time
 import grpc
 
 from control_plane.launcher import Cluster, ClusterSpec
-from tests.chaos.checker import check, record, stream, wait_baseline
+from tests.chaos.checker import check, record, runtime, stream, wait_baseline
 from tests.conftest import make_engine, make_prompts
 from worker import SamplingParams
-
-
-def rss_mb(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tmp_path):
@@ -32,7 +25,7 @@ def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tm
         expected = [o.token_ids for o in make_engine(llama[1]).generate(
             prompts, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))]
         services = ["router", "both-0", "both-1"]
-        before = {name: rss_mb(cluster.procs[name].pid) for name in services}
+        before = asyncio.run(runtime(cluster, services))
 
         async def burst():
             t0 = time.monotonic()
@@ -46,10 +39,10 @@ def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tm
                            allowed=(grpc.StatusCode.RESOURCE_EXHAUSTED,))
             assert counts["completed"] >= 16 and len(refused) >= 16, counts
             assert all("limit" in o.details for o in refused)
-        after = {name: rss_mb(cluster.procs[name].pid) for name in services}
-        assert all(after[n] - before[n] < 200 for n in services), (before, after)
+        after = asyncio.run(runtime(cluster, services))
+        assert all(after[n].rss_bytes - before[n].rss_bytes < 200 << 20 for n in services), (before, after)
         asyncio.run(wait_baseline(cluster, ["both-0", "both-1"]))
-        counts["rss_growth_mb"] = {n: round(after[n] - before[n], 1) for n in services}
+        counts["rss_growth_mb"] = {n: round((after[n].rss_bytes - before[n].rss_bytes) / 2**20, 1) for n in services}
         refused_s = sorted(o.seconds for o in refused)
         done_s = sorted(o.seconds for o in outs if o.status is None)
         counts["refused_after_s"] = {"p50": round(refused_s[len(refused_s) // 2], 3), "max": round(refused_s[-1], 3)}

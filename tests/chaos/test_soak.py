@@ -10,25 +10,13 @@ import os
 import random
 import time
 
-import grpc
-
 from control_plane.launcher import Cluster, ClusterSpec
-from services.proto import runtime_pb2, runtime_pb2_grpc
-from tests.chaos.checker import check, process_gone, record, stream, wait_baseline
+from tests.chaos.checker import check, process_gone, record, runtime, stream, wait_baseline
 from tests.conftest import make_engine, make_prompts
 from worker import SamplingParams
 
 SOAK_S = float(os.environ.get("KERVAN_SOAK_S", "40"))
 SERVICES = ("router", "scheduler", "kv-registry")  # the workers are replaced as the soak goes
-
-
-async def runtime(cluster, names) -> dict[str, runtime_pb2.GetRuntimeStatsResponse]:
-    out = {}
-    for name in names:
-        async with grpc.aio.insecure_channel(cluster.addresses[name]) as ch:
-            out[name] = await runtime_pb2_grpc.RuntimeServiceStub(ch).GetRuntimeStats(
-                runtime_pb2.GetRuntimeStatsRequest())
-    return out
 
 
 def test_soak_with_random_faults(llama, tmp_path):
