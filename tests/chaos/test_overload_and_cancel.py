@@ -14,6 +14,9 @@ from tests.conftest import make_engine, make_prompts
 from worker import SamplingParams
 
 
+OUTPUT = 160  # long enough that the admitted requests still run while the whole burst arrives
+
+
 def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tmp_path):
     # each worker admits 4 running + 4 waiting: 16 in all; 64 arrive at once
     cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, dtype="float32",
@@ -23,13 +26,13 @@ def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tm
     try:
         prompts = make_prompts([16 + i % 9 for i in range(64)], seed=90)
         expected = [o.token_ids for o in make_engine(llama[1]).generate(
-            prompts, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))]
+            prompts, SamplingParams(max_tokens=OUTPUT, temperature=0, ignore_eos=True))]
         services = ["router", "both-0", "both-1"]
         before = asyncio.run(runtime(cluster, services))
 
         async def burst():
             t0 = time.monotonic()
-            outs = await asyncio.gather(*(stream(cluster.router_address, p, 64) for p in prompts))
+            outs = await asyncio.gather(*(stream(cluster.router_address, p, OUTPUT) for p in prompts))
             return outs, time.monotonic() - t0
 
         for _ in range(3):  # three waves: memory must not grow with them
