@@ -34,7 +34,7 @@ async def worker_loads(cluster):
     loads = {}
     for name in ("prefill-0", "decode-0"):
         async with grpc.aio.insecure_channel(cluster.addresses[name]) as ch:
-            loads[name] = await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())
+            loads[name] = (await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())).load
     return loads
 
 

@@ -36,11 +36,11 @@ def finish_to_proto(reason: str | None) -> int:
     return _FINISH.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED)
 
 
-def load_to_proto(load: Load) -> kv_registry_pb2.WorkerLoad:
-    return kv_registry_pb2.WorkerLoad(**asdict(load))
+def load_to_proto(load: Load) -> common_pb2.WorkerLoad:
+    return common_pb2.WorkerLoad(**asdict(load))
 
 
-def load_from_proto(msg: kv_registry_pb2.WorkerLoad) -> Load:
+def load_from_proto(msg: common_pb2.WorkerLoad) -> Load:
     return Load(**{f.name: getattr(msg, f.name) for f in fields(Load)})
 
 

@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from services.proto import common_pb2 as kervan_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkervan/v1/kv_registry.proto\x12\tkervan.v1\"\x89\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x11\n\thash_name\x18\x07 \x01(\t\"\x9d\x01\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x1a\n\x12num_prefill_tokens\x18\x05 \x01(\r\x12\x1c\n\x14num_evictable_blocks\x18\x06 \x01(\r\"8\n\x0fRegisterRequest\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.kervan.v1.WorkerInfo\"!\n\x10RegisterResponse\x12\r\n\x05ttl_s\x18\x01 \x01(\r\"_\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12#\n\x04load\x18\x03 \x01(\x0b\x32\x15.kervan.v1.WorkerLoad\",\n\x11HeartbeatResponse\x12\x17\n\x0fneeds_full_dump\x18\x01 \x01(\x08\";\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"\xa4\x01\n\x07KvEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x06stored\x18\x02 \x01(\x0b\x32\x16.kervan.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x03 \x01(\x0b\x32\x17.kervan.v1.BlockRemovedH\x00\x12.\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1b.kervan.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"_\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x0c\x12\x1f\n\x04tier\x18\x03 \x01(\x0e\x32\x11.kervan.v1.KvTier\"E\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x1f\n\x04tier\x18\x02 \x01(\x0e\x32\x11.kervan.v1.KvTier\"\x12\n\x10\x41llBlocksCleared\"b\n\x14PublishEventsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\"\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x12.kervan.v1.KvEvent\"B\n\x15PublishEventsResponse\x12\x10\n\x08last_seq\x18\x01 \x01(\x04\x12\x17\n\x0fneeds_full_dump\x18\x02 \x01(\x08\"C\n\nTierBlocks\x12\x1f\n\x04tier\x18\x01 \x01(\x0e\x32\x11.kervan.v1.KvTier\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"p\n\x13ReportBlocksRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12$\n\x05tiers\x18\x04 \x03(\x0b\x32\x15.kervan.v1.TierBlocks\"*\n\x14ReportBlocksResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\"$\n\x0cMatchRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\xa3\x01\n\rMatchResponse\x12\x43\n\x0ematched_blocks\x18\x01 \x03(\x0b\x32+.kervan.v1.MatchResponse.MatchedBlocksEntry\x12\x17\n\x0funknown_workers\x18\x02 \x03(\t\x1a\x34\n\x12MatchedBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x14\n\x12ListWorkersRequest\"=\n\x13ListWorkersResponse\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.kervan.v1.LiveWorker\"V\n\nLiveWorker\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.kervan.v1.WorkerInfo\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.kervan.v1.WorkerLoad*Y\n\x06KvTier\x12\x17\n\x13KV_TIER_UNSPECIFIED\x10\x00\x12\x12\n\x0eKV_TIER_DEVICE\x10\x01\x12\x10\n\x0cKV_TIER_HOST\x10\x02\x12\x10\n\x0cKV_TIER_DISK\x10\x03\x32\x9a\x04\n\x11KvRegistryService\x12\x43\n\x08Register\x12\x1a.kervan.v1.RegisterRequest\x1a\x1b.kervan.v1.RegisterResponse\x12I\n\nDeregister\x12\x1c.kervan.v1.DeregisterRequest\x1a\x1d.kervan.v1.DeregisterResponse\x12\x46\n\tHeartbeat\x12\x1b.kervan.v1.HeartbeatRequest\x1a\x1c.kervan.v1.HeartbeatResponse\x12R\n\rPublishEvents\x12\x1f.kervan.v1.PublishEventsRequest\x1a .kervan.v1.PublishEventsResponse\x12O\n\x0cReportBlocks\x12\x1e.kervan.v1.ReportBlocksRequest\x1a\x1f.kervan.v1.ReportBlocksResponse\x12:\n\x05Match\x12\x17.kervan.v1.MatchRequest\x1a\x18.kervan.v1.MatchResponse\x12L\n\x0bListWorkers\x12\x1d.kervan.v1.ListWorkersRequest\x1a\x1e.kervan.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkervan/v1/kv_registry.proto\x12\tkervan.v1\x1a\x16kervan/v1/common.proto\"\x89\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x11\n\thash_name\x18\x07 \x01(\t\"8\n\x0fRegisterRequest\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.kervan.v1.WorkerInfo\"!\n\x10RegisterResponse\x12\r\n\x05ttl_s\x18\x01 \x01(\r\"_\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12#\n\x04load\x18\x03 \x01(\x0b\x32\x15.kervan.v1.WorkerLoad\",\n\x11HeartbeatResponse\x12\x17\n\x0fneeds_full_dump\x18\x01 \x01(\x08\";\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"\xa4\x01\n\x07KvEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x06stored\x18\x02 \x01(\x0b\x32\x16.kervan.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x03 \x01(\x0b\x32\x17.kervan.v1.BlockRemovedH\x00\x12.\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1b.kervan.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"_\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x0c\x12\x1f\n\x04tier\x18\x03 \x01(\x0e\x32\x11.kervan.v1.KvTier\"E\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x1f\n\x04tier\x18\x02 \x01(\x0e\x32\x11.kervan.v1.KvTier\"\x12\n\x10\x41llBlocksCleared\"b\n\x14PublishEventsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\"\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x12.kervan.v1.KvEvent\"B\n\x15PublishEventsResponse\x12\x10\n\x08last_seq\x18\x01 \x01(\x04\x12\x17\n\x0fneeds_full_dump\x18\x02 \x01(\x08\"C\n\nTierBlocks\x12\x1f\n\x04tier\x18\x01 \x01(\x0e\x32\x11.kervan.v1.KvTier\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"p\n\x13ReportBlocksRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12$\n\x05tiers\x18\x04 \x03(\x0b\x32\x15.kervan.v1.TierBlocks\"*\n\x14ReportBlocksResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\"$\n\x0cMatchRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\xa3\x01\n\rMatchResponse\x12\x43\n\x0ematched_blocks\x18\x01 \x03(\x0b\x32+.kervan.v1.MatchResponse.MatchedBlocksEntry\x12\x17\n\x0funknown_workers\x18\x02 \x03(\t\x1a\x34\n\x12MatchedBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x14\n\x12ListWorkersRequest\"=\n\x13ListWorkersResponse\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.kervan.v1.LiveWorker\"V\n\nLiveWorker\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.kervan.v1.WorkerInfo\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.kervan.v1.WorkerLoad*Y\n\x06KvTier\x12\x17\n\x13KV_TIER_UNSPECIFIED\x10\x00\x12\x12\n\x0eKV_TIER_DEVICE\x10\x01\x12\x10\n\x0cKV_TIER_HOST\x10\x02\x12\x10\n\x0cKV_TIER_DISK\x10\x03\x32\x9a\x04\n\x11KvRegistryService\x12\x43\n\x08Register\x12\x1a.kervan.v1.RegisterRequest\x1a\x1b.kervan.v1.RegisterResponse\x12I\n\nDeregister\x12\x1c.kervan.v1.DeregisterRequest\x1a\x1d.kervan.v1.DeregisterResponse\x12\x46\n\tHeartbeat\x12\x1b.kervan.v1.HeartbeatRequest\x1a\x1c.kervan.v1.HeartbeatResponse\x12R\n\rPublishEvents\x12\x1f.kervan.v1.PublishEventsRequest\x1a .kervan.v1.PublishEventsResponse\x12O\n\x0cReportBlocks\x12\x1e.kervan.v1.ReportBlocksRequest\x1a\x1f.kervan.v1.ReportBlocksResponse\x12:\n\x05Match\x12\x17.kervan.v1.MatchRequest\x1a\x18.kervan.v1.MatchResponse\x12L\n\x0bListWorkers\x12\x1d.kervan.v1.ListWorkersRequest\x1a\x1e.kervan.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,54 +34,52 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MATCHRESPONSE_MATCHEDBLOCKSENTRY']._loaded_options = None
   _globals['_MATCHRESPONSE_MATCHEDBLOCKSENTRY']._serialized_options = b'8\001'
-  _globals['_KVTIER']._serialized_start=1788
-  _globals['_KVTIER']._serialized_end=1877
-  _globals['_WORKERINFO']._serialized_start=43
-  _globals['_WORKERINFO']._serialized_end=180
-  _globals['_WORKERLOAD']._serialized_start=183
-  _globals['_WORKERLOAD']._serialized_end=340
-  _globals['_REGISTERREQUEST']._serialized_start=342
-  _globals['_REGISTERREQUEST']._serialized_end=398
-  _globals['_REGISTERRESPONSE']._serialized_start=400
-  _globals['_REGISTERRESPONSE']._serialized_end=433
-  _globals['_HEARTBEATREQUEST']._serialized_start=435
-  _globals['_HEARTBEATREQUEST']._serialized_end=530
-  _globals['_HEARTBEATRESPONSE']._serialized_start=532
-  _globals['_HEARTBEATRESPONSE']._serialized_end=576
-  _globals['_DEREGISTERREQUEST']._serialized_start=578
-  _globals['_DEREGISTERREQUEST']._serialized_end=637
-  _globals['_DEREGISTERRESPONSE']._serialized_start=639
-  _globals['_DEREGISTERRESPONSE']._serialized_end=659
-  _globals['_KVEVENT']._serialized_start=662
-  _globals['_KVEVENT']._serialized_end=826
-  _globals['_BLOCKSTORED']._serialized_start=828
-  _globals['_BLOCKSTORED']._serialized_end=923
-  _globals['_BLOCKREMOVED']._serialized_start=925
-  _globals['_BLOCKREMOVED']._serialized_end=994
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=996
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=1014
-  _globals['_PUBLISHEVENTSREQUEST']._serialized_start=1016
-  _globals['_PUBLISHEVENTSREQUEST']._serialized_end=1114
-  _globals['_PUBLISHEVENTSRESPONSE']._serialized_start=1116
-  _globals['_PUBLISHEVENTSRESPONSE']._serialized_end=1182
-  _globals['_TIERBLOCKS']._serialized_start=1184
-  _globals['_TIERBLOCKS']._serialized_end=1251
-  _globals['_REPORTBLOCKSREQUEST']._serialized_start=1253
-  _globals['_REPORTBLOCKSREQUEST']._serialized_end=1365
-  _globals['_REPORTBLOCKSRESPONSE']._serialized_start=1367
-  _globals['_REPORTBLOCKSRESPONSE']._serialized_end=1409
-  _globals['_MATCHREQUEST']._serialized_start=1411
-  _globals['_MATCHREQUEST']._serialized_end=1447
-  _globals['_MATCHRESPONSE']._serialized_start=1450
-  _globals['_MATCHRESPONSE']._serialized_end=1613
-  _globals['_MATCHRESPONSE_MATCHEDBLOCKSENTRY']._serialized_start=1561
-  _globals['_MATCHRESPONSE_MATCHEDBLOCKSENTRY']._serialized_end=1613
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1615
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1635
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1637
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1698
-  _globals['_LIVEWORKER']._serialized_start=1700
-  _globals['_LIVEWORKER']._serialized_end=1786
-  _globals['_KVREGISTRYSERVICE']._serialized_start=1880
-  _globals['_KVREGISTRYSERVICE']._serialized_end=2418
+  _globals['_KVTIER']._serialized_start=1652
+  _globals['_KVTIER']._serialized_end=1741
+  _globals['_WORKERINFO']._serialized_start=67
+  _globals['_WORKERINFO']._serialized_end=204
+  _globals['_REGISTERREQUEST']._serialized_start=206
+  _globals['_REGISTERREQUEST']._serialized_end=262
+  _globals['_REGISTERRESPONSE']._serialized_start=264
+  _globals['_REGISTERRESPONSE']._serialized_end=297
+  _globals['_HEARTBEATREQUEST']._serialized_start=299
+  _globals['_HEARTBEATREQUEST']._serialized_end=394
+  _globals['_HEARTBEATRESPONSE']._serialized_start=396
+  _globals['_HEARTBEATRESPONSE']._serialized_end=440
+  _globals['_DEREGISTERREQUEST']._serialized_start=442
+  _globals['_DEREGISTERREQUEST']._serialized_end=501
+  _globals['_DEREGISTERRESPONSE']._serialized_start=503
+  _globals['_DEREGISTERRESPONSE']._serialized_end=523
+  _globals['_KVEVENT']._serialized_start=526
+  _globals['_KVEVENT']._serialized_end=690
+  _globals['_BLOCKSTORED']._serialized_start=692
+  _globals['_BLOCKSTORED']._serialized_end=787
+  _globals['_BLOCKREMOVED']._serialized_start=789
+  _globals['_BLOCKREMOVED']._serialized_end=858
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=860
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=878
+  _globals['_PUBLISHEVENTSREQUEST']._serialized_start=880
+  _globals['_PUBLISHEVENTSREQUEST']._serialized_end=978
+  _globals['_PUBLISHEVENTSRESPONSE']._serialized_start=980
+  _globals['_PUBLISHEVENTSRESPONSE']._serialized_end=1046
+  _globals['_TIERBLOCKS']._serialized_start=1048
+  _globals['_TIERBLOCKS']._serialized_end=1115
+  _globals['_REPORTBLOCKSREQUEST']._serialized_start=1117
+  _globals['_REPORTBLOCKSREQUEST']._serialized_end=1229
+  _globals['_REPORTBLOCKSRESPONSE']._serialized_start=1231
+  _globals['_REPORTBLOCKSRESPONSE']._serialized_end=1273
+  _globals['_MATCHREQUEST']._serialized_start=1275
+  _globals['_MATCHREQUEST']._serialized_end=1311
+  _globals['_MATCHRESPONSE']._serialized_start=1314
+  _globals['_MATCHRESPONSE']._serialized_end=1477
+  _globals['_MATCHRESPONSE_MATCHEDBLOCKSENTRY']._serialized_start=1425
+  _globals['_MATCHRESPONSE_MATCHEDBLOCKSENTRY']._serialized_end=1477
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1479
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1499
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1501
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1562
+  _globals['_LIVEWORKER']._serialized_start=1564
+  _globals['_LIVEWORKER']._serialized_end=1650
+  _globals['_KVREGISTRYSERVICE']._serialized_start=1744
+  _globals['_KVREGISTRYSERVICE']._serialized_end=2282
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from services.proto import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -36,22 +37,6 @@ class WorkerInfo(_message.Message):
     hash_name: str
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., incarnation: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_name: _Optional[str] = ...) -> None: ...
 
-class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefill_tokens", "num_evictable_blocks")
-    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
-    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
-    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_EVICTABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
-    num_prefill_tokens: int
-    num_evictable_blocks: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ...) -> None: ...
-
 class RegisterRequest(_message.Message):
     __slots__ = ("worker",)
     WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -71,8 +56,8 @@ class HeartbeatRequest(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
-    load: WorkerLoad
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+    load: _common_pb2.WorkerLoad
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("needs_full_dump",)
@@ -206,5 +191,5 @@ class LiveWorker(_message.Message):
     INFO_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     info: WorkerInfo
-    load: WorkerLoad
-    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+    load: _common_pb2.WorkerLoad
+    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...

@@ -66,20 +66,10 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefill_tokens", "num_evictable_blocks")
-    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
-    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
-    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_EVICTABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
-    num_prefill_tokens: int
-    num_evictable_blocks: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ...) -> None: ...
+    __slots__ = ("load",)
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    load: _common_pb2.WorkerLoad
+    def __init__(self, load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "sampling", "decode_address", "transport")

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from services.common.convert import finish_to_proto, sampling_from_proto
+from services.common.convert import finish_to_proto, load_to_proto, sampling_from_proto
 from services.common.errors import FailedPrecondition, Unavailable
 from services.proto import worker_pb2, worker_pb2_grpc
 from services.worker import kv_transfer
@@ -126,7 +126,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.AbortResponse(aborted=self.engine.abort(request.request_id))
 
     async def GetLoad(self, request: worker_pb2.GetLoadRequest, context) -> worker_pb2.GetLoadResponse:
-        return worker_pb2.GetLoadResponse(**dataclasses.asdict(self.engine.load()))
+        return worker_pb2.GetLoadResponse(load=load_to_proto(self.engine.load()))
 
     async def close(self) -> None:
         for channel, _ in self._peers.values():

@@ -101,7 +101,7 @@ async def wait_baseline(cluster, workers: list[str], redis_url: str | None = Non
         loads = []
         for w in workers:
             async with grpc.aio.insecure_channel(cluster.addresses[w]) as ch:
-                loads.append(await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest()))
+                loads.append((await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())).load)
         async with grpc.aio.insecure_channel(cluster.addresses["kv-registry"]) as ch:  # also purges the expired
             listed = await kv_registry_pb2_grpc.KvRegistryServiceStub(ch).ListWorkers(
                 kv_registry_pb2.ListWorkersRequest())

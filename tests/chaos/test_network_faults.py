@@ -66,7 +66,7 @@ def test_a_worker_cut_off_by_the_network_is_migrated_away_from(llama, tmp_path, 
             tasks = [asyncio.create_task(stream(cluster.router_address, p, 300, on_delta=on_delta)) for p in prompts]
             await asyncio.wait_for(all_streaming.wait(), 120)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:  # straight to both-1, not via the proxy
-                load = await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())
+                load = (await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())).load
             assert load.num_running, "no stream was placed on the proxied worker"
             at = time.monotonic()
             if fault == "reset":

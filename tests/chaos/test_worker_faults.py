@@ -30,7 +30,7 @@ def start(llama, tmp_path, *router_args) -> Cluster:
 async def busy_worker(cluster) -> str:
     for name in ("both-0", "both-1"):
         async with grpc.aio.insecure_channel(cluster.addresses[name]) as ch:
-            load = await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())
+            load = (await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())).load
         if load.num_running:
             return name
     raise AssertionError("no worker is running the request")
@@ -139,7 +139,7 @@ def test_a_prefill_worker_killed_during_the_handoff_is_replaced_by_local_prefill
                 async with grpc.aio.insecure_channel(cluster.addresses["prefill-0"]) as ch:
                     stub = worker_pb2_grpc.WorkerServiceStub(ch)
                     while True:
-                        load = await stub.GetLoad(worker_pb2.GetLoadRequest())
+                        load = (await stub.GetLoad(worker_pb2.GetLoadRequest())).load
                         if load.num_running or load.num_waiting or load.num_free_blocks < load.num_blocks:
                             cluster.procs["prefill-0"].kill()
                             return time.monotonic()

@@ -31,7 +31,7 @@ async def wait_idle(mesh, timeout=10.0):
     """Every worker back to no running/waiting request and all blocks free, none staged."""
     loads = None
     for _ in range(int(timeout / 0.05)):
-        loads = [await w.stub.GetLoad(worker_pb2.GetLoadRequest()) for w in mesh.workers]
+        loads = [(await w.stub.GetLoad(worker_pb2.GetLoadRequest())).load for w in mesh.workers]
         if all(x.num_running == x.num_waiting == 0 and x.num_free_blocks == x.num_blocks for x in loads):
             return loads
         await asyncio.sleep(0.05)
@@ -85,7 +85,7 @@ async def test_cancel_mid_stream_frees_every_block(llama_mesh):
         got += len(msg.delta.token_ids)
         if got >= 3:
             break
-    held = [await w.stub.GetLoad(worker_pb2.GetLoadRequest()) for w in llama_mesh.workers]
+    held = [(await w.stub.GetLoad(worker_pb2.GetLoadRequest())).load for w in llama_mesh.workers]
     assert held[-1].num_free_blocks < held[-1].num_blocks  # the (decode) worker still holds blocks
     call.cancel()
     await wait_idle(llama_mesh)
