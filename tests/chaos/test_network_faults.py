@@ -55,19 +55,19 @@ def test_a_worker_cut_off_by_the_network_is_migrated_away_from(llama, tmp_path, 
             prompts, SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))]
 
         async def run():
-            streaming, all_streaming = set(), asyncio.Event()
-
-            async def on_delta(out):  # the fault must hit streams that already delivered tokens
-                if len(out.tokens) >= 3:
-                    streaming.add(id(out))
-                    if len(streaming) == len(prompts):
-                        all_streaming.set()
-
-            tasks = [asyncio.create_task(stream(cluster.router_address, p, 300, on_delta=on_delta)) for p in prompts]
-            await asyncio.wait_for(all_streaming.wait(), 120)
+            tasks = [asyncio.create_task(stream(cluster.router_address, p, 300)) for p in prompts]
+            # the fault must hit streams on both-1 that already delivered tokens: wait until it runs
+            # requests that are all past their prefill (each has sampled its first token)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:  # straight to both-1, not via the proxy
-                load = (await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())).load
-            assert load.num_running, "no stream was placed on the proxied worker"
+                stub = worker_pb2_grpc.WorkerServiceStub(ch)
+                for _ in range(6000):
+                    load = (await stub.GetLoad(worker_pb2.GetLoadRequest())).load
+                    if load.num_running and not load.num_prefill_tokens:
+                        break
+                    await asyncio.sleep(0.01)
+                else:
+                    raise AssertionError("no stream was placed on the proxied worker")
+            await asyncio.sleep(0.2)  # its first tokens reach the client
             at = time.monotonic()
             if fault == "reset":
                 proxies.call(proxy.reset)
