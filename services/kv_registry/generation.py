@@ -30,9 +30,10 @@ class Generations:
         self.started = 0  # generations seen after the first
         self._checked_at = float("-inf")
 
-    async def check(self) -> None:
+    async def check(self, force: bool = False) -> None:
+        """Reads the generation, at most every ``check_interval_s`` unless ``force``."""
         now = time.monotonic()
-        if now - self._checked_at < self.check_interval_s:
+        if not force and now - self._checked_at < self.check_interval_s:
             return
         self._checked_at = now
         gen = await self.r.get(self.key)

@@ -62,8 +62,10 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
                                                 model=record.model, incarnation=record.incarnation,
                                                 block_size=record.block_size, hash_name=record.hash_name),
                 load=load_to_proto(load))
+        back = {w.info.worker_id for w in out.workers}
+        if not self.generations.rebuilding and any(w.info.worker_id not in back for w in self._last_live):
+            await self.generations.check(force=True)  # workers gone: a cached check would miss an empty Redis
         if self.generations.rebuilding:  # Redis came back empty: the workers not back yet still serve
-            back = {w.info.worker_id for w in out.workers}
             out.workers.extend(w for w in self._last_live if w.info.worker_id not in back)
         else:
             self._last_live = list(out.workers)

@@ -110,3 +110,25 @@ async def test_empty_bitmaps_are_deleted_and_slots_reused(redis_client):
     await index.purge("a")
     await index.register(record("c"))  # takes the slot a left
     assert await redis_client.hgetall("kervan:slots") == {b"b": b"1", b"c": b"0"}
+
+
+async def test_redis_coming_back_empty_keeps_the_last_workers_listed_until_they_re_register(redis_client):
+    from services.kv_registry.servicer import KvRegistryServicer
+    from services.proto import kv_registry_pb2
+
+    registry = KvRegistryServicer(PrefixIndex(redis_client, ttl_s=2), 16, "sha256")
+
+    async def listed():
+        response = await registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), None)
+        return [w.info.worker_id for w in response.workers]
+
+    for wid in ("a", "b", "c"):
+        await registry.index.register(record(wid))
+    assert await listed() == ["a", "b", "c"]
+    await registry.index.deregister("c", "i1")  # a worker leaving is gone at once
+    assert await listed() == ["a", "b"]
+    await redis_client.flushall()  # within the generation check's interval: the shrink itself triggers a check
+    assert await listed() == ["a", "b"] and registry.generations.started == 1
+    await registry.index.register(record("b", inc="i2"))
+    response = await registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), None)
+    assert {w.info.worker_id: w.info.incarnation for w in response.workers} == {"a": "i1", "b": "i2"}
