@@ -13,3 +13,9 @@ class Load:
     num_blocks: int = 0
     num_prefill_tokens: int = 0  # prompt tokens admitted, not yet computed
     num_evictable_blocks: int = 0  # free blocks still holding cached prefixes (a subset of the free ones)
+    num_requests: int = 0  # requests admitted and not finished (the count admission control limits)
+    max_requests: int = 0  # past this many new requests are refused; 0: no limit
+
+    @property
+    def full(self) -> bool:
+        return 0 < self.max_requests <= self.num_requests

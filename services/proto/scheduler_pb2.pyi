@@ -54,7 +54,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("placements", "by_prefill_reason", "by_worker")
+    __slots__ = ("placements", "by_prefill_reason", "by_worker", "refused")
     class ByPrefillReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -72,7 +72,9 @@ class GetStatsResponse(_message.Message):
     PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     BY_PREFILL_REASON_FIELD_NUMBER: _ClassVar[int]
     BY_WORKER_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     placements: int
     by_prefill_reason: _containers.ScalarMap[str, int]
     by_worker: _containers.ScalarMap[str, int]
-    def __init__(self, placements: _Optional[int] = ..., by_prefill_reason: _Optional[_Mapping[str, int]] = ..., by_worker: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    refused: int
+    def __init__(self, placements: _Optional[int] = ..., by_prefill_reason: _Optional[_Mapping[str, int]] = ..., by_worker: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ...) -> None: ...

@@ -11,8 +11,9 @@ the prefix keeps winning until it is really busier. A last term,
 push out where the worker has too few empty blocks: a new prefix goes where it
 destroys no other (it is the same everywhere once every cache is full).
 
-Filters first (role, model, room for the prompt's blocks — when no worker has
-room the request queues on the cheapest rather than fail here), then the lowest
+Filters first (role, model, admission: a worker at its request limit gets no
+more; room for the prompt's blocks — when no worker has room the request queues
+on the cheapest rather than fail here), then the lowest
 cost wins (or a softmax draw when a temperature is set). The ``round_robin`` and
 ``random`` policies ignore the cost: they are the baselines the placement
 benchmark measures KV-aware placement against. The decode worker is chosen first; a separate prefill worker
@@ -24,7 +25,10 @@ Like Dynamo's conditional disaggregation, remote prefill also needs room in the
 prefill pool: when even the chosen prefill worker has more than
 ``max_prefill_queue_tokens`` waiting and the decode worker's own queue is
 shorter, the decode worker prefills (an overflow). Without it a closed loop of
-clients piles up behind the prefill pool while the decode pool idles."""
+clients piles up behind the prefill pool while the decode pool idles. So it does
+when every prefill worker is at its request limit. When every decode worker is,
+``place`` raises ``AllBusy``: the request is refused here, before any worker
+sees it (Dynamo's busy threshold)."""
 
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ class Candidate:
     free_blocks: int = 1 << 30  # KV blocks not held by a request (cached or empty)
     evictable_blocks: int = 0  # of those, the ones still holding cached prefixes
     model: str = ""
+    full: bool = False  # at its request limit: admits nothing more for now
 
 
 POLICIES = ("kv", "round_robin", "random")
@@ -66,6 +71,14 @@ SHORT = "short"  # the uncached part is too short to be worth a KV handoff
 NO_PREFILL_WORKER = "no_prefill_worker"  # decode-only fallback: no prefill worker is up
 PREFILL_QUEUE_FULL = "prefill_queue_full"  # overflow: the prefill pool is backed up
 REASONS = (REMOTE, AGGREGATED, SHORT, NO_PREFILL_WORKER, PREFILL_QUEUE_FULL)
+
+
+class AllBusy(Exception):
+    """Every worker that could decode the request is at its request limit."""
+
+    def __init__(self, num_workers: int):
+        super().__init__(f"all {num_workers} decode or aggregated worker(s) are at their request limit")
+        self.num_workers = num_workers
 
 
 @dataclass(frozen=True)
@@ -121,7 +134,9 @@ def place(candidates: list[Candidate], num_prompt_blocks: int, cfg: PlacementCon
     decoders = [c for c in candidates if c.role in ("decode", "both")]
     if not decoders:
         return None
-    decode, scores = choose(decoders, num_prompt_blocks, cfg, rng, turn)
+    if all(c.full for c in decoders):
+        raise AllBusy(len(decoders))
+    decode, scores = choose([c for c in decoders if not c.full], num_prompt_blocks, cfg, rng, turn)
     uncached = num_prompt_blocks - decode.matched_blocks
     if decode.role == "both":
         return Decision(decode, None, scores, AGGREGATED)
@@ -130,6 +145,9 @@ def place(candidates: list[Candidate], num_prompt_blocks: int, cfg: PlacementCon
     prefillers = [c for c in candidates if c.role == "prefill"]
     if not prefillers:
         return Decision(decode, None, scores, NO_PREFILL_WORKER)
+    prefillers = [c for c in prefillers if not c.full]
+    if not prefillers:
+        return Decision(decode, None, scores, PREFILL_QUEUE_FULL)
     prefill, prefill_scores = choose(prefillers, num_prompt_blocks, cfg, rng, turn)
     scores = {**scores, **prefill_scores}
     if 0 < cfg.max_prefill_queue_tokens < prefill.prefill_tokens and decode.prefill_tokens < prefill.prefill_tokens:

@@ -10,9 +10,9 @@ from collections import Counter
 
 import grpc
 
-from services.common.errors import Unavailable
+from services.common.errors import Overloaded, Unavailable
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from services.scheduler.placement import Candidate, PlacementConfig, place
+from services.scheduler.placement import AllBusy, Candidate, PlacementConfig, place
 from services.scheduler.recent import RecentPlacements
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.stale_workers_s = 30.0
         self._last_workers = (kv_registry_pb2.ListWorkersResponse(), float("-inf"))
         self.placements = 0
+        self.refused = 0  # requests refused because every decode worker was at its limit
         self.by_reason: Counter[str] = Counter()
         self.by_worker: Counter[str] = Counter()
 
@@ -39,7 +40,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                              self.recent.predicted_blocks(w.info.worker_id, hashes)))
                       for w in workers.workers if w.info.address not in excluded]
         num_blocks = len(hashes)
-        decision = place(candidates, num_blocks, self.config, self.rng, self.placements, request.model)
+        try:
+            decision = place(candidates, num_blocks, self.config, self.rng, self.placements, request.model)
+        except AllBusy as busy:
+            self.refused += not request.dry_run
+            raise Overloaded(f"{busy}; retry later") from None
         if decision is None:
             model = f" for model {request.model!r}" if request.model else ""
             raise Unavailable(f"no healthy decode or aggregated worker is registered{model}")
@@ -83,10 +88,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context) -> scheduler_pb2.GetStatsResponse:
         return scheduler_pb2.GetStatsResponse(placements=self.placements, by_prefill_reason=dict(self.by_reason),
-                                              by_worker=dict(self.by_worker))
+                                              by_worker=dict(self.by_worker), refused=self.refused)
 
     def _candidate(self, w: kv_registry_pb2.LiveWorker, matched_blocks: int) -> Candidate:
-        prefill_tokens, blocks = self.recent.pending(w.info.worker_id)
+        prefill_tokens, blocks, requests = self.recent.pending(w.info.worker_id)
         return Candidate(w.info.worker_id, w.info.address, w.info.role, matched_blocks,
                          w.load.num_blocks - w.load.num_free_blocks + blocks, w.load.num_prefill_tokens + prefill_tokens,
-                         w.load.num_free_blocks - blocks, w.load.num_evictable_blocks, w.info.model)
+                         w.load.num_free_blocks - blocks, w.load.num_evictable_blocks, w.info.model,
+                         full=0 < w.load.max_requests <= w.load.num_requests + requests)

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable, TypeVar
 
 from services.common.errors import Overloaded
@@ -95,7 +95,7 @@ class AsyncEngine:
         if request_id in self._active:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight")
         self.validate(prompt, params)  # fail fast, before the engine thread sees it
-        if self.max_waiting is not None and len(self._active) >= self.engine.config.max_num_seqs + self.max_waiting:
+        if self.load().full:
             raise Overloaded(f"this worker has {len(self._active)} requests in flight, its limit "
                              f"(max_num_seqs + max_waiting); retry later or elsewhere")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -136,8 +136,9 @@ class AsyncEngine:
         return await future
 
     def load(self) -> Load:
-        """The load as of the engine thread's last step (safe to call from any thread)."""
-        return self._load
+        """The load as of the engine thread's last step, with the requests admitted now."""
+        limit = 0 if self.max_waiting is None else self.engine.config.max_num_seqs + self.max_waiting
+        return replace(self._load, num_requests=len(self._active), max_requests=limit)
 
     def _snapshot_load(self) -> None:
         sched = self.engine.scheduler

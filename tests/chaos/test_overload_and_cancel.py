@@ -4,17 +4,23 @@ mid-handoff (real processes)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 
 from control_plane.launcher import Cluster, ClusterSpec
+from services.proto import scheduler_pb2, scheduler_pb2_grpc
 from tests.chaos.checker import check, record, runtime, stream, wait_baseline
 from tests.conftest import make_engine, make_prompts
 from worker import SamplingParams
 
 
 OUTPUT = 160  # long enough that the admitted requests still run while the whole burst arrives
+
+
+async def scheduler_stats(cluster) -> scheduler_pb2.GetStatsResponse:
+    async with grpc.aio.insecure_channel(cluster.addresses["scheduler"]) as channel:
+        return await scheduler_pb2_grpc.SchedulerServiceStub(channel).GetStats(scheduler_pb2.GetStatsRequest(),
+                                                                                timeout=10)
 
 
 def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tmp_path):
@@ -31,26 +37,34 @@ def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tm
         before = asyncio.run(runtime(cluster, services))
 
         async def burst():
-            t0 = time.monotonic()
-            outs = await asyncio.gather(*(stream(cluster.router_address, p, OUTPUT) for p in prompts))
-            return outs, time.monotonic() - t0
+            return await asyncio.gather(*(stream(cluster.router_address, p, OUTPUT) for p in prompts))
 
+        def refusals(outs):
+            return [o for o in outs if o.status == grpc.StatusCode.RESOURCE_EXHAUSTED]
+
+        waves, outs = [], []
         for _ in range(3):  # three waves: memory must not grow with them
-            outs, seconds = asyncio.run(burst())
-            refused = [o for o in outs if o.status == grpc.StatusCode.RESOURCE_EXHAUSTED]
-            counts = check(outs, [e if o.status is None else None for o, e in zip(outs, expected)],
-                           allowed=(grpc.StatusCode.RESOURCE_EXHAUSTED,))
-            assert counts["completed"] >= 16 and len(refused) >= 16, counts
-            assert all("limit" in o.details for o in refused)
+            wave = asyncio.run(burst())
+            completed = check(wave, [e if o.status is None else None for o, e in zip(wave, expected)],
+                              allowed=(grpc.StatusCode.RESOURCE_EXHAUSTED,))["completed"]
+            assert completed >= 16 and len(refusals(wave)) >= 16, (completed, len(refusals(wave)))
+            assert all("limit" in o.details for o in refusals(wave))
+            waves.append({"completed": completed, "refused": len(refusals(wave))})
+            outs += wave
         after = asyncio.run(runtime(cluster, services))
         assert all(after[n].rss_bytes - before[n].rss_bytes < 200 << 20 for n in services), (before, after)
         asyncio.run(wait_baseline(cluster, ["both-0", "both-1"]))
+        refused = refusals(outs)
+        counts = check(outs, [e if o.status is None else None for o, e in zip(outs, expected * 3)],
+                       allowed=(grpc.StatusCode.RESOURCE_EXHAUSTED,))
+        counts["waves"] = waves
+        counts["refused_by_scheduler"] = asyncio.run(scheduler_stats(cluster)).refused  # the rest: by a worker
         counts["rss_growth_mb"] = {n: round((after[n].rss_bytes - before[n].rss_bytes) / 2**20, 1) for n in services}
         refused_s = sorted(o.seconds for o in refused)
         done_s = sorted(o.seconds for o in outs if o.status is None)
         counts["refused_after_s"] = {"p50": round(refused_s[len(refused_s) // 2], 3), "max": round(refused_s[-1], 3)}
         counts["completed_after_s"] = {"p50": round(done_s[len(done_s) // 2], 3), "max": round(done_s[-1], 3)}
-        record("overload_4x", "64 requests at once against room for 16, three waves", counts)
+        record("overload_4x", "64 requests at once against room for 16, three waves of them", counts)
     finally:
         cluster.stop()
 

@@ -1,15 +1,25 @@
 """Admission control: past its limit a worker refuses new requests at once with
 RESOURCE_EXHAUSTED and a RetryInfo (before doing any work for them), and the
-requests it took still finish."""
+requests it took still finish; the scheduler places nothing on a worker that
+reports itself at its limit, and refuses when every worker does."""
 
 from __future__ import annotations
 
 import asyncio
 
 import grpc
+import pytest
 
 from services.common.errors import retry_after_s
-from services.proto import common_pb2, router_pb2
+from services.common.load import Load
+from services.common.server import Service, start_server
+from services.kv_registry.__main__ import SERVICE_NAME as REGISTRY_NAME
+from services.kv_registry.index import PrefixIndex, WorkerRecord
+from services.kv_registry.servicer import KvRegistryServicer
+from services.proto import common_pb2, kv_registry_pb2_grpc, router_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler.__main__ import SERVICE_NAME as SCHEDULER_NAME
+from services.scheduler.placement import PlacementConfig
+from services.scheduler.servicer import SchedulerServicer
 from tests.conftest import make_prompts
 from tests.services.conftest import start_mesh
 
@@ -46,3 +56,42 @@ async def test_overload_is_refused_fast_with_retry_info_and_accepted_requests_fi
         assert load.num_free_blocks == load.num_blocks and not load.num_running
     finally:
         await stop()
+
+
+async def test_the_scheduler_skips_full_workers_and_refuses_when_all_are_full(redis_client):
+    index = PrefixIndex(redis_client)
+    registry = await start_server([Service(REGISTRY_NAME, lambda s: kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(
+        KvRegistryServicer(index, 16, "sha256"), s))])
+    to_registry = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
+    scheduler = await start_server([Service(SCHEDULER_NAME, lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
+        SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(to_registry), PlacementConfig()), s))])
+    to_scheduler = grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}")
+    stub = scheduler_pb2_grpc.SchedulerServiceStub(to_scheduler)
+    try:
+        for wid in ("a", "b"):
+            await index.register(WorkerRecord(wid, f"127.0.0.1:{ord(wid)}", "both", "m", "i1", 16, "sha256"))
+
+        async def report(wid, requests):
+            await index.heartbeat(wid, "i1", Load(num_free_blocks=100, num_blocks=100, num_requests=requests,
+                                                  max_requests=4))
+
+        def place(rid):
+            return stub.Place(scheduler_pb2.PlaceRequest(request_id=rid, num_prompt_tokens=8), timeout=10)
+
+        await report("a", 4)
+        await report("b", 3)
+        assert (await place("r1")).decode_worker_id == "b"  # both idle, a (first by id) at its limit
+        await report("b", 4)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await place("r2")
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "request limit" in refused.value.details() and retry_after_s(refused.value) == 0.5
+        await report("a", 3)
+        assert (await place("r3")).decode_worker_id == "a"
+        stats = await stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
+        assert (stats.placements, stats.refused) == (2, 1)
+    finally:
+        await to_scheduler.close()
+        await to_registry.close()
+        await scheduler.stop(0)
+        await registry.stop(0)

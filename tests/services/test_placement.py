@@ -2,13 +2,15 @@
 
 import random
 
-from services.scheduler.placement import Candidate, PlacementConfig, place
+import pytest
+
+from services.scheduler.placement import PREFILL_QUEUE_FULL, AllBusy, Candidate, PlacementConfig, place
 
 CFG = PlacementConfig(overlap_weight=1.0, min_remote_prefill_blocks=2)
 
 
-def cand(wid, role="decode", matched=0, active=0, queued=0, free=100, model="m", evictable=0):
-    return Candidate(wid, f"{wid}:1", role, matched, active, queued, free, evictable, model)
+def cand(wid, role="decode", matched=0, active=0, queued=0, free=100, model="m", evictable=0, full=False):
+    return Candidate(wid, f"{wid}:1", role, matched, active, queued, free, evictable, model, full)
 
 
 def test_prefers_the_worker_holding_the_prefix_unless_it_is_busier():
@@ -85,3 +87,14 @@ def test_a_new_prefix_goes_where_it_evicts_no_cached_one():
     never = PlacementConfig(overlap_weight=1.0, eviction_weight=0)
     assert place([cand("a", free=40, evictable=40), cand("b", free=40, evictable=10, active=5)], 8,
                  never).decode.worker_id == "a"
+
+
+def test_a_worker_at_its_request_limit_gets_nothing_and_all_at_it_refuses():
+    d = place([cand("a", matched=8, full=True), cand("b")], 8, CFG)
+    assert d.decode.worker_id == "b" and "a" not in d.scores  # the prefix holder is full: the other one
+    with pytest.raises(AllBusy, match="all 2 .* request limit"):
+        place([cand("a", full=True), cand("b", "both", full=True), cand("p", "prefill")], 8, CFG)
+    d = place([cand("d"), cand("p1", "prefill", full=True), cand("p2", "prefill", full=True)], 8, CFG)
+    assert d.prefill is None and d.reason == PREFILL_QUEUE_FULL  # the prefill pool is full: prefill locally
+    d = place([cand("d"), cand("p1", "prefill", full=True), cand("p2", "prefill", active=50)], 8, CFG)
+    assert d.prefill.worker_id == "p2"
