@@ -34,18 +34,18 @@ class RecentPlacements:
                 predicted.pop(h, None)  # re-insert: the dict stays in placement order
                 predicted[h] = now
 
-    def pending(self, worker_id: str) -> tuple[int, int, int]:
-        """(prefill tokens, KV blocks, requests) placed on the worker within the load window."""
+    def pending(self, worker_id: str) -> tuple[int, int]:
+        """(prefill tokens, KV blocks) placed on the worker within the load window."""
         placed = self._placed.get(worker_id)
         if not placed:
-            return 0, 0, 0
+            return 0, 0
         horizon = self.clock() - self.load_window_s
         while placed and placed[0][0] < horizon:
             placed.popleft()
         if not placed:
             del self._placed[worker_id]
-            return 0, 0, 0
-        return sum(p[1] for p in placed), sum(p[2] for p in placed), len(placed)
+            return 0, 0
+        return sum(p[1] for p in placed), sum(p[2] for p in placed)
 
     def predicted_blocks(self, worker_id: str, block_hashes: list[bytes]) -> int:
         """Leading blocks of the prompt placed on the worker within the prefix window."""

@@ -10,11 +10,11 @@ def test_placements_count_until_the_window_passes():
     now[0] += 0.2
     recent.add("a", prefill_tokens=100)
     recent.add("b", blocks=7)
-    assert recent.pending("a") == (600, 3, 2) and recent.pending("b") == (0, 7, 1) and recent.pending("c") == (0, 0, 0)
+    assert recent.pending("a") == (600, 3) and recent.pending("b") == (0, 7) and recent.pending("c") == (0, 0)
     now[0] += 0.15  # the first placement of "a" is older than the window now
-    assert recent.pending("a") == (100, 0, 1)
+    assert recent.pending("a") == (100, 0)
     now[0] += 1.0
-    assert recent.pending("a") == recent.pending("b") == (0, 0, 0)
+    assert recent.pending("a") == recent.pending("b") == (0, 0)
 
 
 def test_placed_prompts_predict_the_workers_prefix_until_the_window_passes():
