@@ -49,6 +49,8 @@ class Channels:
 
 
 class StaticRoutes:
+    alternatives = False  # one fixed placement: a worker's refusal is the answer
+
     def __init__(self, placement: Placement):
         self.placement = placement
 
@@ -58,6 +60,8 @@ class StaticRoutes:
 
 
 class ScheduledRoutes:
+    alternatives = True  # the scheduler can place a refused request elsewhere
+
     def __init__(self, scheduler: scheduler_pb2_grpc.SchedulerServiceStub, block_size: int, channels: Channels):
         self.scheduler = scheduler
         self.block_size = block_size

@@ -14,7 +14,12 @@ continuation could not equal the fault-free one): they end UNAVAILABLE, saying s
 
 Addresses found unreachable are excluded from this request's placements and, for
 ``suspect_s``, from everyone's: the registry only notices a dead worker when its
-heartbeat lease expires."""
+heartbeat lease expires.
+
+A worker that refuses a request at admission (RESOURCE_EXHAUSTED: the
+scheduler's view of its load lags its reports) is excluded from that request
+alone, which is placed again; when no other worker has room, or after
+MAX_PLACEMENTS, the client gets the refusal with its RetryInfo."""
 
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from services.common.errors import Unavailable
+from services.common.errors import Overloaded, Unavailable, retry_after_s
 from services.proto import common_pb2, worker_pb2
 from services.router.routes import Placement, ScheduledRoutes, StaticRoutes
 
@@ -46,6 +51,24 @@ class WorkerLost(Exception):
     def __init__(self, address: str, why: str):
         super().__init__(f"worker {address or '?'} lost: {why}")
         self.address = address
+
+
+class WorkerBusy(Exception):
+    """The worker refused the request at admission; another may have room."""
+
+    def __init__(self, address: str, err: grpc.aio.AioRpcError):
+        super().__init__(err.details() or f"worker {address} is at its request limit")
+        self.address = address
+        self.retry_after_s = retry_after_s(err) or 0.5
+
+
+def worker_error(address: str, err: grpc.aio.AioRpcError) -> Exception:
+    """What a worker's failed call means to the runner: lost, busy, or the client's answer."""
+    if err.code() in LOST:
+        return WorkerLost(address, err.details() or err.code().name)
+    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return WorkerBusy(address, err)
+    return err
 
 
 def not_migratable(sampling: common_pb2.SamplingParams, n: int) -> str | None:
@@ -88,6 +111,7 @@ class RequestRunner:
         the earlier ones and no cached-prompt count (theirs covers delivered tokens)."""
         delivered: list[int] = []
         excluded: set[str] = set()
+        busy: WorkerBusy | None = None  # the last refusal, answered if no other worker takes the request
         attempt = placements = 0
         max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else 16
         while True:
@@ -108,6 +132,17 @@ class RequestRunner:
                         delivered += update.token_ids
                     yield attempt, update
                 return
+            except WorkerBusy as refused:
+                placements += 1
+                if produced or delivered or placements >= MAX_PLACEMENTS or not self.routes.alternatives:
+                    raise Overloaded(str(refused), refused.retry_after_s) from None
+                busy = refused
+                excluded.add(refused.address)
+                log.debug("request %s: %s refused it; placing again", rid, refused.address)
+            except grpc.aio.AioRpcError as err:
+                if busy is not None and err.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise Overloaded(str(busy), busy.retry_after_s) from None  # no other worker to try
+                raise
             except WorkerLost as lost:
                 excluded.add(lost.address)
                 self.suspects.mark(lost.address)
@@ -143,9 +178,7 @@ class RequestRunner:
                 request_id=rid, prompt=ids, sampling=sampling, decode_address=place.decode_address),
                 timeout=deadline.remaining())
         except grpc.aio.AioRpcError as err:
-            if err.code() in LOST:
-                raise WorkerLost(place.prefill_address, err.details() or err.code().name) from None
-            raise
+            raise worker_error(place.prefill_address, err) from None
         yield worker_pb2.TokenUpdate(index=0, token_ids=[first.first_token],
                                      logprobs=[first.first_logprob] if sampling.logprobs else [],
                                      finish_reason=first.finish_reason, cached_prompt_tokens=first.cached_prompt_tokens)
@@ -185,9 +218,7 @@ class RequestRunner:
                 yield msg
                 watchdog = loop.call_later(self.policy.stall_timeout_s, on_stall)
         except grpc.aio.AioRpcError as err:
-            if err.code() in LOST:
-                raise WorkerLost(address, err.details() or err.code().name) from None
-            raise
+            raise worker_error(address, err) from None
         except asyncio.CancelledError:
             if stalled:
                 raise WorkerLost(address, f"no token for {self.policy.stall_timeout_s:g} s") from None

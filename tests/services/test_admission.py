@@ -1,7 +1,8 @@
 """Admission control: past its limit a worker refuses new requests at once with
 RESOURCE_EXHAUSTED and a RetryInfo (before doing any work for them), and the
 requests it took still finish; the scheduler places nothing on a worker that
-reports itself at its limit, and refuses when every worker does."""
+reports itself at its limit, and refuses when every worker does; the router
+places a request a worker refused on another one."""
 
 from __future__ import annotations
 
@@ -10,18 +11,21 @@ import asyncio
 import grpc
 import pytest
 
-from services.common.errors import retry_after_s
+from services.common.errors import Overloaded, retry_after_s
 from services.common.load import Load
 from services.common.server import Service, start_server
 from services.kv_registry.__main__ import SERVICE_NAME as REGISTRY_NAME
 from services.kv_registry.index import PrefixIndex, WorkerRecord
 from services.kv_registry.servicer import KvRegistryServicer
-from services.proto import common_pb2, kv_registry_pb2_grpc, router_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.proto import common_pb2, kv_registry_pb2_grpc, router_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from services.router.routes import Placement
+from services.router.runner import MigrationPolicy, RequestRunner
 from services.scheduler.__main__ import SERVICE_NAME as SCHEDULER_NAME
 from services.scheduler.placement import PlacementConfig
 from services.scheduler.servicer import SchedulerServicer
-from tests.conftest import make_prompts
-from tests.services.conftest import start_mesh
+from tests.conftest import make_engine, make_prompts
+from tests.services.conftest import start_mesh, start_worker
+from worker import SamplingParams
 
 
 async def test_overload_is_refused_fast_with_retry_info_and_accepted_requests_finish(llama):
@@ -95,3 +99,60 @@ async def test_the_scheduler_skips_full_workers_and_refuses_when_all_are_full(re
         await to_registry.close()
         await scheduler.stop(0)
         await registry.stop(0)
+
+
+class FirstNotExcluded:
+    """The scheduler reduced to "the first worker not excluded" (the real one is tested above)."""
+
+    alternatives = True
+
+    def __init__(self, workers):
+        self.workers = workers
+
+    async def route(self, request_id, prompt, timeout, model="", exclude=()):
+        for address, stub in self.workers:
+            if address not in exclude:
+                return Placement(worker=stub, worker_address=address)
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   "no healthy decode or aggregated worker is registered")
+
+
+class NoDeadline:
+    def remaining(self):
+        return None
+
+
+async def test_a_request_a_worker_refuses_goes_to_another_and_is_refused_when_none_has_room(llama):
+    (a, stop_a), (b, stop_b) = [await start_worker(llama[1], "both", max_waiting=0, max_num_seqs=1) for _ in "ab"]
+    runner = RequestRunner(FirstNotExcluded([("a", a.stub), ("b", b.stub)]), "", MigrationPolicy())
+    prompts = make_prompts([12, 13, 14], seed=61)
+    expected = [o.token_ids for o in make_engine(llama[1]).generate(
+        prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
+    holds = []
+    try:
+        async def hold(worker, rid):  # occupy the worker's only slot for a while (490 tokens)
+            call = worker.stub.Execute(worker_pb2.ExecuteRequest(
+                request_id=rid, prompt=common_pb2.TokenIds(ids=prompts[0]),
+                sampling=common_pb2.SamplingParams(max_tokens=490, temperature=0.0, ignore_eos=True)))
+            holds.append(call)
+            await call.read()  # its first token: admitted
+
+        async def run(k):
+            tokens = []
+            async for _, update in runner.run(f"r{k}", prompts[k], common_pb2.SamplingParams(
+                    max_tokens=8, temperature=0.0, ignore_eos=True), 1, NoDeadline()):
+                tokens += update.token_ids
+            return tokens
+
+        await hold(a, "hold-a")
+        assert await run(1) == expected[1]  # a refused it (its slot is taken): b ran it
+        await hold(b, "hold-b")
+        with pytest.raises(Overloaded, match="limit") as refused:
+            await run(2)
+        assert refused.value.retry_after_s == 0.5
+        assert a.engine.load().num_requests == b.engine.load().num_requests == 1  # only the holds ran
+    finally:
+        for call in holds:
+            call.cancel()
+        await stop_a()
+        await stop_b()
