@@ -7,14 +7,21 @@ import asyncio
 import grpc
 
 from control_plane.client import Completion, accumulate, build_request, stream
-from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.proto import (kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2,
+                            worker_pb2_grpc)
 
 
-async def complete(cluster, **kwargs) -> Completion:
+async def complete(cluster, timeout: float = 60, **kwargs) -> Completion:
     out = Completion()
-    async for msg in stream(cluster.router_address, build_request(**kwargs), timeout=60):
+    async for msg in stream(cluster.router_address, build_request(**kwargs), timeout=timeout):
         accumulate(out, msg)
     return out
+
+
+async def scheduler_stats(cluster) -> scheduler_pb2.GetStatsResponse:
+    async with grpc.aio.insecure_channel(cluster.addresses["scheduler"]) as channel:
+        return await scheduler_pb2_grpc.SchedulerServiceStub(channel).GetStats(scheduler_pb2.GetStatsRequest(),
+                                                                                timeout=10)
 
 
 async def wait_cached(cluster, prompt, num_blocks):

@@ -6,24 +6,11 @@ import asyncio
 
 import grpc
 
-from control_plane.client import Completion, accumulate, build_request, stream
 from control_plane.launcher import Cluster, ClusterSpec
 from services.proto import scheduler_pb2, scheduler_pb2_grpc
+from tests.cluster_helpers import complete, scheduler_stats
 from tests.conftest import make_prompts
 from worker.kv.block_hash import hash_blocks
-
-
-async def complete(address, prompt, n) -> Completion:
-    out = Completion()
-    async for msg in stream(address, build_request(token_ids=prompt, max_tokens=n, temperature=0.0,
-                                                   ignore_eos=True), timeout=120):
-        accumulate(out, msg)
-    return out
-
-
-async def stats(cluster) -> scheduler_pb2.GetStatsResponse:
-    async with grpc.aio.insecure_channel(cluster.addresses["scheduler"]) as ch:
-        return await scheduler_pb2_grpc.SchedulerServiceStub(ch).GetStats(scheduler_pb2.GetStatsRequest())
 
 
 def test_workers_join_and_leave_while_requests_flow(llama, tmp_path):
@@ -40,7 +27,8 @@ def test_workers_join_and_leave_while_requests_flow(llama, tmp_path):
                 for prompt in prompts[k::4]:
                     if done.is_set():
                         return
-                    outs.append(await complete(cluster.router_address, prompt, 6))
+                    outs.append(await complete(cluster, 120, token_ids=prompt, max_tokens=6, temperature=0.0,
+                                               ignore_eos=True))
 
             async def until(predicate):
                 for _ in range(1200):
@@ -56,7 +44,7 @@ def test_workers_join_and_leave_while_requests_flow(llama, tmp_path):
             joined = f"both@{cluster.addresses[name]}"  # worker ids are role@address
 
             async def chosen():
-                return (await stats(cluster)).by_worker.get(joined, 0) > 0
+                return (await scheduler_stats(cluster)).by_worker.get(joined, 0) > 0
             await until(chosen)
             code = await asyncio.to_thread(cluster.stop_process, "both-0")  # drains mid-traffic
             settled = len(outs)
@@ -69,7 +57,7 @@ def test_workers_join_and_leave_while_requests_flow(llama, tmp_path):
         assert code == 0  # drained cleanly
         assert [len(o.token_ids) for o in outs] == [6] * len(outs)
         assert all(o.finish_reason == "length" for o in outs)
-        s = asyncio.run(stats(cluster))
+        s = asyncio.run(scheduler_stats(cluster))
         assert s.placements >= len(outs) and set(s.by_worker) == {
             f"both@{cluster.addresses['both-0']}", f"both@{cluster.addresses['both-1']}"}
 

@@ -8,19 +8,13 @@ import asyncio
 import grpc
 
 from control_plane.launcher import Cluster, ClusterSpec
-from services.proto import scheduler_pb2, scheduler_pb2_grpc
 from tests.chaos.checker import check, record, runtime, stream, wait_baseline
+from tests.cluster_helpers import scheduler_stats
 from tests.conftest import make_engine, make_prompts
 from worker import SamplingParams
 
 
 OUTPUT = 160  # long enough that the admitted requests still run while the whole burst arrives
-
-
-async def scheduler_stats(cluster) -> scheduler_pb2.GetStatsResponse:
-    async with grpc.aio.insecure_channel(cluster.addresses["scheduler"]) as channel:
-        return await scheduler_pb2_grpc.SchedulerServiceStub(channel).GetStats(scheduler_pb2.GetStatsRequest(),
-                                                                                timeout=10)
 
 
 def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tmp_path):
