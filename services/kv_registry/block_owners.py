@@ -39,13 +39,13 @@ return #KEYS
 class BlockOwners:
     def __init__(self, client: redis.Redis, prefix: str):
         self.r = client
-        self.prefix = prefix
         self.slots_key = f"{prefix}slots"
+        self.block_prefix = f"{prefix}blk:"  # + a block hash in hex: its owners' bitmap
         self._allocate = client.register_script(_ALLOCATE)
         self._clear = client.register_script(_CLEAR)
 
     def key(self, block_hex: str) -> str:
-        return f"{self.prefix}blk:{block_hex}"
+        return self.block_prefix + block_hex
 
     async def allocate_slot(self, worker_id: str) -> int:
         return int(await self._allocate(keys=[self.slots_key], args=[worker_id]))

@@ -52,6 +52,9 @@ class WorkerRecord:
 class StaleIncarnation(FailedPrecondition):
     """A call from a worker process the registry no longer recognises: re-register."""
 
+    def __init__(self, worker_id: str, incarnation: str):
+        super().__init__(f"worker {worker_id!r} incarnation {incarnation!r} is not registered; re-register")
+
 
 class PrefixIndex:
     def __init__(self, client: redis.Redis, ttl_s: int = 5):
@@ -96,7 +99,7 @@ class PrefixIndex:
         answer = await self._renew(keys=[f"{P}w:{worker_id}", f"{P}unknown"],
                                    args=[incarnation, worker_id, self.ttl_s, *fields])
         if answer < 0:
-            raise StaleIncarnation(f"worker {worker_id!r} incarnation {incarnation!r} is not registered; re-register")
+            raise StaleIncarnation(worker_id, incarnation)
         return bool(answer)
 
     async def apply(self, worker_id: str, incarnation: str, events: list[KVEvent]) -> tuple[int, bool]:
@@ -126,9 +129,9 @@ class PrefixIndex:
                      ) -> tuple[int, bool, bool]:
         answer = await self._apply(keys=[f"{P}w:{worker_id}", f"{P}own:{worker_id}", f"{P}seq:{worker_id}",
                                          f"{P}unknown"],
-                                   args=[incarnation, worker_id, f"{P}blk:", "1" if replace else "0", *ops])
+                                   args=[incarnation, worker_id, self.owners.block_prefix, "1" if replace else "0", *ops])
         if answer == -1:
-            raise StaleIncarnation(f"worker {worker_id!r} incarnation {incarnation!r} is not registered; re-register")
+            raise StaleIncarnation(worker_id, incarnation)
         return int(answer[0]), bool(answer[1]), bool(answer[2])
 
     async def live_workers(self) -> list[tuple[WorkerRecord, Load]]:
@@ -170,4 +173,4 @@ class PrefixIndex:
         """Raises StaleIncarnation unless ``incarnation`` is the registered one."""
         current = await self.r.hget(f"{P}w:{worker_id}", "incarnation")
         if current is None or current.decode() != incarnation:
-            raise StaleIncarnation(f"worker {worker_id!r} incarnation {incarnation!r} is not registered; re-register")
+            raise StaleIncarnation(worker_id, incarnation)
