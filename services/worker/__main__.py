@@ -63,9 +63,8 @@ async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: 
             await asyncio.gather(membership_task, return_exceptions=True)
             await membership.deregister()
 
-    async def on_stop() -> None:
-        if membership_task is not None:
-            membership_task.cancel()
+    async def on_stop() -> None:  # after on_drain: the membership task is done
+        if registry_channel is not None:
             await registry_channel.close()
         await servicer.close()
 

@@ -62,7 +62,7 @@ class AsyncEngine:
         """``max_waiting``: requests admitted beyond a full batch (``max_num_seqs``)
         before new ones are refused with ``Overloaded``; None: no limit."""
         self.engine = engine
-        self.max_waiting = max_waiting
+        self.max_requests = 0 if max_waiting is None else engine.config.max_num_seqs + max_waiting  # 0: no limit
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}  # engine thread only
@@ -137,8 +137,7 @@ class AsyncEngine:
 
     def load(self) -> Load:
         """The load as of the engine thread's last step, with the requests admitted now."""
-        limit = 0 if self.max_waiting is None else self.engine.config.max_num_seqs + self.max_waiting
-        return replace(self._load, num_requests=len(self._active), max_requests=limit)
+        return replace(self._load, num_requests=len(self._active), max_requests=self.max_requests)
 
     def _snapshot_load(self) -> None:
         sched = self.engine.scheduler
