@@ -113,7 +113,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                         ended += 1
                         if ended == params.n:
                             break  # closing the updates cancels what the workers still run
-            except grpc.aio.AioRpcError as err:  # the worker's status is the client's answer
+            except grpc.aio.AioRpcError as err:  # the scheduler's or a worker's status is the client's answer
                 if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise Overloaded(err.details() or "overloaded", retry_after_s(err) or 0.5) from None
                 await context.abort(err.code(), err.details() or "worker failed")
