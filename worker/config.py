@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from worker.platform import DtypeError, Platform, parse_dtype
+
 # architectures -> the model family that serves them (worker/models/registry.py)
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -176,17 +178,14 @@ def _parse_moe(arch: str, cfg: dict, num_layers: int) -> tuple[MoeConfig | None,
     return None, ()
 
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's knobs. ``num_kv_blocks`` None means: size the cache from
-    ``kv_cache_memory_bytes`` (a budget for K and V of all layers)."""
+    ``kv_cache_memory_bytes`` (a budget for K and V of all layers). ``dtype`` and
+    ``device`` may be ``"auto"``: ``resolve`` asks the platform what they stand for."""
 
-    dtype: torch.dtype = torch.bfloat16
-    device: str = "cpu"
+    dtype: torch.dtype | str = "auto"
+    device: str = "auto"  # "auto" (CUDA when present), "cpu", "cuda", "cuda:N"
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
@@ -198,10 +197,12 @@ class EngineConfig:
     seed: int = 0  # for requests without a seed of their own
 
     def __post_init__(self) -> None:
-        if isinstance(self.dtype, str):
-            if self.dtype not in DTYPES:
-                raise ConfigError(f"dtype {self.dtype!r} unknown; choose one of {sorted(DTYPES)}")
-            object.__setattr__(self, "dtype", DTYPES[self.dtype])
+        try:
+            object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        except DtypeError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.device != "auto" and _device_type(self.device) not in ("cpu", "cuda"):
+            raise ConfigError(f"device {self.device!r} unknown; choose auto, cpu, cuda or cuda:N")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_n"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -212,11 +213,22 @@ class EngineConfig:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * elem
 
-    def resolve(self, model: ModelConfig) -> "EngineConfig":
-        """Fill the values that depend on the model; returns a new config."""
-        num_blocks = self.num_kv_blocks or max(2, self.kv_cache_memory_bytes // self.bytes_per_block(model))
+    def resolve(self, model: ModelConfig, platform: Platform) -> "EngineConfig":
+        """Fill the values that depend on the hardware and the model; returns a new config."""
+        device = platform.resolve_device(self.device)
+        if device.startswith("cuda") and platform.cuda is None:
+            raise ConfigError(f"device {self.device!r} requested but CUDA is not available")
+        concrete = replace(self, device=device, dtype=platform.resolve_dtype(self.dtype, device))
+        num_blocks = self.num_kv_blocks or max(2, self.kv_cache_memory_bytes // concrete.bytes_per_block(model))
         max_len = min(self.max_model_len or model.max_position, model.max_position)
         if self.max_model_len and self.max_model_len > model.max_position:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
                               f"max_position_embeddings {model.max_position}")
-        return replace(self, num_kv_blocks=num_blocks, max_model_len=max_len)
+        return replace(concrete, num_kv_blocks=num_blocks, max_model_len=max_len)
+
+
+def _device_type(name: str) -> str | None:
+    try:
+        return torch.device(name).type
+    except RuntimeError:
+        return None

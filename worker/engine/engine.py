@@ -21,6 +21,7 @@ from worker.engine.scheduler import StepScheduler
 from worker.kv.events import KVEvent
 from worker.kv.kv_cache_manager import KVCacheManager
 from worker.loader import load_model
+from worker.platform import current_platform
 from worker.runner.model_runner import ModelRunner
 from worker.tokenizer import Tokenizer
 
@@ -88,13 +89,13 @@ class Engine:
         return True
 
     def export_kv(self, request_id: str) -> torch.Tensor:
-        """The prompt's KV of a finished, held request: [layers, 2, prompt blocks,
-        kv_heads, block_size * head_dim]."""
+        """The prompt's KV of a finished, held request, in host memory (the handoff's
+        format, whatever the device): [layers, 2, prompt blocks, kv_heads, block_size * head_dim]."""
         req = self.scheduler.held.get(request_id)
         if req is None:
             raise KeyError(f"no held KV for request {request_id!r}")
         num_blocks = -(-req.num_prompt_tokens // self.config.block_size)
-        return self.runner.read_blocks(self.kv.get_block_ids(request_id)[:num_blocks])
+        return self.runner.read_blocks(self.kv.get_block_ids(request_id)[:num_blocks]).cpu()
 
     def release_kv(self, request_id: str) -> bool:
         return self.scheduler.release(request_id)
@@ -214,13 +215,11 @@ class Engine:
 
 def _resolve(config: EngineConfig, model: ModelConfig) -> EngineConfig:
     explicit = config.max_model_len is not None
-    config = config.resolve(model)
+    config = config.resolve(model, current_platform())
     capacity = config.num_kv_blocks * config.block_size
     if config.max_model_len > capacity:
         if explicit:
             raise ConfigError(f"max_model_len {config.max_model_len} does not fit the KV cache "
                               f"({config.num_kv_blocks} blocks x {config.block_size} = {capacity} tokens)")
         config = replace(config, max_model_len=capacity)  # one sequence must always fit
-    if config.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device {config.device!r} requested but CUDA is not available")
     return config
