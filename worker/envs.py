@@ -27,6 +27,24 @@ def attention_backend() -> str:
         raise ValueError(f"{KERVAN_ATTENTION_BACKEND}={value!r}; expected auto, native or torch")
     return value
 
+# seconds a start waits for another process building the native kernels before it
+# uses the PyTorch path instead
+KERVAN_KERNEL_BUILD_WAIT_S = "KERVAN_KERNEL_BUILD_WAIT_S"
+
+
+def kernel_build_wait_s() -> float:
+    return float(os.environ.get(KERVAN_KERNEL_BUILD_WAIT_S, "120"))
+
+# "auto" (pack linear weights for oneDNN where the platform says it pays) or "off"
+KERVAN_WEIGHT_PACKING = "KERVAN_WEIGHT_PACKING"
+
+
+def weight_packing() -> str:
+    value = os.environ.get(KERVAN_WEIGHT_PACKING, "auto")
+    if value not in ("auto", "off"):
+        raise ValueError(f"{KERVAN_WEIGHT_PACKING}={value!r}; expected auto or off")
+    return value
+
 # the services' log level (DEBUG shows, e.g., every placement with its scores)
 KERVAN_LOG_LEVEL = "KERVAN_LOG_LEVEL"
 

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from worker.config import ConfigError, ModelConfig
-from worker.layers.linear import can_prepack, prepack
+from worker.layers.packing import pack_weights
 from worker.models.decoder import DecoderModel, load_weights
 
 
@@ -50,6 +50,5 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int,
     with torch.device(device):
         model = DecoderModel(cfg, dtype, max_positions)
     load_weights(model, iter_tensors(model_dir, dtype))
-    if can_prepack(dtype, torch.device(device)):
-        prepack(model)
+    pack_weights(model.dense_linears(), dtype, torch.device(device).type)
     return model.eval()

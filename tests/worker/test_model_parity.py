@@ -1,13 +1,29 @@
-"""Logits and greedy tokens match Hugging Face transformers on the same weights."""
+"""Logits and greedy tokens match Hugging Face transformers on the same weights,
+through the native CPU kernels and through the plain PyTorch path alike."""
 
 import pytest
 import torch
 
 from tests.conftest import MODEL_KINDS, hf_greedy, make_engine, make_prompts
 from worker import SamplingParams
+from worker.kernels import has_native_kernels
 from worker.layers.paged_attention import AttentionMetadata
 from worker.loader import load_model
 from worker.runner.model_runner import allocate_kv_caches
+
+
+pytestmark = pytest.mark.isa
+
+
+@pytest.fixture(params=["native", "torch"])
+def backend(request, monkeypatch):
+    """``KERVAN_ATTENTION_BACKEND`` for one test: the native kernels or plain PyTorch."""
+    monkeypatch.setenv("KERVAN_ATTENTION_BACKEND", "auto" if request.param == "native" else "torch")
+    has_native_kernels.cache_clear()
+    if request.param == "native" and not has_native_kernels():
+        pytest.skip("native kernels unavailable here")
+    yield request.param
+    has_native_kernels.cache_clear()
 
 
 def prompt_logits(model_dir, prompt, block_size=4):
@@ -25,7 +41,7 @@ def prompt_logits(model_dir, prompt, block_size=4):
 
 
 @pytest.mark.parametrize("kind", MODEL_KINDS)
-def test_prompt_logits_match_transformers(hf_models, kind):
+def test_prompt_logits_match_transformers(hf_models, kind, backend):
     hf, path = hf_models(kind)
     prompt = make_prompts([37])[0]
     ours = prompt_logits(path, prompt)
@@ -36,9 +52,10 @@ def test_prompt_logits_match_transformers(hf_models, kind):
 
 
 @pytest.mark.parametrize("kind", MODEL_KINDS)
-def test_greedy_tokens_match_transformers(hf_models, kind):
+def test_greedy_tokens_match_transformers(hf_models, kind, backend):
     hf, path = hf_models(kind)
     engine = make_engine(path)
+    assert engine.runner.native_kernels is (backend == "native")
     prompts = make_prompts([5, 13, 22], seed=1)
     outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
@@ -56,25 +73,3 @@ def test_logprobs_are_the_models_log_softmax(llama):
         ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), dim=-1)
     expected = [ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.token_ids)]
     assert out.logprobs == pytest.approx(expected, abs=1e-4)
-
-
-def test_prepacked_bf16_linears_give_the_same_logits(llama):
-    from worker.layers.linear import can_prepack
-    from worker.loader import iter_tensors
-    from worker.models.decoder import DecoderModel, load_weights
-    _, path = llama
-    if not can_prepack(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("oneDNN prepacking unavailable")
-    packed = load_model(path, torch.bfloat16, 512)
-    assert all(layer.attn.qkv.weight is None for layer in packed.layers)  # the packed copy replaced it
-    plain = DecoderModel(packed.cfg, torch.bfloat16, 512)
-    load_weights(plain, iter_tensors(path, torch.bfloat16))
-    prompt = make_prompts([19])[0]
-    n = len(prompt)
-    outs = []
-    for model in (packed, plain):
-        caches = allocate_kv_caches(2, 5, 2, 4, 16, torch.bfloat16, torch.device("cpu"))
-        meta = AttentionMetadata.build(list(range(n)), [], [], [(0, n, 0, list(range(5)))], 4, torch.device("cpu"))
-        with torch.inference_mode():
-            outs.append(model.compute_logits(model(torch.tensor(prompt), torch.arange(n), caches, meta)))
-    assert torch.equal(outs[0], outs[1])

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from worker.kernels import has_native_kv_kernels
+from worker.kernels import has_native_kernels
 from worker.layers.paged_attention import AttentionMetadata, paged_attention
 from worker.runner.model_runner import allocate_kv_caches
 
-pytestmark = pytest.mark.skipif(not has_native_kv_kernels(), reason="native kernels unavailable here")
+pytestmark = [pytest.mark.isa, pytest.mark.skipif(not has_native_kernels(), reason="native kernels unavailable here")]
 
 
 def run(native, dtype, heads, kv_heads, head_dim, block_size, decode_lens, prefill, seed=0):
@@ -38,7 +38,8 @@ def run(native, dtype, heads, kv_heads, head_dim, block_size, decode_lens, prefi
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [
-    (8, 4, 64, 16), (8, 8, 64, 16), (16, 4, 128, 16), (6, 2, 32, 4), (12, 4, 16, 8), (3, 1, 8, 2)])
+    (8, 4, 64, 16), (8, 8, 64, 16), (16, 4, 128, 16), (16, 2, 64, 16), (16, 2, 128, 16),  # specialised
+    (6, 2, 32, 4), (12, 4, 16, 8), (3, 1, 8, 2), (4, 4, 64, 32)])  # any other shape
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_kernels_match_torch(dtype, heads, kv_heads, head_dim, block_size):
     lens = [1, 5, block_size, 3 * block_size + 1, 70]

@@ -1,55 +1,44 @@
-"""Native kernels, compiled on first use with ``torch.utils.cpp_extension``.
+"""Native CPU kernels (``*.cpp`` here), loaded once per process.
 
-Two CPU kernels for the paged KV cache live here (``paged_kv.cpp``): decode
-attention, which reads each sequence's blocks in place where plain PyTorch must
-first gather them into a padded copy (that copy dominated a decode step), and
-the write of new K/V into their slots, a scatter that indexing does slowly.
-It is built once per machine into ``KERVAN_CACHE_DIR/kernels`` (about 30 s, with
-the machine's compiler) and loaded from there afterwards. When it cannot be built
-the engine falls back to the PyTorch path and says so once."""
+- ``paged_kv.cpp``: decode attention that reads each sequence's KV blocks in place
+  (plain PyTorch must first gather them into a padded copy, which dominated a
+  decode step), and the write of new K/V into their slots.
+
+They are built for this machine's ISA level on first use (``build.py``: about
+20 s with the machine's compiler, cached under ``KERVAN_CACHE_DIR/kernels``) or
+ahead of time with ``kervan build-kernels``. When they cannot be built or loaded
+the engine uses the PyTorch path and says so once; ``KERVAN_ATTENTION_BACKEND=native``
+makes that an error instead."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
-from pathlib import Path
 
 import torch
 
-from worker.envs import attention_backend, cache_dir
+from worker.envs import attention_backend, cache_dir, kernel_build_wait_s
+from worker.kernels.build import KernelBuildError, ensure_built
+from worker.platform import current_platform
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("paged_kv.cpp")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+_loaded: list[str] = []  # the library this process loaded: its ops register once per process
 
 
 @functools.cache
-def has_native_kv_kernels() -> bool:
-    """True when ``torch.ops.kervan.paged_decode`` and ``write_kv`` are usable here."""
+def has_native_kernels() -> bool:
+    """True when ``torch.ops.kervan.*`` are usable in this process."""
     if attention_backend() == "torch":
         return False
-    try:
-        _put_ninja_on_path()
-        from torch.utils.cpp_extension import load
-        build = cache_dir() / "kernels" / f"torch-{torch.__version__}"
-        build.mkdir(parents=True, exist_ok=True)
-        load(name="kervan_paged_kv", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-             build_directory=str(build), is_python_module=False)
+    if _loaded:
         return True
-    except Exception as exc:  # no compiler, no ninja, unsupported platform
+    try:
+        lib = str(ensure_built(cache_dir(), current_platform().cpu.isa, kernel_build_wait_s()))
+        torch.ops.load_library(lib)
+        _loaded.append(lib)
+        return True
+    except (KernelBuildError, OSError, RuntimeError) as exc:
         if attention_backend() == "native":
             raise
-        log.warning("native KV kernels unavailable (%s); using the PyTorch path", exc)
+        log.warning("native CPU kernels unavailable: %s; using the PyTorch path", exc)
         return False
-
-
-def _put_ninja_on_path() -> None:
-    """The build runs ``ninja``; the PyPI package ships one that may not be on PATH."""
-    try:
-        import ninja
-    except ImportError:
-        return
-    path = os.environ.get("PATH", "")
-    if ninja.BIN_DIR not in path.split(os.pathsep):
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path

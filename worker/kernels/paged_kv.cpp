@@ -10,14 +10,18 @@
 // so one (block, head) is one contiguous run of memory: K as [head_dim,
 // block_size] (scores of a block accumulate as one vector, no horizontal sums),
 // V as [block_size, head_dim]. Accumulation is in float32.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
+
+#include "vec.h"
 
 // Element -> float, written so the compiler vectorises it (bf16 is the top half of a float).
 template <typename T>
@@ -37,23 +41,20 @@ constexpr int64_t kMaxD = 256, kMaxBS = 64, kMaxG = 16;
 // Blocks sit at random places in the cache, beyond the hardware prefetcher's
 // reach: ask for the block kAhead places on while this one is being used (a
 // block is used for less time than a memory round trip takes).
-constexpr int64_t kAhead = 8;
+constexpr int64_t kAhead = 4;
 template <typename T>
 static inline void prefetch(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
 }
 
-// kD / kBS / kG: head_dim, block_size and query heads per kv head fixed at compile
-// time (0: read at run time), so the common shapes compile to straight vector
-// code whose accumulators stay in registers. One pass over a sequence's blocks
-// serves all kG query heads of the group: each K/V element is loaded and
-// converted once.
-template <typename T, int64_t kD, int64_t kBS, int64_t kG>
-static void decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
-                        const torch::Tensor& lens, torch::Tensor& out, double scale) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = kD ? kD : q.size(2);
-  const int64_t Hkv = kv.size(2), bs = kBS ? kBS : kv.size(3) / D, G = kG ? kG : Hq / Hkv;
+// The general case: any head_dim, block_size and group size within the limits
+// below, scalar code the compiler vectorises as it can.
+template <typename T>
+static void decode_any(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
+                       const at::Tensor& lens, at::Tensor& out, double scale) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = kv.size(2), bs = kv.size(3) / D, G = Hq / Hkv;
   const int64_t max_blocks = tables.size(1);
   const int64_t block_stride = bs * Hkv * D, half = kv.stride(0);
   const T* qp = q.data_ptr<T>();
@@ -70,36 +71,18 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const t
       const int64_t* table = tp + b * max_blocks;
       const int64_t head0 = b * Hq + h * G;
       scores.resize(G * len);
-      float* __restrict__ sc = scores.data();
+      float* sc = scores.data();
       float qf[kMaxG * kMaxD];
       for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(qp, head0 * D + i) * fscale;
-      for (int64_t j = 0; j < std::min(nblocks, kAhead); ++j) {
-        prefetch(kp + table[j] * block_stride + h * D * bs, D * bs);
-        prefetch(vp + table[j] * block_stride + h * bs * D, D * bs);
-      }
-      // scores: K is [head_dim, block_size] per (block, head), so a block's scores
-      // for one query head accumulate as one block_size-wide vector (two chains)
       for (int64_t j = 0; j < nblocks; ++j) {
-        const T* __restrict__ kb = kp + table[j] * block_stride + h * D * bs;
-        if (j + kAhead < nblocks) {
-          prefetch(kp + table[j + kAhead] * block_stride + h * D * bs, D * bs);
-          prefetch(vp + table[j + kAhead] * block_stride + h * bs * D, D * bs);  // ready for the V pass
-        }
-        float s0[kMaxG * kMaxBS], s1[kMaxG * kMaxBS];
-        for (int64_t i = 0; i < G * bs; ++i) s0[i] = s1[i] = 0.f;
-        for (int64_t d = 0; d < D; d += 2) {
-          float k0[kMaxBS], k1[kMaxBS];
-          for (int64_t i = 0; i < bs; ++i) k0[i] = to_float(kb, d * bs + i);
-          for (int64_t i = 0; i < bs; ++i) k1[i] = to_float(kb, (d + 1) * bs + i);
-          for (int64_t g = 0; g < G; ++g) {
-            const float q0 = qf[g * D + d], q1 = qf[g * D + d + 1];
-            for (int64_t i = 0; i < bs; ++i) s0[g * bs + i] += q0 * k0[i];
-            for (int64_t i = 0; i < bs; ++i) s1[g * bs + i] += q1 * k1[i];
-          }
-        }
+        const T* kb = kp + table[j] * block_stride + h * D * bs;
         const int64_t t0 = j * bs, n = std::min(bs, len - t0);
         for (int64_t g = 0; g < G; ++g)
-          for (int64_t i = 0; i < n; ++i) sc[g * len + t0 + i] = s0[g * bs + i] + s1[g * bs + i];
+          for (int64_t i = 0; i < n; ++i) {
+            float s = 0.f;
+            for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * to_float(kb, d * bs + i);
+            sc[g * len + t0 + i] = s;
+          }
       }
       float inv[kMaxG];
       for (int64_t g = 0; g < G; ++g) {
@@ -109,20 +92,16 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const t
         for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
         inv[g] = 1.f / sum;
       }
-      // values: V is [block_size, head_dim] per (block, head)
       float acc[kMaxG * kMaxD];
       for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
       for (int64_t j = 0; j < nblocks; ++j) {
-        const T* __restrict__ vb = vp + table[j] * block_stride + h * bs * D;
+        const T* vb = vp + table[j] * block_stride + h * bs * D;
         const int64_t t0 = j * bs, n = std::min(bs, len - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          float v[kMaxD];
-          for (int64_t d = 0; d < D; ++d) v[d] = to_float(vb, i * D + d);
+        for (int64_t i = 0; i < n; ++i)
           for (int64_t g = 0; g < G; ++g) {
             const float p = sc[g * len + t0 + i];
-            for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * v[d];
+            for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * to_float(vb, i * D + d);
           }
-        }
       }
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) op[(head0 + g) * D + d] = static_cast<T>(acc[g * D + d] * inv[g]);
@@ -130,8 +109,132 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& kv, const t
   });
 }
 
+using kervan::kW;
+using kervan::load_floats;
+using kervan::Vec;
+
+// exp(x - max) in place over n scores; returns their sum.
+static inline float softmax_in_place(float* x, int64_t n) {
+  Vec mv(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + kW <= n; t += kW) mv = at::vec::maximum(mv, Vec::loadu(x + t));
+  float mx = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, mv);
+  for (; t < n; ++t) mx = std::max(mx, x[t]);
+  const Vec mxv(mx);
+  Vec sv(0.f);
+  for (t = 0; t + kW <= n; t += kW) {
+    const Vec e = (Vec::loadu(x + t) - mxv).exp_u20();
+    e.store(x + t);
+    sv = sv + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sv);
+  for (; t < n; ++t) {
+    x[t] = std::exp(x[t] - mx);
+    sum += x[t];
+  }
+  return sum;
+}
+
+// The common shapes: head_dim kD, block_size kBS and kG query heads per kv head
+// fixed at compile time, written with ATen's Vectorized (AVX2 or AVX-512, as the
+// library was built) so that every accumulator stays in a register. One pass
+// over a sequence's blocks serves all kG query heads of the group: each K/V
+// element is loaded and converted once.
+template <typename T, int64_t kD, int64_t kBS, int64_t kG>
+static void decode_vec(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
+                       const at::Tensor& lens, at::Tensor& out, double scale) {
+  static_assert(kBS % kW == 0 && kD % kW == 0, "a block row and a head must be whole vectors");
+  constexpr int64_t kCols = kBS / kW;                   // vectors per K row: one block's scores of a head
+  constexpr int64_t kChains = kG * kCols <= 4 ? 2 : 1;  // independent FMA chains the registers can hold
+  constexpr int64_t kChunk = std::min<int64_t>(kD, kW * std::max<int64_t>(1, 8 / kG));  // V columns a pass
+  constexpr int64_t kChunkVecs = kChunk / kW;
+  const int64_t B = q.size(0), Hq = q.size(1), Hkv = kv.size(2);
+  const int64_t max_blocks = tables.size(1);
+  const int64_t block_stride = kBS * Hkv * kD, half = kv.stride(0);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kv.data_ptr<T>();
+  const T* vp = kp + half;
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // [kG, nblocks * kBS]: whole blocks, so every store is a whole vector
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / Hkv, h = w % Hkv, len = lp[b], nblocks = (len + kBS - 1) / kBS;
+      const int64_t stride = nblocks * kBS;
+      const int64_t* table = tp + b * max_blocks;
+      const int64_t head0 = b * Hq + h * kG;
+      scores.resize(kG * stride);
+      float* __restrict__ sc = scores.data();
+      float qf[kG * kD];
+      for (int64_t i = 0; i < kG * kD; ++i) qf[i] = to_float(qp, head0 * kD + i) * fscale;
+      for (int64_t j = 0; j < std::min(nblocks, kAhead); ++j) {
+        prefetch(kp + table[j] * block_stride + h * kD * kBS, kD * kBS);
+        prefetch(vp + table[j] * block_stride + h * kBS * kD, kD * kBS);
+      }
+      // scores: K is [head_dim, block_size] per (block, head), so a block's scores for
+      // one query head accumulate as kCols vectors, d by d
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const T* __restrict__ kb = kp + table[j] * block_stride + h * kD * kBS;
+        if (j + kAhead < nblocks) {
+          prefetch(kp + table[j + kAhead] * block_stride + h * kD * kBS, kD * kBS);
+          prefetch(vp + table[j + kAhead] * block_stride + h * kBS * kD, kD * kBS);  // ready for the V pass
+        }
+        Vec acc[kChains][kG][kCols];
+        for (auto& chain : acc)
+          for (auto& row : chain)
+            for (auto& a : row) a = Vec(0.f);
+        for (int64_t d = 0; d < kD; d += kChains) {
+          for (int64_t ch = 0; ch < kChains; ++ch) {
+            Vec krow[kCols];
+            for (int64_t c = 0; c < kCols; ++c) krow[c] = load_floats(kb + (d + ch) * kBS + c * kW);
+            for (int64_t g = 0; g < kG; ++g) {
+              const Vec qv(qf[g * kD + d + ch]);
+              for (int64_t c = 0; c < kCols; ++c) acc[ch][g][c] = at::vec::fmadd(qv, krow[c], acc[ch][g][c]);
+            }
+          }
+        }
+        for (int64_t g = 0; g < kG; ++g)
+          for (int64_t c = 0; c < kCols; ++c) {
+            Vec s = acc[0][g][c];
+            if constexpr (kChains == 2) s = s + acc[1][g][c];
+            s.store(sc + g * stride + j * kBS + c * kW);
+          }
+      }
+      float inv[kG];
+      for (int64_t g = 0; g < kG; ++g) inv[g] = 1.f / softmax_in_place(sc + g * stride, len);
+      // values: V is [block_size, head_dim] per (block, head); kChunk columns of the
+      // output at a time stay in registers over a block's tokens
+      float acc[kG * kD];
+      for (int64_t i = 0; i < kG * kD; ++i) acc[i] = 0.f;
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const T* __restrict__ vb = vp + table[j] * block_stride + h * kBS * kD;
+        const int64_t t0 = j * kBS, n = std::min(kBS, len - t0);
+        for (int64_t c0 = 0; c0 < kD; c0 += kChunk) {
+          Vec a[kG][kChunkVecs];
+          for (int64_t g = 0; g < kG; ++g)
+            for (int64_t u = 0; u < kChunkVecs; ++u) a[g][u] = Vec::loadu(acc + g * kD + c0 + u * kW);
+          for (int64_t i = 0; i < n; ++i) {
+            Vec v[kChunkVecs];
+            for (int64_t u = 0; u < kChunkVecs; ++u) v[u] = load_floats(vb + i * kD + c0 + u * kW);
+            for (int64_t g = 0; g < kG; ++g) {
+              const Vec p(sc[g * stride + t0 + i]);
+              for (int64_t u = 0; u < kChunkVecs; ++u) a[g][u] = at::vec::fmadd(p, v[u], a[g][u]);
+            }
+          }
+          for (int64_t g = 0; g < kG; ++g)
+            for (int64_t u = 0; u < kChunkVecs; ++u) a[g][u].store(acc + g * kD + c0 + u * kW);
+        }
+      }
+      for (int64_t g = 0; g < kG; ++g)
+        for (int64_t d = 0; d < kD; ++d) op[(head0 + g) * kD + d] = static_cast<T>(acc[g * kD + d] * inv[g]);
+    }
+  });
+}
+
 // q: [B, Hq, D]; kv: [2, num_blocks, Hkv, block_size * D] (K half [D, block_size], V half [block_size, D]); tables: [B, max_blocks] int64; lens: [B] int64
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch::Tensor lens,
+at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor lens,
                            double scale) {
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && tables.is_contiguous() && lens.is_contiguous());
   TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv cache dtypes differ");
@@ -139,23 +242,27 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tabl
   TORCH_CHECK(kv.size(3) / q.size(2) <= kMaxBS, "block_size must be at most ", kMaxBS);
   TORCH_CHECK(q.size(1) % kv.size(2) == 0 && q.size(1) / kv.size(2) <= kMaxG, "at most ", kMaxG,
               " query heads per kv head");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const int64_t D = q.size(2), bs = kv.size(3) / D, G = q.size(1) / kv.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
-    if (bs == 16 && D == 64 && G == 1) decode_impl<scalar_t, 64, 16, 1>(q, kv, tables, lens, out, scale);
-    else if (bs == 16 && D == 64 && G == 2) decode_impl<scalar_t, 64, 16, 2>(q, kv, tables, lens, out, scale);
-    else if (bs == 16 && D == 64 && G == 4) decode_impl<scalar_t, 64, 16, 4>(q, kv, tables, lens, out, scale);
-    else if (bs == 16 && D == 128 && G == 1) decode_impl<scalar_t, 128, 16, 1>(q, kv, tables, lens, out, scale);
-    else if (bs == 16 && D == 128 && G == 2) decode_impl<scalar_t, 128, 16, 2>(q, kv, tables, lens, out, scale);
-    else if (bs == 16 && D == 128 && G == 4) decode_impl<scalar_t, 128, 16, 4>(q, kv, tables, lens, out, scale);
-    else decode_impl<scalar_t, 0, 0, 0>(q, kv, tables, lens, out, scale);
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      decode_any<scalar_t>(q, kv, tables, lens, out, scale);
+    } else if (bs == 16 && D == 64 && G == 1) decode_vec<scalar_t, 64, 16, 1>(q, kv, tables, lens, out, scale);
+    else if (bs == 16 && D == 64 && G == 2) decode_vec<scalar_t, 64, 16, 2>(q, kv, tables, lens, out, scale);
+    else if (bs == 16 && D == 64 && G == 4) decode_vec<scalar_t, 64, 16, 4>(q, kv, tables, lens, out, scale);
+    else if (bs == 16 && D == 64 && G == 8) decode_vec<scalar_t, 64, 16, 8>(q, kv, tables, lens, out, scale);
+    else if (bs == 16 && D == 128 && G == 1) decode_vec<scalar_t, 128, 16, 1>(q, kv, tables, lens, out, scale);
+    else if (bs == 16 && D == 128 && G == 2) decode_vec<scalar_t, 128, 16, 2>(q, kv, tables, lens, out, scale);
+    else if (bs == 16 && D == 128 && G == 4) decode_vec<scalar_t, 128, 16, 4>(q, kv, tables, lens, out, scale);
+    else if (bs == 16 && D == 128 && G == 8) decode_vec<scalar_t, 128, 16, 8>(q, kv, tables, lens, out, scale);
+    else decode_any<scalar_t>(q, kv, tables, lens, out, scale);
   });
   return out;
 }
 
 template <typename T>
-static void write_impl(torch::Tensor& kv, const torch::Tensor& k, const torch::Tensor& v,
-                       const torch::Tensor& slots) {
+static void write_impl(at::Tensor& kv, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& slots) {
   const int64_t N = k.size(0), Hkv = k.size(1), D = k.size(2), bs = kv.size(3) / D;
   const int64_t block_stride = Hkv * bs * D, half = kv.stride(0);
   T* kc = kv.data_ptr<T>();
@@ -179,7 +286,7 @@ static void write_impl(torch::Tensor& kv, const torch::Tensor& k, const torch::T
 }
 
 // Store new tokens' K/V ([N, Hkv, D] each) at slots (block_id * block_size + offset).
-void write_kv(torch::Tensor kv, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {
+void write_kv(at::Tensor kv, at::Tensor k, at::Tensor v, at::Tensor slots) {
   TORCH_CHECK(kv.is_contiguous() && k.is_contiguous() && v.is_contiguous() && slots.is_contiguous());
   TORCH_CHECK(k.scalar_type() == kv.scalar_type() && v.scalar_type() == kv.scalar_type());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, kv.scalar_type(), "write_kv",

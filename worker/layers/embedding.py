@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from worker.layers.linear import check_shape
+from worker.layers.packing import packed_linear
 from worker.parallel import all_gather_last_dim, all_reduce, get_parallel_state
 
 
@@ -32,5 +33,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    keep_weight = False  # True when tied to the embedding, which still looks rows up in it
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return all_gather_last_dim(nn.functional.linear(hidden, self.weight))
+        return all_gather_last_dim(packed_linear(hidden, self.weight, getattr(self, "packed_weight", None), None))

@@ -5,18 +5,15 @@ Row-parallel: the input dimension is split, partial products are all-reduced.
 A merged column-parallel linear stacks several logical outputs (q/k/v, or gate/up)
 in one matmul; each logical part is sharded on its own, so rank r holds
 ``[q_r; k_r; v_r]``. Weights arrive whole from the checkpoint and each layer keeps
-its rank's slice in ``load``.
-
-On the CPU in bf16, ``prepack`` hands the loaded weight to oneDNN once in its own
-blocked layout: plain ``linear`` reorders the weight on every call, which costs
-up to half the time of a decode-sized matmul (measured: M=1 92 -> 43 us, M=64
-542 -> 475 us for 512x3072 here), with bit-identical results."""
+its rank's slice in ``load``. On the CPU the loader may replace ``weight`` by a
+oneDNN-packed ``packed_weight`` (``worker/layers/packing.py``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from worker.layers.packing import packed_linear
 from worker.parallel import all_reduce, get_parallel_state
 
 
@@ -80,24 +77,4 @@ def copy_checked(target: torch.Tensor, tensor: torch.Tensor) -> None:
 
 
 def _linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
-    packed = getattr(layer, "packed_weight", None)
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return nn.functional.linear(x, layer.weight, bias)
-
-
-def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-def prepack(model: nn.Module, batch_hint: int = 64) -> int:
-    """Replace every loaded linear weight by its oneDNN-packed form; returns how many."""
-    count = 0
-    for layer in model.modules():
-        if isinstance(layer, (MergedColumnParallelLinear, RowParallelLinear)) and layer.weight is not None:
-            packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, batch_hint)
-            layer.register_parameter("weight", None)  # the packed copy replaces it: no double memory
-            layer.register_buffer("packed_weight", packed, persistent=False)
-            count += 1
-    return count
+    return packed_linear(x, layer.weight, getattr(layer, "packed_weight", None), bias)

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from worker.layers.fused import silu_and_mul
 from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 Loader = Callable[[torch.Tensor], None]
@@ -27,5 +28,4 @@ class SwiGLU(nn.Module):
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(nn.functional.silu(gate) * up)
+        return self.down(silu_and_mul(self.gate_up(x)))

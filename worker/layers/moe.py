@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from worker.config import MoeConfig
+from worker.layers.fused import silu_and_mul
 from worker.layers.linear import copy_checked
 from worker.layers.mlp import Loader, SwiGLU
 from worker.parallel import all_reduce, get_parallel_state
@@ -113,8 +114,7 @@ class SparseMoe(nn.Module):
                 continue
             sel = order[starts[local]:starts[local + 1]]  # flat (token, slot) indices of this expert
             tokens = sel // self.cfg.top_k
-            gate, up = nn.functional.linear(x[tokens], self.w13[local]).chunk(2, dim=-1)
-            y = nn.functional.linear(nn.functional.silu(gate) * up, self.w2[local])
+            y = nn.functional.linear(silu_and_mul(nn.functional.linear(x[tokens], self.w13[local])), self.w2[local])
             out.index_add_(0, tokens, y * weights.flatten()[sel, None].to(y.dtype))
         out = all_reduce(out)
         if self.shared is not None:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from worker.config import RopeConfig
+from worker.layers.fused import rotary
 
 
 def inverse_frequencies(rope: RopeConfig) -> torch.Tensor:
@@ -42,14 +43,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, rotary_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    rot, keep = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-    out = rot * cos + rotated * sin
-    return out if keep.shape[-1] == 0 else torch.cat((out, keep), dim=-1)
+        return rotary(positions, q, k, self.cos, self.sin)

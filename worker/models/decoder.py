@@ -87,10 +87,16 @@ class DecoderLayer(nn.Module):
             out.update(self.mlp.loaders(f"{prefix}mlp."))
         return out
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.attn(positions, self.input_norm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attn_norm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the next layer, or
+        the final norm, adds the two. The first layer gets no residual."""
+        if residual is None:
+            x, residual = self.input_norm(x), x
+        else:
+            x, residual = self.input_norm(x, residual)
+        x, residual = self.post_attn_norm(self.attn(positions, x, kv_cache, meta), residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -104,13 +110,19 @@ class DecoderModel(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+            self.lm_head.keep_weight = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed(input_ids)  # [num_tokens, hidden]
+        x, residual = self.embed(input_ids), None  # [num_tokens, hidden]
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, cache, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, cache, meta)
+        return self.norm(x, residual)[0]
+
+    def dense_linears(self) -> list[nn.Module]:
+        """The layers whose weights the loader may pack: every dense linear and the LM head."""
+        linears = [m for m in self.modules() if isinstance(m, (MergedColumnParallelLinear, RowParallelLinear))]
+        return linears + [self.lm_head]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [rows, vocab]

@@ -15,7 +15,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine.scheduler import ScheduledBatch, ScheduledSequence
-from worker.kernels import has_native_kv_kernels
+from worker.kernels import has_native_kernels
 from worker.layers.paged_attention import AttentionMetadata
 from worker.models.decoder import DecoderModel
 from worker.runner.sampler import Sampler, SamplingRow
@@ -35,7 +35,7 @@ class ModelRunner:
         cfg = model.cfg
         self.kv_caches = allocate_kv_caches(cfg.num_layers, config.num_kv_blocks, model.layers[0].attn.num_kv_heads,
                                             config.block_size, cfg.head_dim, config.dtype, self.device)
-        self.native_kernels = self.device.type == "cpu" and has_native_kv_kernels()
+        self.native_kernels = self.device.type == "cpu" and has_native_kernels()
         self.sampler = Sampler(config.seed)
 
     @torch.inference_mode()

@@ -1,0 +1,133 @@
+"""Native kernel builds that can neither hang nor crash a start: a cache keyed by
+ISA level and compiler, a lock that dies with its holder, a bounded wait for
+another builder, and a start killed mid-build followed by one that answers."""
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from worker.kernels import build
+from worker.kernels.build import KernelBuildBusy, compile_commands, compiler_id, ensure_built, library_path
+
+pytestmark = pytest.mark.isa
+
+
+def fake_compile(cxx, isa, output):
+    output.write_bytes(b"not really a library")
+
+
+def test_the_cache_key_names_torch_the_isa_level_the_compiler_and_the_source(tmp_path):
+    paths = {library_path(tmp_path, isa, cc) for isa in ("avx2", "avx512") for cc in ("gcc12", "clang17")}
+    assert len(paths) == 4
+    key = library_path(tmp_path, "avx2", "gcc12").parent.name
+    assert key.startswith("torch2.") and "-avx2-gcc12-" in key and key.endswith(build.source_hash())
+    for isa, march in (("avx2", "-march=x86-64-v3"), ("avx512", "-march=x86-64-v4")):
+        compiles, link = compile_commands("c++", isa, tmp_path / "out.so")
+        assert len(compiles) == len(build.SOURCES) >= 2
+        for cmd in compiles:
+            assert march in cmd and not any("native" in flag for flag in cmd)  # portable to any CPU of the level
+        assert "-shared" in link and link[link.index("-o") + 1] == str(tmp_path / "out.so")
+
+
+def test_a_lock_left_by_a_killed_builder_blocks_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(build, "_compile", fake_compile)
+    lock = library_path(tmp_path, "avx2", compiler_id()).parent / "build.lock"
+    lock.parent.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(120)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        (lock.parent / "kervan_kernels.so.tmp999.paged_kv.o").write_bytes(b"half a build")
+        with pytest.raises(KernelBuildBusy):
+            ensure_built(tmp_path, "avx2", wait_s=0.3)
+    finally:
+        holder.kill()  # dies holding the lock, as a SIGKILLed worker would
+        holder.wait()
+    started = time.monotonic()
+    lib = ensure_built(tmp_path, "avx2", wait_s=5)
+    assert time.monotonic() - started < 2
+    assert lib.read_bytes() == b"not really a library"
+    assert sorted(p.name for p in lib.parent.iterdir()) == ["build.lock", "kervan_kernels.so"]  # leftovers gone
+
+
+def test_a_start_waits_for_another_builder_a_bounded_time_then_uses_pytorch_and_says_so(tmp_path):
+    from worker.platform import current_platform
+    lock = library_path(tmp_path, current_platform().cpu.isa, compiler_id()).parent / "build.lock"
+    lock.parent.mkdir(parents=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a live builder that does not finish
+    try:
+        env = {**os.environ, "KERVAN_CACHE_DIR": str(tmp_path), "KERVAN_KERNEL_BUILD_WAIT_S": "1",
+               "KERVAN_ATTENTION_BACKEND": "auto"}
+        started = time.monotonic()
+        res = subprocess.run([sys.executable, "-c", "from worker.kernels import has_native_kernels as h; print(h())"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert time.monotonic() - started < 30
+    finally:
+        os.close(fd)
+    assert res.stdout.strip() == "False", res.stderr
+    assert "another process has been building the kernels" in res.stderr
+    assert "using the PyTorch path" in res.stderr
+    assert not (lock.parent / "kervan_kernels.so").exists()
+
+
+def _leftover_compilers(marker: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:
+            pass
+    return pids
+
+
+def _is_locked(path: Path) -> bool:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find the build's compilers")
+def test_a_start_killed_during_the_first_kernel_build_is_followed_by_a_start_that_answers(tmp_path):
+    env = {**os.environ, "KERVAN_CACHE_DIR": str(tmp_path), "KERVAN_ATTENTION_BACKEND": "native"}
+    cmd = [sys.executable, "-m", "control_plane.cli", "complete", "Once upon a time", "--max-tokens", "4",
+           "--temperature", "0", "--json"]
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        locks: list[Path] = []
+        while time.monotonic() < deadline and not (locks and _is_locked(locks[0])):
+            assert first.poll() is None, "the first start ended before its kernel build began"
+            locks = list(tmp_path.glob("kernels/*/build.lock"))
+            time.sleep(0.05)
+        assert locks, "no kernel build started"
+        time.sleep(1.0)  # the compilers are running now
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    for pid in _leftover_compilers(str(tmp_path)):  # the killed start's orphaned compilers
+        os.kill(pid, signal.SIGKILL)
+    assert not (locks[0].parent / "kervan_kernels.so").exists()
+
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    [completion] = json.loads(second.stdout)["completions"]
+    assert len(completion["token_ids"]) == 4
+    assert sorted(p.name for p in locks[0].parent.iterdir()) == ["build.lock", "kervan_kernels.so"]
