@@ -4,7 +4,10 @@
   decode workers, router) with the embedded default model unless ``--model``;
   ``--request TEXT`` sends one request once it is up, prints it, and stops.
 - ``kervan generate``: a client of a router, streaming text as it arrives.
-- ``kervan complete``: the engine in this process, no services."""
+- ``kervan complete``: the engine in this process, no services.
+- ``kervan info``: what Kervan detects on this machine (device, CPU ISA, the dtype
+  ``auto`` stands for, packing, native kernels): paste it into a bug report.
+- ``kervan build-kernels``: build the native CPU kernels ahead of time (images)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,10 @@ import sys
 import time
 
 import click
+
+
+DTYPE_HELP = ("auto (bfloat16 where the hardware computes it natively, else float32), bfloat16, float16 "
+              "or float32")
 
 
 @click.group()
@@ -31,7 +38,7 @@ def main() -> None:
 @click.option("--seed", default=None, type=int)
 @click.option("-n", "n", default=1, show_default=True, help="Number of samples.")
 @click.option("--ignore-eos", is_flag=True)
-@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--dtype", default="auto", show_default=True, help=DTYPE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def complete(prompt: str, model_dir: str | None, max_tokens: int, temperature: float, top_p: float,
              top_k: int, min_p: float, seed: int | None, n: int, ignore_eos: bool, dtype: str,
@@ -126,7 +133,7 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
 @click.option("--both", "num_both", default=0, show_default=True, help="aggregated workers")
 @click.option("--port", default=8470, show_default=True, help="the router's port (0: any free port)")
 @click.option("--redis", "redis_url", default=None, help="use this Redis instead of starting one")
-@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--dtype", default="auto", show_default=True, help=DTYPE_HELP)
 @click.option("--request", "request_text", default=None,
               help="send this prompt once the cluster is up, print the answer, then stop")
 @click.option("--max-tokens", default=32, show_default=True, help="with --request")
@@ -138,7 +145,12 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
     from control_plane.client import Completion, accumulate, build_request, stream
     from control_plane.launcher import Cluster, ClusterSpec, new_log_dir, wait_for_signal
     from worker.default_model import ensure_default_model
+    from worker.platform import DtypeError, parse_dtype
 
+    try:
+        parse_dtype(dtype)
+    except DtypeError as exc:
+        raise click.BadParameter(str(exc), param_hint="--dtype") from None
     model = Path(model_dir) if model_dir else ensure_default_model()
     cluster = Cluster(ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, dtype=dtype),
                       new_log_dir())
@@ -169,6 +181,51 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
     finally:
         click.echo("stopping the cluster", err=True)
         cluster.stop()
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def info(as_json: bool) -> None:
+    """What Kervan detects here: device, CPU instruction sets, dtype auto, packing, kernels."""
+    import torch
+
+    from worker.envs import attention_backend, cache_dir, weight_packing
+    from worker.kernels.build import KernelBuildError, compiler_id, library_path
+    from worker.platform import current_platform
+
+    platform = current_platform()
+    report = platform.describe()
+    try:
+        lib = library_path(cache_dir(), platform.cpu.isa, compiler_id())
+        kernels = {"library": str(lib), "built": lib.is_file()}
+    except KernelBuildError as exc:
+        kernels = {"library": None, "built": False, "error": str(exc)}
+    report.update(threads=torch.get_num_threads(), attention_backend=attention_backend(),
+                  weight_packing=weight_packing(), native_kernels=kernels)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(f"platform: {platform.summary()}")
+    for key, value in report.items():
+        click.echo(f"{key}: {json.dumps(value)}")
+
+
+@main.command("build-kernels")
+@click.option("--isa", "levels", multiple=True,
+              help="ISA level to build for (avx2, avx512, baseline; repeatable); default: this machine's")
+def build_kernels(levels: tuple[str, ...]) -> None:
+    """Build the native CPU kernels now, into KERVAN_CACHE_DIR (e.g. while building an image)."""
+    from worker.envs import cache_dir
+    from worker.kernels.build import BUILD_TIMEOUT_S, KernelBuildError, ensure_built
+    from worker.platform import current_platform
+
+    for isa in levels or (current_platform().cpu.isa,):
+        start = time.perf_counter()
+        try:
+            lib = ensure_built(cache_dir(), isa, wait_s=BUILD_TIMEOUT_S)
+        except KernelBuildError as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(f"{isa}: {lib} ({time.perf_counter() - start:.1f} s)")
 
 
 if __name__ == "__main__":

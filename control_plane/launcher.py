@@ -36,7 +36,7 @@ class ClusterSpec:
     router_port: int = 0  # 0: a free port
     redis_url: str | None = None  # None: start a private redis-server
     block_size: int = 16
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     num_kv_blocks: int | None = None
     threads_per_worker: int | None = None  # None: this host's cores shared evenly among its workers
     pin_cores: bool = False  # pin worker i to its own core(s) (benchmarks: no two engines share a core)

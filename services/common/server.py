@@ -100,9 +100,13 @@ async def serve_until_signal(handle: Server, on_stop: Callable[[], Awaitable[Non
         await on_stop()
 
 
+def configure_logging() -> None:
+    from worker.envs import log_level
+    logging.basicConfig(level=log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
 def run(main: Callable[[], Awaitable[None]]) -> None:
     """Run a service's async main on uvloop (on the calling thread)."""
     import uvloop
-    from worker.envs import log_level
-    logging.basicConfig(level=log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     uvloop.run(main())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import threading
 from pathlib import Path
@@ -14,12 +15,14 @@ from pathlib import Path
 import grpc
 
 from services.common.config import parse_args as parse_args_with_env
-from services.common.server import Service, run, serve_until_signal, start_server
+from services.common.server import Service, configure_logging, run, serve_until_signal, start_server
 from services.proto import kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.worker.async_engine import AsyncEngine
 from services.worker.membership import Membership
 from services.worker.servicer import WorkerServicer
+from worker.platform import DTYPE_CHOICES, dtype_name
 
+log = logging.getLogger("services.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
 
@@ -35,7 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--registry", default=None, help="HOST:PORT of the kv-registry to join (optional)")
     ap.add_argument("--advertise-address", default=None,
                     help="HOST:PORT others reach this worker at, when not the one it binds (a proxy, a Service)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", type=str.lower, choices=DTYPE_CHOICES,
+                    help="auto: bfloat16 where the hardware computes it natively, else float32 (float16 on GPUs "
+                         "without bf16); `kervan info` shows the choice")
+    ap.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-waiting", type=int, default=256,
@@ -77,11 +83,16 @@ def main(argv: list[str] | None = None) -> None:
     asyncio run on a side thread."""
     from worker import Engine
     from worker.default_model import ensure_default_model
+    from worker.platform import current_platform
 
     args = parse_args(argv)
+    configure_logging()
+    log.info("platform: %s", current_platform().summary())
     model_dir = Path(args.model) if args.model else ensure_default_model()
-    engine = Engine.from_pretrained(model_dir, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
+    engine = Engine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, num_kv_blocks=args.num_kv_blocks,
                                     max_num_seqs=args.max_num_seqs)
+    log.info("engine: %s on %s, native CPU kernels %s", dtype_name(engine.config.dtype), engine.config.device,
+             "on" if engine.runner.native_kernels else "off")
     async_engine = AsyncEngine(engine, args.max_waiting)
     loop_ready = threading.Event()
     holder: dict = {}

@@ -106,7 +106,7 @@ def default_model_dir(tmp_path_factory):
 
 @pytest.fixture
 async def text_mesh(default_model_dir):
-    mesh, stop = await start_mesh(default_model_dir, dtype="bfloat16", block_size=16, num_kv_blocks=256)
+    mesh, stop = await start_mesh(default_model_dir, dtype="auto", block_size=16, num_kv_blocks=256)
     yield mesh
     await stop()
 
