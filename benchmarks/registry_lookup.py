@@ -33,6 +33,7 @@ import redis.asyncio as redis
 import uvloop
 
 from benchmarks import plots
+from benchmarks.machine import machine
 from control_plane.redis_server import running_redis
 from services.common.server import Service, start_server
 from services.kv_registry.__main__ import SERVICE_NAME
@@ -136,7 +137,7 @@ async def main_async(args) -> dict:
         await channel.close()
         await server.stop(0)
         await r.aclose()
-    report = {"benchmark": "registry_lookup", "workers": args.workers, "blocks_registered": registered,
+    report = {"benchmark": "registry_lookup", "machine": machine(), "workers": args.workers, "blocks_registered": registered,
               "prompt_blocks": args.prompt_blocks, "lookups": args.lookups, "load_seconds": round(load_s, 1),
               "redis_used_memory_mb": round(memory / 2**20), "mean_longest_match_blocks": round(sum(depth) / len(depth), 1),
               "latency_ms": {name: {"p50": pct(v, 50), "p99": pct(v, 99), "max": round(max(v), 3)}

@@ -1,0 +1,38 @@
+"""Random-weight models for benchmarks: the embedded default model's shape (512
+hidden, 8 layers, GQA 8/4) with a real-sized vocabulary, so that the LM head
+costs what it costs in a real model (with 32,000 ids: 58M parameters, about the
+size of the models vLLM's CPU numbers here were measured on). Written once into
+the cache as an ordinary Hugging Face directory, without a tokenizer (benchmarks
+send token ids)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from worker.default_model import CONFIG, SEED, random_weights
+from worker.envs import cache_dir
+
+
+def ensure_random_llama(vocab_size: int) -> Path:
+    target = cache_dir() / f"kervan-bench-llama-v{vocab_size}"
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        cfg = dict(CONFIG, vocab_size=vocab_size)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        save_file(random_weights(cfg, SEED), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / "model.safetensors").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
