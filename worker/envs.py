@@ -1,6 +1,6 @@
 """Every environment variable Kervan reads, in one place.
 
-Besides the three below, each service option ``--some-option`` of service NAME
+Besides those below, each service option ``--some-option`` of service NAME
 (worker, router, scheduler, kv_registry) reads ``KERVAN_<NAME>_<SOME_OPTION>``
 when the flag is not given; the rule lives in ``services/common/config.py``."""
 
@@ -16,8 +16,8 @@ KERVAN_CACHE_DIR = "KERVAN_CACHE_DIR"
 def cache_dir() -> Path:
     return Path(os.environ.get(KERVAN_CACHE_DIR) or Path.home() / ".cache" / "kervan")
 
-# "auto" (native CPU kernel when it builds, else PyTorch), "native" (fail if it
-# cannot build) or "torch" (always the PyTorch path)
+# "auto" (the native CPU kernels, attention and fused element-wise ops, when they
+# build; else PyTorch), "native" (fail if they cannot build) or "torch" (always PyTorch)
 KERVAN_ATTENTION_BACKEND = "KERVAN_ATTENTION_BACKEND"
 
 
@@ -44,6 +44,20 @@ def weight_packing() -> str:
     if value not in ("auto", "off"):
         raise ValueError(f"{KERVAN_WEIGHT_PACKING}={value!r}; expected auto or off")
     return value
+
+# standard variables Kervan honours: oneDNN's ISA cap (PyTorch's own,
+# ATEN_CPU_CAPABILITY, is read back through torch.backends.cpu.get_cpu_capability())
+# and the C++ compiler the native kernels are built with
+ONEDNN_MAX_CPU_ISA = "ONEDNN_MAX_CPU_ISA"
+CXX = "CXX"
+
+
+def onednn_max_cpu_isa() -> str:
+    return os.environ.get(ONEDNN_MAX_CPU_ISA, os.environ.get("DNNL_MAX_CPU_ISA", ""))
+
+
+def cxx() -> str:
+    return os.environ.get(CXX, "c++")
 
 # the services' log level (DEBUG shows, e.g., every placement with its scores)
 KERVAN_LOG_LEVEL = "KERVAN_LOG_LEVEL"

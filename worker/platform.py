@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.envs import onednn_max_cpu_isa
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -250,7 +252,7 @@ def detect_cpu() -> CpuInfo:
     model, flags = read_cpuinfo()
     return CpuInfo(arch=_platform.machine(), model=model, num_cores=num_usable_cores(), flags=flags,
                    torch_capability=torch.backends.cpu.get_cpu_capability(),
-                   onednn_cap=os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")))
+                   onednn_cap=onednn_max_cpu_isa())
 
 
 def detect_cuda() -> CudaInfo | None:

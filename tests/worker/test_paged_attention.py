@@ -10,6 +10,15 @@ from worker.runner.model_runner import allocate_kv_caches
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(not has_native_kernels(), reason="native kernels unavailable here")]
 
 
+@pytest.fixture(autouse=True)
+def two_threads():
+    """The kernels split work by sequence only when there are twice as many as threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 def run(native, dtype, heads, kv_heads, head_dim, block_size, decode_lens, prefill, seed=0):
     """One step: decodes of the given lengths, plus one prefill chunk (n, context) if given."""
     g = torch.Generator().manual_seed(seed)
@@ -29,9 +38,10 @@ def run(native, dtype, heads, kv_heads, head_dim, block_size, decode_lens, prefi
         slots += [blocks[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + n)]
         spans.append((len(decode_lens), n, ctx, blocks))
     num_tokens = len(slots)
-    q = torch.randn(num_tokens, heads, head_dim, generator=g).to(dtype)
-    k = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype)
-    v = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype)
+    # q, k and v as the attention layer has them: views into one qkv output, rows strided
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                                     kv_heads * head_dim], dim=-1))
     meta = AttentionMetadata.build(slots, tables, decode_lens, spans, block_size, torch.device("cpu"), native)
     out = paged_attention(q, k, v, cache, meta, head_dim ** -0.5)
     return out, cache
@@ -41,8 +51,9 @@ def run(native, dtype, heads, kv_heads, head_dim, block_size, decode_lens, prefi
     (8, 4, 64, 16), (8, 8, 64, 16), (16, 4, 128, 16), (16, 2, 64, 16), (16, 2, 128, 16),  # specialised
     (6, 2, 32, 4), (12, 4, 16, 8), (3, 1, 8, 2), (4, 4, 64, 32)])  # any other shape
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_kernels_match_torch(dtype, heads, kv_heads, head_dim, block_size):
-    lens = [1, 5, block_size, 3 * block_size + 1, 70]
+@pytest.mark.parametrize("num_seqs", [1, 5])  # few sequences: a work item per (sequence, kv head); many: per sequence
+def test_native_kernels_match_torch(dtype, heads, kv_heads, head_dim, block_size, num_seqs):
+    lens = [1, 5, block_size, 3 * block_size + 1, 70][-num_seqs:]
     args = (dtype, heads, kv_heads, head_dim, block_size, lens, (9, 2 * block_size + 3))
     out_native, cache_native = run(True, *args)
     out_torch, cache_torch = run(False, *args)

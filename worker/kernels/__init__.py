@@ -2,10 +2,12 @@
 
 - ``paged_kv.cpp``: decode attention that reads each sequence's KV blocks in place
   (plain PyTorch must first gather them into a padded copy, which dominated a
-  decode step), and the write of new K/V into their slots.
+  decode step), and the write of new K/V into their slots;
+- ``fused_ops.cpp``: RMSNorm with the residual add, SiLU-and-multiply and rotary
+  embedding, each one pass over a row (``worker/layers/fused.py`` calls them).
 
 They are built for this machine's ISA level on first use (``build.py``: about
-20 s with the machine's compiler, cached under ``KERVAN_CACHE_DIR/kernels``) or
+35 s with the machine's compiler, cached under ``KERVAN_CACHE_DIR/kernels``) or
 ahead of time with ``kervan build-kernels``. When they cannot be built or loaded
 the engine uses the PyTorch path and says so once; ``KERVAN_ATTENTION_BACKEND=native``
 makes that an error instead."""

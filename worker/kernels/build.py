@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from worker import envs
+
 LIBRARY = "kervan_kernels.so"
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
@@ -54,13 +56,9 @@ class KernelBuildBusy(KernelBuildError):
     """Another process is building the same kernels and did not finish in time."""
 
 
-def compiler() -> str:
-    return os.environ.get("CXX", "c++")
-
-
 def compiler_id(cxx: str | None = None) -> str:
     """``<name><version>-<hash of its --version>``; KernelBuildError without a compiler."""
-    cxx = cxx or compiler()
+    cxx = cxx or envs.cxx()
     try:
         version = subprocess.run([cxx, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True,
                                  timeout=30, check=True).stdout.split()[0]
@@ -89,7 +87,7 @@ def ensure_built(root: Path, isa: str, wait_s: float, cxx: str | None = None) ->
     """The library for ``isa`` under ``root``, built now if no process built it before."""
     if isa not in ISA_FLAGS:
         raise KernelBuildError(f"unknown ISA level {isa!r}; one of {', '.join(ISA_FLAGS)}")
-    cxx = cxx or compiler()
+    cxx = cxx or envs.cxx()
     lib = library_path(root, isa, compiler_id(cxx))
     if lib.is_file():
         return lib

@@ -48,32 +48,44 @@ static inline void prefetch(const T* p, int64_t n) {
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
 }
 
+// Raw pointers and sizes of one paged_decode call, shared by both implementations.
+template <typename T>
+struct DecodeArgs {
+  int64_t B, Hq, D, Hkv, bs, G, max_blocks, block_stride, q_row;  // q_row: elements between sequences' q
+  const T *q, *k, *v;
+  const int64_t *tables, *lens;
+  T* out;
+  float scale;
+
+  DecodeArgs(const at::Tensor& q_, const at::Tensor& kv, const at::Tensor& tables_, const at::Tensor& lens_,
+             at::Tensor& out_, double scale_)
+      : B(q_.size(0)), Hq(q_.size(1)), D(q_.size(2)), Hkv(kv.size(2)), bs(kv.size(3) / D), G(Hq / Hkv),
+        max_blocks(tables_.size(1)), block_stride(bs * Hkv * D), q_row(q_.stride(0)), q(q_.data_ptr<T>()),
+        k(kv.data_ptr<T>()),
+        v(k + kv.stride(0)), tables(tables_.data_ptr<int64_t>()), lens(lens_.data_ptr<int64_t>()),
+        out(out_.data_ptr<T>()), scale(static_cast<float>(scale_)) {}
+};
+
 // The general case: any head_dim, block_size and group size within the limits
 // below, scalar code the compiler vectorises as it can.
 template <typename T>
-static void decode_any(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
-                       const at::Tensor& lens, at::Tensor& out, double scale) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t Hkv = kv.size(2), bs = kv.size(3) / D, G = Hq / Hkv;
-  const int64_t max_blocks = tables.size(1);
-  const int64_t block_stride = bs * Hkv * D, half = kv.stride(0);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = kv.data_ptr<T>();
-  const T* vp = kp + half;
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
+static void decode_any(const DecodeArgs<T>& a) {
+  const int64_t B = a.B, Hq = a.Hq, D = a.D, Hkv = a.Hkv, bs = a.bs, G = a.G;
+  const int64_t block_stride = a.block_stride;
+  const T* qp = a.q;
+  const T* kp = a.k;
+  const T* vp = a.v;
+  const float fscale = a.scale;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // [G, len]
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = w / Hkv, h = w % Hkv, len = lp[b], nblocks = (len + bs - 1) / bs;
-      const int64_t* table = tp + b * max_blocks;
+      const int64_t b = w / Hkv, h = w % Hkv, len = a.lens[b], nblocks = (len + bs - 1) / bs;
+      const int64_t* table = a.tables + b * a.max_blocks;
       const int64_t head0 = b * Hq + h * G;
       scores.resize(G * len);
       float* sc = scores.data();
       float qf[kMaxG * kMaxD];
-      for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(qp, head0 * D + i) * fscale;
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(qp + b * a.q_row + h * G * D, i) * fscale;
       for (int64_t j = 0; j < nblocks; ++j) {
         const T* kb = kp + table[j] * block_stride + h * D * bs;
         const int64_t t0 = j * bs, n = std::min(bs, len - t0);
@@ -104,7 +116,7 @@ static void decode_any(const at::Tensor& q, const at::Tensor& kv, const at::Tens
           }
       }
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) op[(head0 + g) * D + d] = static_cast<T>(acc[g * D + d] * inv[g]);
+        for (int64_t d = 0; d < D; ++d) a.out[(head0 + g) * D + d] = static_cast<T>(acc[g * D + d] * inv[g]);
     }
   });
 }
@@ -138,97 +150,102 @@ static inline float softmax_in_place(float* x, int64_t n) {
 // The common shapes: head_dim kD, block_size kBS and kG query heads per kv head
 // fixed at compile time, written with ATen's Vectorized (AVX2 or AVX-512, as the
 // library was built) so that every accumulator stays in a register. One pass
-// over a sequence's blocks serves all kG query heads of the group: each K/V
-// element is loaded and converted once.
+// over a sequence's blocks serves all kG query heads of a group: each K/V element
+// is loaded and converted once.
+//
+// A work item is a sequence with all its kv heads when there are enough
+// sequences to keep every thread busy (a block's heads are one contiguous run of
+// memory, read in one sweep), else one (sequence, kv head) pair.
 template <typename T, int64_t kD, int64_t kBS, int64_t kG>
-static void decode_vec(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
-                       const at::Tensor& lens, at::Tensor& out, double scale) {
+static void decode_vec(const DecodeArgs<T>& a) {
   static_assert(kBS % kW == 0 && kD % kW == 0, "a block row and a head must be whole vectors");
   constexpr int64_t kCols = kBS / kW;                   // vectors per K row: one block's scores of a head
   constexpr int64_t kChains = kG * kCols <= 4 ? 2 : 1;  // independent FMA chains the registers can hold
   constexpr int64_t kChunk = std::min<int64_t>(kD, kW * std::max<int64_t>(1, 8 / kG));  // V columns a pass
   constexpr int64_t kChunkVecs = kChunk / kW;
-  const int64_t B = q.size(0), Hq = q.size(1), Hkv = kv.size(2);
-  const int64_t max_blocks = tables.size(1);
-  const int64_t block_stride = kBS * Hkv * kD, half = kv.stride(0);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = kv.data_ptr<T>();
-  const T* vp = kp + half;
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;  // [kG, nblocks * kBS]: whole blocks, so every store is a whole vector
+  constexpr int64_t kSpan = kD * kBS;  // elements of one (block, head)
+  const int64_t heads = a.B >= 2 * at::get_num_threads() ? a.Hkv : 1;  // kv heads per work item
+  const int64_t items_per_seq = a.Hkv / heads, rows = heads * kG;      // rows: query heads per item
+  at::parallel_for(0, a.B * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, scores, acc, inv;  // [rows, kD], [rows, nblocks * kBS], [rows, kD], [rows]
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = w / Hkv, h = w % Hkv, len = lp[b], nblocks = (len + kBS - 1) / kBS;
-      const int64_t stride = nblocks * kBS;
-      const int64_t* table = tp + b * max_blocks;
-      const int64_t head0 = b * Hq + h * kG;
-      scores.resize(kG * stride);
+      const int64_t b = w / items_per_seq, h0 = w % items_per_seq * heads;
+      const int64_t len = a.lens[b], nblocks = (len + kBS - 1) / kBS, stride = nblocks * kBS;
+      const int64_t* table = a.tables + b * a.max_blocks;
+      const T* q = a.q + b * a.q_row + h0 * kG * kD;  // this item's query heads are adjacent
+      qf.resize(rows * kD);
+      scores.resize(rows * stride);  // whole blocks, so every store is a whole vector
+      acc.assign(rows * kD, 0.f);
+      inv.resize(rows);
       float* __restrict__ sc = scores.data();
-      float qf[kG * kD];
-      for (int64_t i = 0; i < kG * kD; ++i) qf[i] = to_float(qp, head0 * kD + i) * fscale;
+      for (int64_t i = 0; i < rows * kD; ++i) qf[i] = to_float(q, i) * a.scale;
+      auto k_at = [&](int64_t j) { return a.k + table[j] * a.block_stride + h0 * kSpan; };
+      auto v_at = [&](int64_t j) { return a.v + table[j] * a.block_stride + h0 * kSpan; };
       for (int64_t j = 0; j < std::min(nblocks, kAhead); ++j) {
-        prefetch(kp + table[j] * block_stride + h * kD * kBS, kD * kBS);
-        prefetch(vp + table[j] * block_stride + h * kBS * kD, kD * kBS);
+        prefetch(k_at(j), heads * kSpan);
+        prefetch(v_at(j), heads * kSpan);
       }
       // scores: K is [head_dim, block_size] per (block, head), so a block's scores for
       // one query head accumulate as kCols vectors, d by d
       for (int64_t j = 0; j < nblocks; ++j) {
-        const T* __restrict__ kb = kp + table[j] * block_stride + h * kD * kBS;
         if (j + kAhead < nblocks) {
-          prefetch(kp + table[j + kAhead] * block_stride + h * kD * kBS, kD * kBS);
-          prefetch(vp + table[j + kAhead] * block_stride + h * kBS * kD, kD * kBS);  // ready for the V pass
+          prefetch(k_at(j + kAhead), heads * kSpan);
+          prefetch(v_at(j + kAhead), heads * kSpan);  // ready for the V pass
         }
-        Vec acc[kChains][kG][kCols];
-        for (auto& chain : acc)
-          for (auto& row : chain)
-            for (auto& a : row) a = Vec(0.f);
-        for (int64_t d = 0; d < kD; d += kChains) {
-          for (int64_t ch = 0; ch < kChains; ++ch) {
-            Vec krow[kCols];
-            for (int64_t c = 0; c < kCols; ++c) krow[c] = load_floats(kb + (d + ch) * kBS + c * kW);
-            for (int64_t g = 0; g < kG; ++g) {
-              const Vec qv(qf[g * kD + d + ch]);
-              for (int64_t c = 0; c < kCols; ++c) acc[ch][g][c] = at::vec::fmadd(qv, krow[c], acc[ch][g][c]);
+        for (int64_t hh = 0; hh < heads; ++hh) {
+          const T* __restrict__ kb = k_at(j) + hh * kSpan;
+          const float* qh = qf.data() + hh * kG * kD;
+          Vec s[kChains][kG][kCols];
+          for (auto& chain : s)
+            for (auto& row : chain)
+              for (auto& x : row) x = Vec(0.f);
+          for (int64_t d = 0; d < kD; d += kChains) {
+            for (int64_t ch = 0; ch < kChains; ++ch) {
+              Vec krow[kCols];
+              for (int64_t c = 0; c < kCols; ++c) krow[c] = load_floats(kb + (d + ch) * kBS + c * kW);
+              for (int64_t g = 0; g < kG; ++g) {
+                const Vec qv(qh[g * kD + d + ch]);
+                for (int64_t c = 0; c < kCols; ++c) s[ch][g][c] = at::vec::fmadd(qv, krow[c], s[ch][g][c]);
+              }
             }
           }
+          for (int64_t g = 0; g < kG; ++g)
+            for (int64_t c = 0; c < kCols; ++c) {
+              Vec total = s[0][g][c];
+              if constexpr (kChains == 2) total = total + s[1][g][c];
+              total.store(sc + (hh * kG + g) * stride + j * kBS + c * kW);
+            }
         }
-        for (int64_t g = 0; g < kG; ++g)
-          for (int64_t c = 0; c < kCols; ++c) {
-            Vec s = acc[0][g][c];
-            if constexpr (kChains == 2) s = s + acc[1][g][c];
-            s.store(sc + g * stride + j * kBS + c * kW);
-          }
       }
-      float inv[kG];
-      for (int64_t g = 0; g < kG; ++g) inv[g] = 1.f / softmax_in_place(sc + g * stride, len);
+      for (int64_t r = 0; r < rows; ++r) inv[r] = 1.f / softmax_in_place(sc + r * stride, len);
       // values: V is [block_size, head_dim] per (block, head); kChunk columns of the
       // output at a time stay in registers over a block's tokens
-      float acc[kG * kD];
-      for (int64_t i = 0; i < kG * kD; ++i) acc[i] = 0.f;
       for (int64_t j = 0; j < nblocks; ++j) {
-        const T* __restrict__ vb = vp + table[j] * block_stride + h * kBS * kD;
         const int64_t t0 = j * kBS, n = std::min(kBS, len - t0);
-        for (int64_t c0 = 0; c0 < kD; c0 += kChunk) {
-          Vec a[kG][kChunkVecs];
-          for (int64_t g = 0; g < kG; ++g)
-            for (int64_t u = 0; u < kChunkVecs; ++u) a[g][u] = Vec::loadu(acc + g * kD + c0 + u * kW);
-          for (int64_t i = 0; i < n; ++i) {
-            Vec v[kChunkVecs];
-            for (int64_t u = 0; u < kChunkVecs; ++u) v[u] = load_floats(vb + i * kD + c0 + u * kW);
-            for (int64_t g = 0; g < kG; ++g) {
-              const Vec p(sc[g * stride + t0 + i]);
-              for (int64_t u = 0; u < kChunkVecs; ++u) a[g][u] = at::vec::fmadd(p, v[u], a[g][u]);
+        for (int64_t hh = 0; hh < heads; ++hh) {
+          const T* __restrict__ vb = v_at(j) + hh * kSpan;
+          float* acc_h = acc.data() + hh * kG * kD;
+          const float* p_h = sc + hh * kG * stride + t0;
+          for (int64_t c0 = 0; c0 < kD; c0 += kChunk) {
+            Vec part[kG][kChunkVecs];
+            for (int64_t g = 0; g < kG; ++g)
+              for (int64_t u = 0; u < kChunkVecs; ++u) part[g][u] = Vec::loadu(acc_h + g * kD + c0 + u * kW);
+            for (int64_t i = 0; i < n; ++i) {
+              Vec v[kChunkVecs];
+              for (int64_t u = 0; u < kChunkVecs; ++u) v[u] = load_floats(vb + i * kD + c0 + u * kW);
+              for (int64_t g = 0; g < kG; ++g) {
+                const Vec p(p_h[g * stride + i]);
+                for (int64_t u = 0; u < kChunkVecs; ++u) part[g][u] = at::vec::fmadd(p, v[u], part[g][u]);
+              }
             }
+            for (int64_t g = 0; g < kG; ++g)
+              for (int64_t u = 0; u < kChunkVecs; ++u) part[g][u].store(acc_h + g * kD + c0 + u * kW);
           }
-          for (int64_t g = 0; g < kG; ++g)
-            for (int64_t u = 0; u < kChunkVecs; ++u) a[g][u].store(acc + g * kD + c0 + u * kW);
         }
       }
-      for (int64_t g = 0; g < kG; ++g)
-        for (int64_t d = 0; d < kD; ++d) op[(head0 + g) * kD + d] = static_cast<T>(acc[g * kD + d] * inv[g]);
+      T* out = a.out + (b * a.Hq + h0 * kG) * kD;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t d = 0; d < kD; ++d) out[r * kD + d] = static_cast<T>(acc[r * kD + d] * inv[r]);
     }
   });
 }
@@ -236,26 +253,28 @@ static void decode_vec(const at::Tensor& q, const at::Tensor& kv, const at::Tens
 // q: [B, Hq, D]; kv: [2, num_blocks, Hkv, block_size * D] (K half [D, block_size], V half [block_size, D]); tables: [B, max_blocks] int64; lens: [B] int64
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tensor lens,
                            double scale) {
-  TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && tables.is_contiguous() && lens.is_contiguous());
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, head_dim] with dense heads");
+  TORCH_CHECK(kv.is_contiguous() && tables.is_contiguous() && lens.is_contiguous());
   TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv cache dtypes differ");
   TORCH_CHECK(q.size(2) <= kMaxD && q.size(2) % 2 == 0, "head_dim must be a multiple of 2, at most ", kMaxD);
   TORCH_CHECK(kv.size(3) / q.size(2) <= kMaxBS, "block_size must be at most ", kMaxBS);
   TORCH_CHECK(q.size(1) % kv.size(2) == 0 && q.size(1) / kv.size(2) <= kMaxG, "at most ", kMaxG,
               " query heads per kv head");
-  auto out = at::empty_like(q);
+  auto out = at::empty(q.sizes(), q.options());
   const int64_t D = q.size(2), bs = kv.size(3) / D, G = q.size(1) / kv.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
+    const DecodeArgs<scalar_t> args(q, kv, tables, lens, out, scale);
     if constexpr (std::is_same_v<scalar_t, double>) {
-      decode_any<scalar_t>(q, kv, tables, lens, out, scale);
-    } else if (bs == 16 && D == 64 && G == 1) decode_vec<scalar_t, 64, 16, 1>(q, kv, tables, lens, out, scale);
-    else if (bs == 16 && D == 64 && G == 2) decode_vec<scalar_t, 64, 16, 2>(q, kv, tables, lens, out, scale);
-    else if (bs == 16 && D == 64 && G == 4) decode_vec<scalar_t, 64, 16, 4>(q, kv, tables, lens, out, scale);
-    else if (bs == 16 && D == 64 && G == 8) decode_vec<scalar_t, 64, 16, 8>(q, kv, tables, lens, out, scale);
-    else if (bs == 16 && D == 128 && G == 1) decode_vec<scalar_t, 128, 16, 1>(q, kv, tables, lens, out, scale);
-    else if (bs == 16 && D == 128 && G == 2) decode_vec<scalar_t, 128, 16, 2>(q, kv, tables, lens, out, scale);
-    else if (bs == 16 && D == 128 && G == 4) decode_vec<scalar_t, 128, 16, 4>(q, kv, tables, lens, out, scale);
-    else if (bs == 16 && D == 128 && G == 8) decode_vec<scalar_t, 128, 16, 8>(q, kv, tables, lens, out, scale);
-    else decode_any<scalar_t>(q, kv, tables, lens, out, scale);
+      decode_any<scalar_t>(args);
+    } else if (bs == 16 && D == 64 && G == 1) decode_vec<scalar_t, 64, 16, 1>(args);
+    else if (bs == 16 && D == 64 && G == 2) decode_vec<scalar_t, 64, 16, 2>(args);
+    else if (bs == 16 && D == 64 && G == 4) decode_vec<scalar_t, 64, 16, 4>(args);
+    else if (bs == 16 && D == 64 && G == 8) decode_vec<scalar_t, 64, 16, 8>(args);
+    else if (bs == 16 && D == 128 && G == 1) decode_vec<scalar_t, 128, 16, 1>(args);
+    else if (bs == 16 && D == 128 && G == 2) decode_vec<scalar_t, 128, 16, 2>(args);
+    else if (bs == 16 && D == 128 && G == 4) decode_vec<scalar_t, 128, 16, 4>(args);
+    else if (bs == 16 && D == 128 && G == 8) decode_vec<scalar_t, 128, 16, 8>(args);
+    else decode_any<scalar_t>(args);
   });
   return out;
 }
@@ -269,6 +288,7 @@ static void write_impl(at::Tensor& kv, const at::Tensor& k, const at::Tensor& v,
   T* vc = kc + half;
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
+  const int64_t k_row = k.stride(0), v_row = v.stride(0);  // views into one qkv output: strided rows
   const int64_t* sp = slots.data_ptr<int64_t>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -276,8 +296,8 @@ static void write_impl(at::Tensor& kv, const at::Tensor& k, const at::Tensor& v,
       for (int64_t h = 0; h < Hkv; ++h) {
         T* kdst = kc + blk * block_stride + h * D * bs + off;  // K: [head_dim, block_size]
         T* vdst = vc + blk * block_stride + (h * bs + off) * D;  // V: [block_size, head_dim]
-        const T* ks = kp + (t * Hkv + h) * D;
-        const T* vs = vp + (t * Hkv + h) * D;
+        const T* ks = kp + t * k_row + h * D;
+        const T* vs = vp + t * v_row + h * D;
         for (int64_t d = 0; d < D; ++d) kdst[d * bs] = ks[d];
         std::memcpy(vdst, vs, D * sizeof(T));
       }
@@ -285,9 +305,12 @@ static void write_impl(at::Tensor& kv, const at::Tensor& k, const at::Tensor& v,
   });
 }
 
-// Store new tokens' K/V ([N, Hkv, D] each) at slots (block_id * block_size + offset).
+// Store new tokens' K/V ([N, Hkv, D] each, rows may be strided) at slots (block_id * block_size + offset).
 void write_kv(at::Tensor kv, at::Tensor k, at::Tensor v, at::Tensor slots) {
-  TORCH_CHECK(kv.is_contiguous() && k.is_contiguous() && v.is_contiguous() && slots.is_contiguous());
+  TORCH_CHECK(kv.is_contiguous() && slots.is_contiguous());
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "k and v must be [tokens, kv_heads, head_dim] with dense heads");
   TORCH_CHECK(k.scalar_type() == kv.scalar_type() && v.scalar_type() == kv.scalar_type());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, kv.scalar_type(), "write_kv",
                                   [&] { write_impl<scalar_t>(kv, k, v, slots); });

@@ -23,7 +23,7 @@ from worker.platform import current_platform, dtype_name
 
 log = logging.getLogger(__name__)
 
-BATCH_HINT = 64  # the row count oneDNN tunes the layout for; 1-2,048 rows all gained with it (see module doc)
+BATCH_HINT = 64  # the row count oneDNN tunes its layout for: 64 did as well as any other, at 1 to 2,048 rows
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,

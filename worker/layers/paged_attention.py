@@ -83,7 +83,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
     k_cache, v_cache = cache_views(kv_cache, k.shape[-1])
     if meta.native:
-        torch.ops.kervan.write_kv(kv_cache, k.contiguous(), v.contiguous(), meta.slots)
+        torch.ops.kervan.write_kv(kv_cache, _dense_heads(k), _dense_heads(v), meta.slots)
     else:
         k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
         v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
@@ -109,13 +109,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     if meta.native:
-        return torch.ops.kervan.paged_decode(q.contiguous(), kv_cache, meta.decode_tables, meta.decode_lens, scale)
+        return torch.ops.kervan.paged_decode(_dense_heads(q), kv_cache, meta.decode_tables, meta.decode_lens, scale)
     k_cache, v_cache = cache_views(kv_cache, q.shape[-1])
     # [num_decodes, max_blocks, kv_heads, block_size, head_dim] -> [num_decodes, kv_heads, S, head_dim]
     kd = k_cache[meta.decode_tables].transpose(-1, -2).transpose(1, 2).flatten(2, 3)
     vd = v_cache[meta.decode_tables].transpose(1, 2).flatten(2, 3)
     o = sdpa(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)
+
+
+def _dense_heads(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its heads are dense (rows may be strided views into one qkv
+    output, which the native kernels read in place), else a contiguous copy."""
+    return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
 
 
 def cache_views(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
