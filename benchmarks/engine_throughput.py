@@ -120,8 +120,8 @@ def run_dtype(model_dir, dtype: str, rounds, args) -> dict:
             result[f"{system}_output_tokens_per_s"] = median(r[system]["output_tokens_per_s"] for r in runs)
     for peer_name in ("transformers", "vllm"):  # per-round ratios: both systems saw the same moment
         if peer_name in runs[0]:
-            result[f"kervan_vs_{peer_name}"] = median(round(r["kervan"]["output_tokens_per_s"]
-                                                            / r[peer_name]["output_tokens_per_s"], 3) for r in runs)
+            result[f"kervan_vs_{peer_name}"] = round(median(r["kervan"]["output_tokens_per_s"]
+                                                          / r[peer_name]["output_tokens_per_s"] for r in runs), 3)
     if peer is not None:
         result["vllm_version"] = peer.info.get("vllm")
     del engine, hf_model
