@@ -190,15 +190,15 @@ def info(as_json: bool) -> None:
     import torch
 
     from worker.envs import attention_backend, cache_dir, weight_packing
-    from worker.kernels.build import KernelBuildError, compiler_id, library_path
+    from worker.kernels.build import KernelBuildError, compiler_id, find_built, library_path
     from worker.platform import current_platform
 
     platform = current_platform()
     report = platform.describe()
     try:
-        lib = library_path(cache_dir(), platform.cpu.isa, compiler_id())
+        lib = find_built(cache_dir(), platform.cpu.isa) or library_path(cache_dir(), platform.cpu.isa, compiler_id())
         kernels = {"library": str(lib), "built": lib.is_file()}
-    except KernelBuildError as exc:
+    except KernelBuildError as exc:  # no compiler, and nothing built ahead of time
         kernels = {"library": None, "built": False, "error": str(exc)}
     report.update(threads=torch.get_num_threads(), attention_backend=attention_backend(),
                   weight_packing=weight_packing(), native_kernels=kernels)

@@ -36,6 +36,17 @@ def test_the_cache_key_names_torch_the_isa_level_the_compiler_and_the_source(tmp
         assert "-shared" in link and link[link.index("-o") + 1] == str(tmp_path / "out.so")
 
 
+def test_a_library_built_ahead_of_time_is_found_without_a_compiler(tmp_path, monkeypatch):
+    """An image built with ``kervan build-kernels`` and run where no compiler is installed."""
+    lib = library_path(tmp_path, "avx2", "g++11.4.0-0123abcd")
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"built elsewhere")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert ensure_built(tmp_path, "avx2", wait_s=0) == lib
+    with pytest.raises(build.KernelBuildError, match="no working C\\+\\+ compiler"):
+        ensure_built(tmp_path, "avx512", wait_s=0)  # another level: not built, and nothing to build it with
+
+
 def test_a_lock_left_by_a_killed_builder_blocks_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "_compile", fake_compile)
     lock = library_path(tmp_path, "avx2", compiler_id()).parent / "build.lock"

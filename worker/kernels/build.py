@@ -17,7 +17,8 @@ Builds cannot hang or block a later start:
 - a start waits for another process's build at most ``KERVAN_KERNEL_BUILD_WAIT_S``
   seconds, then gives up (the caller falls back to the PyTorch path and says so).
 
-``kervan build-kernels`` builds ahead of time, for any level, for images."""
+``kervan build-kernels`` builds ahead of time, for any level, for images; a start
+finds such a build whichever compiler made it, so it needs none itself."""
 
 from __future__ import annotations
 
@@ -83,10 +84,20 @@ def library_path(root: Path, isa: str, compiler_tag: str) -> Path:
     return root / "kernels" / build_key(isa, compiler_tag) / LIBRARY
 
 
+def find_built(root: Path, isa: str) -> Path | None:
+    """A library already built for this torch, ISA level and source, by any compiler:
+    an image built ahead of time needs no compiler at run time."""
+    found = sorted((root / "kernels").glob(f"{build_key(isa, '*')}/{LIBRARY}"))
+    return found[0] if found else None
+
+
 def ensure_built(root: Path, isa: str, wait_s: float, cxx: str | None = None) -> Path:
     """The library for ``isa`` under ``root``, built now if no process built it before."""
     if isa not in ISA_FLAGS:
         raise KernelBuildError(f"unknown ISA level {isa!r}; one of {', '.join(ISA_FLAGS)}")
+    found = find_built(root, isa)
+    if found is not None:
+        return found
     cxx = cxx or envs.cxx()
     lib = library_path(root, isa, compiler_id(cxx))
     if lib.is_file():
