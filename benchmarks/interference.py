@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ import grpc
 from benchmarks import plots
 from benchmarks.load import Timed, pct_ms, timed_request
 from benchmarks.machine import add_dtype_argument, machine
+from worker.platform import usable_cores
 from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
 from services.proto import router_pb2_grpc
 from worker.default_model import ensure_default_model
@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     add_dtype_argument(ap)
     args = ap.parse_args()
-    if (os.cpu_count() or 1) < 2:
+    if len(usable_cores()) < 2:
         raise SystemExit("needs two cores: one per worker")
     model_dir = Path(args.model) if args.model else ensure_default_model()
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]

@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.redis_server import redis_argv, wait_listening
+from worker.platform import usable_cores
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class ClusterSpec:
     def worker_threads(self) -> int:
         # engines that share cores must not oversubscribe them: OpenMP teams spinning in
         # two processes on the same cores cost far more than they save
-        return self.threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, self.num_workers))
+        return self.threads_per_worker or max(1, len(usable_cores()) // max(1, self.num_workers))
 
 
 @dataclass
@@ -100,7 +101,8 @@ class Cluster:
         cores = None
         if self.spec.pin_cores:
             slot = sum(self.spawned.values())
-            cores = {(slot * threads + k) % (os.cpu_count() or 1) for k in range(threads)}
+            usable = usable_cores()
+            cores = {usable[(slot * threads + k) % len(usable)] for k in range(threads)}
         self.spawned[role] += 1
         extra = ["--num-kv-blocks", str(self.spec.num_kv_blocks)] if self.spec.num_kv_blocks else []
         self._start(name, "services.worker", "--role", role, "--model", str(self.spec.model_dir),

@@ -242,15 +242,16 @@ def read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, frozenset[str]]:
     return model, flags
 
 
-def num_usable_cores() -> int:
+def usable_cores() -> list[int]:
+    """The ids of the cores this process may run on (its affinity mask)."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def detect_cpu() -> CpuInfo:
     model, flags = read_cpuinfo()
-    return CpuInfo(arch=_platform.machine(), model=model, num_cores=num_usable_cores(), flags=flags,
+    return CpuInfo(arch=_platform.machine(), model=model, num_cores=len(usable_cores()), flags=flags,
                    torch_capability=torch.backends.cpu.get_cpu_capability(),
                    onednn_cap=onednn_max_cpu_isa())
 
