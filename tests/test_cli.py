@@ -68,6 +68,19 @@ def test_kervan_info_reports_what_the_engine_decides():
     assert f"-{platform.cpu.isa}-" in info["native_kernels"]["library"]
 
 
+@pytest.mark.isa
+def test_kervan_build_kernels_names_the_library_it_built_or_found():
+    platform = current_platform()
+    res = subprocess.run([sys.executable, "-m", "control_plane.cli", "build-kernels"], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    isa, path = res.stdout.split()[:2]
+    assert isa == f"{platform.cpu.isa}:" and f"-{platform.cpu.isa}-" in path and Path(path).is_file()
+    bad = subprocess.run([sys.executable, "-m", "control_plane.cli", "build-kernels", "--isa", "avx9000"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "unknown ISA level 'avx9000'" in bad.stderr
+
+
 def test_an_unknown_dtype_is_refused_before_anything_starts():
     res = subprocess.run([sys.executable, "-m", "control_plane.cli", "up", "--dtype", "int4", "--port", "0"],
                          capture_output=True, text=True, timeout=120)

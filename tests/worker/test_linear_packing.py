@@ -34,6 +34,7 @@ def plain_model(path, dtype, monkeypatch):
     monkeypatch.setenv("KERVAN_WEIGHT_PACKING", "off")
     model = load_model(path, dtype, 512)
     monkeypatch.delenv("KERVAN_WEIGHT_PACKING")
+    assert packed_layers(model) == []  # the switch works
     return model
 
 
