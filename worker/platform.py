@@ -123,8 +123,9 @@ class CpuInfo:
 
     def can_pack(self, dtype: torch.dtype) -> bool:
         """Whether oneDNN's packed linear weights are both accepted and faster here
-        (measured by ``benchmarks/linear_packing.py``: float32 1.1-3x at serving shapes
-        on AVX2 and AVX-512). bf16 packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT."""
+        (``benchmarks/linear_packing.py``: float32 1.1-2.9x at decode shapes on AVX2, bf16
+        up to 2x at one row on AVX-512 with bf16). oneDNN packs bf16 only with AVX-512
+        (BW/VL/DQ) or AVX-NE-CONVERT; ARM keeps plain weights (not measured there)."""
         if not self.is_x86 or self.isa == "baseline":
             return False
         if dtype == torch.float32:
