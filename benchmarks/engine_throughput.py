@@ -177,7 +177,7 @@ def main() -> None:
         "workload": {"num_requests": args.num_requests, "prompt_len": prompt_range, "output_len": output_range,
                      "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
         "dtypes": by_dtype,
-        "best": {s: best(by_dtype, s) for s in ("kervan", "transformers", "vllm") if best(by_dtype, s)},
+        "best": {s: b for s in ("kervan", "transformers", "vllm") if (b := best(by_dtype, s))},
         "kv_waste": max(r["kv_waste"] for r in by_dtype.values()),
     }
     for peer_name in ("transformers", "vllm"):

@@ -79,3 +79,6 @@ def test_bad_shapes_are_refused_not_crashes():
         torch.ops.kervan.rms_norm(torch.empty(4, 64), x.t(), torch.ones(4), 1e-5)
     with pytest.raises(RuntimeError):
         torch.ops.kervan.silu_and_mul(torch.empty(4, 64), torch.randn(4, 63))
+    q, k, table = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="position 8 is outside the rotary table of 8 positions"):
+        torch.ops.kervan.rotary(q, k, table, table, torch.tensor([0, 8]))

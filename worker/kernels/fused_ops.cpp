@@ -197,6 +197,10 @@ void rotary(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin, at::Tens
   TORCH_CHECK(cos.size(1) % 2 == 0 && cos.size(1) <= q.size(2) && k.size(2) == q.size(2));
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type() &&
               sin.scalar_type() == q.scalar_type());
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t n = 0; n < positions.numel(); ++n)  // never read past the cos/sin tables
+    TORCH_CHECK(pp[n] >= 0 && pp[n] < cos.size(0) && sin.size(0) == cos.size(0), "position ", pp[n],
+                " is outside the rotary table of ", cos.size(0), " positions");
   KERVAN_DISPATCH(q.scalar_type(), "rotary", [&] { rotary_impl<scalar_t>(q, k, cos, sin, positions); });
 }
 
