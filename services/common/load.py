@@ -15,6 +15,7 @@ class Load:
     num_evictable_blocks: int = 0  # free blocks still holding cached prefixes (a subset of the free ones)
     num_requests: int = 0  # requests admitted and not finished (the count admission control limits)
     max_requests: int = 0  # past this many new requests are refused; 0: no limit
+    num_aborted: int = 0  # requests aborted before they finished, since the worker started
 
     @property
     def full(self) -> bool:

@@ -68,6 +68,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._active: set[str] = set()  # event loop only: ids in flight, for duplicate checks
         self._stopped = False
+        self.num_aborted = 0  # engine thread writes, anyone reads: requests aborted before they finished
         self._load = Load(num_free_blocks=engine.config.num_kv_blocks, num_blocks=engine.config.num_kv_blocks)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -137,7 +138,8 @@ class AsyncEngine:
 
     def load(self) -> Load:
         """The load as of the engine thread's last step, with the requests admitted now."""
-        return replace(self._load, num_requests=len(self._active), max_requests=self.max_requests)
+        return replace(self._load, num_requests=len(self._active), max_requests=self.max_requests,
+                       num_aborted=self.num_aborted)
 
     def _snapshot_load(self) -> None:
         sched = self.engine.scheduler
@@ -192,7 +194,7 @@ class AsyncEngine:
                     if future is not None:
                         loop.call_soon_threadsafe(_settle, future, result, None)
             else:
-                self.engine.abort(command[1])
+                self.num_aborted += self.engine.abort(command[1])
                 self._streams.pop(command[1], None)
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -36,6 +38,32 @@ async def wait_idle(mesh, timeout=10.0):
             return loads
         await asyncio.sleep(0.05)
     raise AssertionError(f"workers not idle: {loads}")
+
+
+async def num_aborted(mesh) -> int:
+    return sum([(await w.stub.GetLoad(worker_pb2.GetLoadRequest())).load.num_aborted for w in mesh.workers])
+
+
+async def wait_aborted(mesh, count: int, timeout=10.0) -> None:
+    """Until the workers report ``count`` aborts in all: the evidence an abort reached them."""
+    for _ in range(int(timeout / 0.02)):
+        if await num_aborted(mesh) >= count:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the workers report {await num_aborted(mesh)} aborts, not {count}")
+
+
+@contextmanager
+def engine_paused(mesh):
+    """Hold every worker's engine thread between two steps: no request progresses, so
+    none can finish by itself while the test acts on it."""
+    release = threading.Event()
+    for w in mesh.workers:
+        w.engine.post(lambda e: release.wait(30))
+    try:
+        yield
+    finally:
+        release.set()
 
 
 async def test_greedy_through_router_equals_engine_and_transformers(llama, llama_mesh):
@@ -77,7 +105,8 @@ async def test_concurrent_streams_all_finish_with_their_lengths(llama_mesh):
     await wait_idle(llama_mesh)
 
 
-async def test_cancel_mid_stream_frees_every_block(llama_mesh):
+async def test_cancel_mid_stream_aborts_on_the_worker_and_frees_every_block(llama_mesh):
+    before = await num_aborted(llama_mesh)
     call = llama_mesh.router.Generate(router_pb2.GenerateRequest(
         token_ids=common_pb2.TokenIds(ids=make_prompts([30], seed=24)[0]), sampling=greedy(400)))
     got = 0
@@ -85,10 +114,22 @@ async def test_cancel_mid_stream_frees_every_block(llama_mesh):
         got += len(msg.delta.token_ids)
         if got >= 3:
             break
-    held = [(await w.stub.GetLoad(worker_pb2.GetLoadRequest())).load for w in llama_mesh.workers]
-    assert held[-1].num_free_blocks < held[-1].num_blocks  # the (decode) worker still holds blocks
-    call.cancel()
+    with engine_paused(llama_mesh):  # the request cannot finish on its own meanwhile
+        held = [(await w.stub.GetLoad(worker_pb2.GetLoadRequest())).load for w in llama_mesh.workers]
+        assert held[-1].num_free_blocks < held[-1].num_blocks  # the (decode) worker still holds blocks
+        call.cancel()
+        await wait_inactive(llama_mesh)
+    await wait_aborted(llama_mesh, before + 1)
     await wait_idle(llama_mesh)
+
+
+async def wait_inactive(mesh, timeout=10.0) -> None:
+    """Until no worker counts a request in flight (its gRPC call ended)."""
+    for _ in range(int(timeout / 0.02)):
+        if not any(w.engine.load().num_requests for w in mesh.workers):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("a worker still has the request in flight")
 
 
 async def test_text_prompt_streams_text(text_mesh, default_model_dir):
@@ -134,28 +175,40 @@ async def test_n_samples_stream_each_sample_to_its_end(llama_mesh):
     await wait_idle(llama_mesh)
 
 
-async def test_deadline_is_passed_on_and_expiry_frees_the_request(llama_mesh):
+async def test_deadline_is_passed_on_and_expiry_aborts_the_request(llama_mesh):
+    before = await num_aborted(llama_mesh)
+    call = llama_mesh.router.Generate(router_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=make_prompts([30], seed=26)[0]), sampling=greedy(400)), timeout=3)
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await collect(llama_mesh.router, router_pb2.GenerateRequest(
-            token_ids=common_pb2.TokenIds(ids=make_prompts([30], seed=26)[0]), sampling=greedy(400)), timeout=0.3)
+        async for msg in call:
+            if msg.delta.token_ids:
+                break
+        with engine_paused(llama_mesh):  # past the deadline with the request unfinished
+            async for msg in call:
+                pass
+            await wait_inactive(llama_mesh)  # the deadline reached the worker's call too
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await wait_aborted(llama_mesh, before + 1)
     await wait_idle(llama_mesh)
 
 
 async def test_a_stop_string_ends_the_text_before_it_and_the_workers_stop(text_mesh):
-    def request(stop=()):
+    def request(stop=(), max_tokens=60):
         return router_pb2.GenerateRequest(text=b"Once upon a time", sampling=common_pb2.SamplingParams(
-            max_tokens=60, temperature=0.0, ignore_eos=True, stop=list(stop)))
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=list(stop)))
 
     deltas, [fin] = await collect(text_mesh.router, request())
     full = "".join(d.delta.text for d in deltas)
     stop = full[12:15]  # a piece of the greedy text; the output must end right before its first occurrence
     assert len(full) > 20 and stop
-    deltas, [fin] = await collect(text_mesh.router, request([stop, "\x00never"]))
+    before = await num_aborted(text_mesh)
+    # the worker is still far from its max_tokens when the router sees the stop string
+    deltas, [fin] = await collect(text_mesh.router, request([stop, "\x00never"], max_tokens=1000))
     assert "".join(d.delta.text for d in deltas) == full[:full.index(stop)]
     assert fin.finished.finish_reason == common_pb2.FINISH_REASON_STOP
     assert fin.finished.usage.completion_tokens < 60
-    await wait_idle(text_mesh)  # the rest of the request was cancelled on the worker
+    await wait_aborted(text_mesh, before + 1)  # the rest of the request was cancelled on the worker
+    await wait_idle(text_mesh)
 
 
 def test_stop_watch_holds_back_what_could_start_a_stop_string():

@@ -23,6 +23,7 @@ from worker.kv.kv_cache_manager import KVCacheManager
 from worker.loader import load_model
 from worker.platform import current_platform
 from worker.runner.model_runner import ModelRunner
+from worker.runner.sampler import skip_draw
 from worker.tokenizer import Tokenizer
 
 Prompt = list[int] | str
@@ -75,6 +76,9 @@ class Engine:
             req.append_output(imported.first_token, imported.first_logprob if params.logprobs else None)
             req.imported_kv = imported.data
             req.num_emitted = 1  # the first token was streamed by the prefill side
+            if req.generator is not None and not params.is_greedy:
+                # the prefill side drew the first token from this seed: continue its stream
+                skip_draw(req.generator, self.model_config.vocab_size)
         self.groups[request_id] = [req]
         self.scheduler.add(req)
         return request_id

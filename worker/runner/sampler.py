@@ -23,6 +23,12 @@ class SamplingRow:
     generator: torch.Generator | None
 
 
+def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
+    """Advance a seeded row's generator past one token's draw, as ``Sampler`` makes it
+    (a continuation of a request whose earlier tokens were drawn elsewhere)."""
+    torch.empty(vocab_size).exponential_(generator=generator)
+
+
 class Sampler:
     def __init__(self, seed: int):
         self.generator = torch.Generator().manual_seed(seed)
