@@ -37,9 +37,12 @@ async def wait_cached(cluster, prompt, num_blocks):
     raise AssertionError("registry never saw the prompt's blocks")
 
 
+WORKERS = ("prefill-0", "decode-0", "decode-1")  # the session cluster's
+
+
 async def worker_loads(cluster):
     loads = {}
-    for name in ("prefill-0", "decode-0"):
+    for name in WORKERS:
         async with grpc.aio.insecure_channel(cluster.addresses[name]) as ch:
             loads[name] = (await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())).load
     return loads

@@ -10,13 +10,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.client import build_request
-from tests.cluster_helpers import complete, wait_cached, wait_idle, worker_loads
+from tests.cluster_helpers import complete, scheduler_stats, wait_cached, wait_idle, worker_loads
 from tests.conftest import hf_greedy, make_engine, make_prompts
 from worker import SamplingParams
 
 SERVICES = {"router": "kervan.v1.RouterService", "scheduler": "kervan.v1.SchedulerService",
             "kv-registry": "kervan.v1.KvRegistryService", "prefill-0": "kervan.v1.WorkerService",
-            "decode-0": "kervan.v1.WorkerService"}
+            "decode-0": "kervan.v1.WorkerService", "decode-1": "kervan.v1.WorkerService"}
 
 
 async def test_disaggregated_greedy_equals_engine_and_transformers(cluster, llama):
@@ -44,20 +44,52 @@ async def test_32_concurrent_streams_finish_with_their_lengths(cluster):
     await wait_idle(cluster)
 
 
-async def test_cancel_mid_stream_frees_kv_on_both_workers(cluster):
+async def test_cancel_mid_stream_aborts_on_the_worker_and_frees_its_kv(cluster):
     prompt = make_prompts([60], seed=42)[0]
+    before = sum(x.num_aborted for x in (await worker_loads(cluster)).values())
     async with grpc.aio.insecure_channel(cluster.router_address) as ch:
         from services.proto import router_pb2_grpc
+        # far more tokens than it makes before the cancel arrives: finishing alone is no way out
         call = router_pb2_grpc.RouterServiceStub(ch).Generate(
-            build_request(token_ids=prompt, max_tokens=300, temperature=0.0, ignore_eos=True))
+            build_request(token_ids=prompt, max_tokens=440, temperature=0.0, ignore_eos=True))
         got = 0
         async for msg in call:
             got += len(msg.delta.token_ids)
             if got >= 4:
                 break
         loads = await worker_loads(cluster)
-        assert loads["decode-0"].num_free_blocks < loads["decode-0"].num_blocks
+        assert any(x.num_free_blocks < x.num_blocks for name, x in loads.items() if name.startswith("decode"))
         call.cancel()
+    for _ in range(200):  # the worker reports the abort
+        loads = await worker_loads(cluster)
+        if sum(x.num_aborted for x in loads.values()) == before + 1:
+            break
+        await asyncio.sleep(0.05)
+    assert sum(x.num_aborted for x in loads.values()) == before + 1, loads
+    assert all(x.num_running == 0 for x in loads.values())
+    await wait_idle(cluster)
+
+
+async def test_a_shared_prefix_is_placed_on_the_decode_worker_that_caches_it(cluster):
+    """Two decode workers: the KV-aware policy sends every request sharing a prefix to the
+    one that holds it (round robin or random would not), and prefills an uncached long
+    prompt on the prefill worker."""
+    decoders = {f"decode@{cluster.addresses[n]}": n for n in ("decode-0", "decode-1")}
+    prompt = make_prompts([70], seed=43)[0]  # 4 full blocks of 16, none cached anywhere
+    before = await scheduler_stats(cluster)
+    out = await complete(cluster, token_ids=prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
+    first = await scheduler_stats(cluster)
+    assert out.usage["cached_prompt_tokens"] == 0
+    assert first.by_prefill_reason["remote"] == before.by_prefill_reason["remote"] + 1  # prefilled remotely
+    [holder] = [w for w in decoders if first.by_worker[w] == before.by_worker[w] + 1]
+    await wait_cached(cluster, prompt, 4)
+    for k in range(4):
+        out = await complete(cluster, token_ids=prompt[:64] + [3 + k, 4 + k], max_tokens=2, temperature=0.0,
+                             ignore_eos=True)
+        assert out.usage["cached_prompt_tokens"] == 64, k
+    after = await scheduler_stats(cluster)
+    assert after.by_worker[holder] == first.by_worker[holder] + 4  # all four on the worker holding the prefix
+    assert after.by_prefill_reason["short"] == first.by_prefill_reason["short"] + 4  # nothing left to ship
     await wait_idle(cluster)
 
 

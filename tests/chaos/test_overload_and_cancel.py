@@ -9,7 +9,7 @@ import grpc
 
 from control_plane.launcher import Cluster, ClusterSpec
 from tests.chaos.checker import check, record, runtime, stream, wait_baseline
-from tests.cluster_helpers import scheduler_stats
+from tests.cluster_helpers import WORKERS, scheduler_stats
 from tests.conftest import make_engine, make_prompts
 from worker import SamplingParams
 
@@ -80,7 +80,7 @@ def test_clients_leaving_mid_stream_and_mid_handoff_free_every_block(cluster):
 
     async def run():
         await asyncio.gather(*(leave(p, k % 2) for k, p in enumerate(prompts)))
-        await wait_baseline(cluster, ["prefill-0", "decode-0"])
+        await wait_baseline(cluster, list(WORKERS))
         # the mesh still serves
         return await stream(cluster.router_address, prompts[0][:40], 8)
 

@@ -1,0 +1,153 @@
+"""Failover through the real scheduler and registry (in one process, see
+``scheduled_mesh.py``): which requests migrate when their worker is lost mid-stream,
+a second migration, re-placement of a request lost before its first token (at most
+MAX_PLACEMENTS times, the lost addresses excluded through the scheduler), placement
+while the registry is gone, and the router's own in-flight limit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.common.errors import retry_after_s
+from services.common.load import Load
+from services.kv_registry.index import PrefixIndex, WorkerRecord
+from services.router.runner import MAX_PLACEMENTS, MigrationPolicy
+from tests.chaos.checker import check, stream
+from tests.conftest import make_engine, make_prompts
+from tests.services.scheduled_mesh import BLOCK_SIZE, ScheduledMesh
+from worker import SamplingParams
+from worker.kv.block_hash import HASH_NAME, hash_blocks
+from worker.kv.events import BlockStored
+
+MAX_TOKENS = 400
+
+
+@pytest.fixture
+async def mesh(llama, redis_client, request):
+    marker = request.node.get_closest_marker("mesh")
+    options = marker.kwargs if marker else {}
+    m = ScheduledMesh(llama[1], redis_client)
+    try:
+        await m.start(options.get("workers", 2), MigrationPolicy(max_migrations=2, stall_timeout_s=30.0),
+                      options.get("max_in_flight", 1024))
+        yield m
+    finally:
+        await m.stop()
+
+
+def address(mesh: ScheduledMesh) -> str:
+    return f"127.0.0.1:{mesh.router_server.port}"
+
+
+def kill_after(mesh: ScheduledMesh, *counts: int):
+    """An on_delta callback killing the worker streaming once the client holds each of
+    ``counts`` tokens (a replacement joins, so a worker is always left); ``killed`` lists them."""
+    killed: list[str] = []
+
+    async def on_delta(out):
+        if len(killed) < len(counts) and len(out.tokens) >= counts[len(killed)]:
+            victim = mesh.busy()
+            killed.append(victim.name)
+            await mesh.kill(victim)
+            await mesh.add_worker()
+    return on_delta, killed
+
+
+def fault_free(llama, prompt) -> list[int]:
+    [out] = make_engine(llama[1]).generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                                    ignore_eos=True))
+    return out.token_ids
+
+
+async def test_greedy_is_migrated_twice_and_equals_the_fault_free_run(mesh, llama):
+    prompt = make_prompts([20], seed=130)[0]
+    on_delta, killed = kill_after(mesh, 5, 40)
+    out = await stream(address(mesh), prompt, MAX_TOKENS, on_delta=on_delta)
+    counts = check([out], [fault_free(llama, prompt)])
+    assert len(killed) == 2 and counts["migrated"] == 1
+    assert sorted({a for a, _, _ in out.deltas}) == [0, 1, 2]  # two moves, the stream contiguous across both
+
+
+async def test_unseeded_sampling_is_migrated_and_seeded_or_n_samples_end_unavailable(mesh):
+    prompt = make_prompts([20], seed=131)[0]
+    on_delta, killed = kill_after(mesh, 5)
+    out = await stream(address(mesh), prompt, MAX_TOKENS, on_delta=on_delta, temperature=1.0)
+    counts = check([out])  # any continuation is a valid sample: it goes on, contiguous
+    assert killed and counts["migrated"] == 1 and len(out.tokens) == MAX_TOKENS
+
+    on_delta, killed = kill_after(mesh, 5)
+    out = await stream(address(mesh), prompt, MAX_TOKENS, on_delta=on_delta, temperature=1.0, seed=7)
+    assert killed and out.status == grpc.StatusCode.UNAVAILABLE
+    assert "seeded sampling is not migrated" in out.details
+
+    on_delta, killed = kill_after(mesh, 5)
+    out = await stream(address(mesh), prompt, MAX_TOKENS, on_delta=on_delta, temperature=1.0, n=2)
+    assert killed and out.status == grpc.StatusCode.UNAVAILABLE
+    assert "n > 1 requests are not migrated" in out.details
+    assert {a for a, _, _ in out.deltas} == {0}  # nothing was delivered from another worker
+
+
+async def register_ghosts(mesh: ScheduledMesh, prompt: list[int], num: int) -> list[str]:
+    """Workers the registry lists, claiming the prompt's blocks (so the KV policy prefers
+    them), at addresses where nothing listens: lost before their first token."""
+    index = PrefixIndex(mesh.redis, ttl_s=30)
+    hashes = hash_blocks(prompt, BLOCK_SIZE)
+    ghosts = []
+    for k in range(num):
+        sock_port = 1 + k  # privileged, never bound by a test: connection refused
+        wid = f"both@127.0.0.1:{sock_port}"
+        await index.register(WorkerRecord(wid, f"127.0.0.1:{sock_port}", "both", mesh.model_dir.name, "g", BLOCK_SIZE,
+                                          HASH_NAME))
+        await index.heartbeat(wid, "g", Load(num_free_blocks=256, num_blocks=256))
+        await index.apply(wid, "g", [BlockStored(1, hashes, None, [], BLOCK_SIZE)])
+        ghosts.append(f"127.0.0.1:{sock_port}")
+    return ghosts
+
+
+async def test_a_request_lost_before_its_first_token_is_placed_again_at_most_three_times(mesh):
+    prompt = make_prompts([40], seed=132)[0]
+    await register_ghosts(mesh, prompt, MAX_PLACEMENTS)
+    before = await mesh.placements()
+    out = await stream(address(mesh), prompt, 8)
+    assert out.status == grpc.StatusCode.UNAVAILABLE and "no other worker took the request" in out.details
+    assert await mesh.placements() == before + MAX_PLACEMENTS  # each ghost once, excluded after it failed
+    # the router now excludes the three for everyone (the registry still lists them): the
+    # scheduler, told so, places the next request on a live worker at the first try
+    out = await stream(address(mesh), prompt, 8)
+    assert check([out])["completed"] == 1
+    assert await mesh.placements() == before + MAX_PLACEMENTS + 1
+
+
+async def test_the_scheduler_places_on_the_last_live_set_while_the_registry_is_gone(mesh, llama):
+    prompt = make_prompts([20], seed=133)[0]
+    assert check([await stream(address(mesh), prompt, 4)])["completed"] == 1  # the scheduler saw the workers
+    await mesh.registry.stop(0)
+    before = await mesh.placements()
+    out = await stream(address(mesh), prompt, 8)
+    [expected] = make_engine(llama[1]).generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert check([out], [expected.token_ids])["completed"] == 1
+    assert await mesh.placements() == before + 1
+
+
+@pytest.mark.mesh(workers=1, max_in_flight=2)
+async def test_the_router_refuses_past_its_in_flight_limit_with_retry_info(mesh):
+    from tests.services.test_router_worker import engine_paused
+    prompt = make_prompts([12], seed=134)[0]
+    with engine_paused(mesh):  # the two admitted requests cannot finish meanwhile
+        held = [asyncio.create_task(stream(address(mesh), prompt, 8)) for _ in range(2)]
+        for _ in range(500):
+            if len(mesh.router_servicer.in_flight) == 2:
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async with grpc.aio.insecure_channel(address(mesh)) as ch:
+                from control_plane.client import build_request
+                from services.proto import router_pb2_grpc
+                async for _ in router_pb2_grpc.RouterServiceStub(ch).Generate(build_request(token_ids=prompt)):
+                    pass
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "2 requests in flight, its limit" in refused.value.details() and retry_after_s(refused.value) > 0
+    assert check(await asyncio.gather(*held))["completed"] == 2  # the admitted ones finish
