@@ -13,12 +13,14 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 
 def _configs():
-    from transformers import (Glm4MoeConfig, LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig)
+    from transformers import (Glm4MoeConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
+                              Qwen2MoeConfig)
     llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 64, "rope_theta": 10000.0}
     return {
         "llama": LlamaConfig(**TINY, rope_scaling=llama3_rope),
         "qwen2": Qwen2Config(**TINY, tie_word_embeddings=True),
+        "mistral": MistralConfig(**TINY, sliding_window=None),
         "mixtral": MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
         "qwen2_moe": Qwen2MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                     shared_expert_intermediate_size=48),
@@ -28,7 +30,7 @@ def _configs():
     }
 
 
-MODEL_KINDS = ["llama", "qwen2", "mixtral", "qwen2_moe", "glm4_moe"]
+MODEL_KINDS = ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "glm4_moe"]
 
 
 def build_hf_model(kind: str, seed: int = 0):
@@ -43,7 +45,7 @@ def build_hf_model(kind: str, seed: int = 0):
     return model
 
 
-_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
          "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 
 

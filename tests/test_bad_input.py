@@ -176,7 +176,3 @@ async def test_after_the_catalog_kv_is_idle_and_a_normal_request_succeeds(cluste
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
     await asyncio.sleep(0)
     await wait_idle(cluster)
-
-
-def test_the_catalog_has_at_least_forty_cases():
-    assert len(ROUTER_CATALOG) + 1 + len(WORKER_CATALOG) + 4 >= 40

@@ -4,17 +4,29 @@ default dtype (``auto``) on whatever CPU this is."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from worker.envs import cache_dir
 from worker.platform import current_platform, dtype_name
 
 
+def fresh_cache(tmp_path: Path) -> dict:
+    """An environment whose Kervan cache is empty but for the native kernels (their own
+    tests build them from nothing: tests/worker/test_kernel_build.py)."""
+    from worker.kernels import has_native_kernels
+    has_native_kernels()  # builds them here if they are missing
+    (cache_dir() / "kernels").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "kernels").symlink_to(cache_dir() / "kernels", target_is_directory=True)
+    return {**os.environ, "KERVAN_CACHE_DIR": str(tmp_path)}
+
+
 def test_kervan_complete_writes_the_default_model_and_answers(tmp_path):
-    env = {**os.environ, "KERVAN_CACHE_DIR": str(tmp_path)}
+    env = fresh_cache(tmp_path)
     cmd = [sys.executable, "-m", "control_plane.cli", "complete", "Once upon a time", "--max-tokens", "12",
            "--seed", "3", "--ignore-eos", "--json"]
     first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -85,3 +97,67 @@ def test_an_unknown_dtype_is_refused_before_anything_starts():
     res = subprocess.run([sys.executable, "-m", "control_plane.cli", "up", "--dtype", "int4", "--port", "0"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "choose one of auto, bfloat16, float16, float32" in res.stderr
+
+
+def kervan(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "control_plane.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_kervan_up_serves_kervan_generate_text_token_ids_stop_strings_and_json_until_ctrl_c():
+    """The README's cluster commands: ``kervan up`` in the background, ``kervan generate``
+    against it, Ctrl-C stops every process."""
+    up = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "up", "--port", "0"], stderr=subprocess.PIPE,
+                          stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        lines = []
+        while not (match := re.search(r"router on (\S+)", lines[-1] if lines else "")):
+            line = up.stderr.readline()
+            assert line, "".join(lines)[-3000:]
+            lines.append(line)
+        addr = match.group(1)
+        children = children_of(up.pid)
+        assert len(children) == 7, children  # redis, kv-registry, control plane, scheduler, 2 workers, router
+        log_dir = Path(re.search(r"logs in (\S+)", "".join(lines)).group(1))
+        greedy = ["--max-tokens", "24", "--temperature", "0", "--ignore-eos"]
+        res = kervan("generate", "--addr", addr, "Once upon a time", *greedy, "--json")
+        assert res.returncode == 0, res.stderr
+        full = json.loads(res.stdout)
+        assert len(full["token_ids"]) == 24 and full["finish_reason"] == "length" and len(full["text"]) > 12
+        assert full["usage"]["completion_tokens"] == 24 and full["usage"]["prompt_tokens"] > 0
+        # streamed as text, with the finish line on stderr
+        res = kervan("generate", "--addr", addr, "Once upon a time", *greedy)
+        assert res.returncode == 0 and res.stdout.rstrip("\n") == full["text"], (res.stdout, full["text"])
+        assert "[length;" in res.stderr
+        # a stop string ends the text right before it
+        stop = full["text"][8:12]
+        res = kervan("generate", "--addr", addr, "Once upon a time", *greedy, "--stop", stop, "--json")
+        stopped = json.loads(res.stdout)
+        assert stopped["text"] == full["text"][:full["text"].index(stop)] and stopped["finish_reason"] == "stop"
+        # the prompt as token ids: the same answer as the text it encodes
+        from worker.default_model import ensure_default_model
+        from worker.tokenizer import Tokenizer
+        ids = Tokenizer.from_dir(ensure_default_model()).encode("Once upon a time")
+        res = kervan("generate", "--addr", addr, "--token-ids", ",".join(map(str, ids)), *greedy, "--json")
+        assert json.loads(res.stdout)["token_ids"] == full["token_ids"]
+        bad = kervan("generate", "--addr", addr, "--token-ids", "1,999999", "--json")
+        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "vocabulary" in bad.stderr
+    finally:
+        up.send_signal(signal.SIGINT)  # Ctrl-C
+        rest = up.communicate(timeout=60)[1]
+    assert up.returncode == 0, rest[-3000:]
+    assert "stopping the cluster" in rest
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]  # every service stopped
+    assert sorted(p.stem for p in log_dir.glob("*.log")) == sorted(
+        ["control-plane", "decode-0", "kv-registry", "prefill-0", "redis", "router", "scheduler"])
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return kids

@@ -12,6 +12,7 @@ INTERNAL for their own mistakes:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 
 import grpc
@@ -118,7 +119,11 @@ def _guard_unary(inner):
 
 
 def _guard_stream(inner):
-    """Wrap a behaviour that yields responses (unary-stream)."""
+    """Wrap a behaviour that yields responses (unary-stream), or one that writes them with
+    ``context.write`` and returns nothing (the health service's ``Watch``)."""
+    if not inspect.isasyncgenfunction(inner):
+        return _guard_unary(inner)
+
     async def behaviour(request, context):
         try:
             async for response in inner(request, context):

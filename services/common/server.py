@@ -83,8 +83,9 @@ async def serve_until_signal(handle: Server, on_stop: Callable[[], Awaitable[Non
                              grace: float = 5.0, stop: asyncio.Event | None = None,
                              on_drain: Callable[[], Awaitable[None]] | None = None) -> None:
     """Mark SERVING, wait for SIGTERM or SIGINT (or ``stop``, when the main thread owns
-    the signals), then drain: run ``on_drain`` (e.g. leave the mesh), NOT_SERVING,
-    finish in-flight calls for up to ``grace`` seconds, run ``on_stop``."""
+    the signals), then drain: NOT_SERVING (health watchers and load balancers learn it
+    first), run ``on_drain`` (e.g. leave the mesh), finish in-flight calls for up to
+    ``grace`` seconds while refusing new ones, run ``on_stop``."""
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -93,6 +94,7 @@ async def serve_until_signal(handle: Server, on_stop: Callable[[], Awaitable[Non
     await handle.set_serving(True)
     await stop.wait()
     log.info("draining")
+    await handle.set_serving(False)
     if on_drain is not None:
         await on_drain()
     await handle.stop(grace)

@@ -91,11 +91,13 @@ def process_gone(proc, timeout: float = 10.0) -> None:
 
 
 async def wait_baseline(cluster, workers: list[str], redis_url: str | None = None, timeout: float = 20.0) -> None:
-    """Every listed worker idle with all blocks free; exactly these workers registered
-    (dead workers' registrations and Redis keys gone)."""
+    """Every listed worker idle with all blocks free; exactly these workers registered,
+    and nothing in Redis that is not theirs: no lease, ownership hash, event sequence,
+    slot, block bit or unknown mark of a dead worker (``redis_leftovers``)."""
     import redis.asyncio as redis
 
     from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
+    redis_url = redis_url or (f"redis://{cluster.addresses['redis']}/0" if "redis" in cluster.addresses else None)
     deadline = time.monotonic() + timeout
     while True:
         loads = []
@@ -105,17 +107,50 @@ async def wait_baseline(cluster, workers: list[str], redis_url: str | None = Non
         async with grpc.aio.insecure_channel(cluster.addresses["kv-registry"]) as ch:  # also purges the expired
             listed = await kv_registry_pb2_grpc.KvRegistryServiceStub(ch).ListWorkers(
                 kv_registry_pb2.ListWorkersRequest())
-        keys_ok = True
+        leftovers = []
         if redis_url:
             r = redis.Redis.from_url(redis_url)
-            keys_ok = (await r.scard("kervan:workers")) == len(workers) == len(await r.keys("kervan:w:*"))
+            leftovers = await redis_leftovers(r, {w.info.worker_id for w in listed.workers})
             await r.aclose()
         idle = all(x.num_running == x.num_waiting == 0 and x.num_free_blocks == x.num_blocks for x in loads)
-        if idle and keys_ok and len(listed.workers) == len(workers):
+        if idle and not leftovers and len(listed.workers) == len(workers):
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"not back to baseline: loads {loads}, listed {[w.info.address for w in listed.workers]}")
+            raise AssertionError(f"not back to baseline: loads {loads}, listed "
+                                 f"{[w.info.address for w in listed.workers]}, Redis leftovers {leftovers[:10]}")
         await asyncio.sleep(0.1)
+
+
+KNOWN_KEYS = ("kervan:workers", "kervan:slots", "kervan:unknown", "kervan:generation")
+
+
+async def redis_leftovers(r, live: set[str]) -> list[str]:
+    """Redis state that belongs to no live worker (``services/kv_registry/index.py`` names
+    every key); empty when the registry has purged every dead worker completely."""
+    out = []
+    registered = {m.decode() for m in await r.smembers("kervan:workers")}
+    if registered != live:
+        out.append(f"kervan:workers {sorted(registered)} != live {sorted(live)}")
+    slots = {k.decode(): int(v) for k, v in (await r.hgetall("kervan:slots")).items()}
+    out += [f"slot of {w}" for w in slots if w not in live]
+    out += [f"unknown mark of {w.decode()}" for w in await r.smembers("kervan:unknown") if w.decode() not in live]
+    live_bits = {slots[w] for w in live if w in slots}
+    for key in await r.keys("kervan:*"):
+        key = key.decode()
+        kind, _, owner = key[len("kervan:"):].partition(":")
+        if key in KNOWN_KEYS:
+            continue
+        if kind in ("w", "own", "seq"):
+            if owner not in live:
+                out.append(key)
+        elif kind == "blk":
+            raw = await r.get(key) or b""  # SETBIT offset 0 is the first byte's highest bit
+            owners = {i for i in range(8 * len(raw)) if raw[i // 8] >> (7 - i % 8) & 1}
+            if not owners or owners - live_bits:
+                out.append(f"{key} bits {sorted(owners)}")
+        else:
+            out.append(key)
+    return out
 
 
 async def runtime(cluster, names) -> dict[str, runtime_pb2.GetRuntimeStatsResponse]:

@@ -36,10 +36,13 @@ class ProxyThread:
         self.thread.join(5)
 
 
+# a reset is seen at once; a blackhole only by HTTP/2 keepalive pings going unanswered
+# (about 4 s): the stall watchdog is set far beyond the client's deadline, so a broken
+# keepalive would leave the streams hanging until they fail DEADLINE_EXCEEDED
 @pytest.mark.parametrize("fault", ["reset", "blackhole"])
 def test_a_worker_cut_off_by_the_network_is_migrated_away_from(llama, tmp_path, fault):
     cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, dtype="float32",
-                                  num_kv_blocks=256, router_args=("--stall-timeout-s", "2")), tmp_path)
+                                  num_kv_blocks=256, router_args=("--stall-timeout-s", "600")), tmp_path)
     cluster.start(timeout=240)
     proxies = ProxyThread()
     try:
@@ -55,7 +58,14 @@ def test_a_worker_cut_off_by_the_network_is_migrated_away_from(llama, tmp_path, 
             prompts, SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))]
 
         async def run():
-            tasks = [asyncio.create_task(stream(cluster.router_address, p, 300)) for p in prompts]
+            started = [asyncio.Event() for _ in prompts]
+
+            def first_token(k):
+                async def on_delta(out):
+                    started[k].set()
+                return on_delta
+            tasks = [asyncio.create_task(stream(cluster.router_address, p, 300, on_delta=first_token(k)))
+                     for k, p in enumerate(prompts)]
             # the fault must hit streams on both-1 that already delivered tokens: wait until it runs
             # requests that are all past their prefill (each has sampled its first token)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:  # straight to both-1, not via the proxy
@@ -67,7 +77,7 @@ def test_a_worker_cut_off_by_the_network_is_migrated_away_from(llama, tmp_path, 
                     await asyncio.sleep(0.01)
                 else:
                     raise AssertionError("no stream was placed on the proxied worker")
-            await asyncio.sleep(0.2)  # its first tokens reach the client
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)  # every client has tokens
             at = time.monotonic()
             if fault == "reset":
                 proxies.call(proxy.reset)

@@ -8,8 +8,9 @@ import asyncio
 import grpc
 
 from control_plane.launcher import Cluster, ClusterSpec
+from services.proto import worker_pb2, worker_pb2_grpc
 from tests.chaos.checker import check, record, runtime, stream, wait_baseline
-from tests.cluster_helpers import WORKERS, scheduler_stats
+from tests.cluster_helpers import WORKERS, scheduler_stats, worker_loads
 from tests.conftest import make_engine, make_prompts
 from worker import SamplingParams
 
@@ -28,7 +29,6 @@ def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tm
         expected = [o.token_ids for o in make_engine(llama[1]).generate(
             prompts, SamplingParams(max_tokens=OUTPUT, temperature=0, ignore_eos=True))]
         services = ["router", "both-0", "both-1"]
-        before = asyncio.run(runtime(cluster, services))
 
         async def burst():
             return await asyncio.gather(*(stream(cluster.router_address, p, OUTPUT) for p in prompts))
@@ -45,15 +45,20 @@ def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tm
             assert all("limit" in o.details for o in refusals(wave))
             waves.append({"completed": completed, "refused": len(refusals(wave))})
             outs += wave
+            if len(waves) == 1:  # the first wave warms every cache and pool up: the baseline
+                before = asyncio.run(runtime(cluster, services))
         after = asyncio.run(runtime(cluster, services))
-        assert all(after[n].rss_bytes - before[n].rss_bytes < 200 << 20 for n in services), (before, after)
+        # two more waves (128 requests). Measured: router 1.5 MB (a leak of 100 kB a request would
+        # pass 12 MB); workers 26-34 MB, not yet explained (allocator arenas or a leak: to chase)
+        growth_mb = {n: round((after[n].rss_bytes - before[n].rss_bytes) / 2**20, 1) for n in services}
+        assert growth_mb["router"] < 12 and growth_mb["both-0"] < 64 and growth_mb["both-1"] < 64, growth_mb
         asyncio.run(wait_baseline(cluster, ["both-0", "both-1"]))
         refused = refusals(outs)
         counts = check(outs, [e if o.status is None else None for o, e in zip(outs, expected * 3)],
                        allowed=(grpc.StatusCode.RESOURCE_EXHAUSTED,))
         counts["waves"] = waves
         counts["refused_by_scheduler"] = asyncio.run(scheduler_stats(cluster)).refused  # the rest: by a worker
-        counts["rss_growth_mb"] = {n: round((after[n].rss_bytes - before[n].rss_bytes) / 2**20, 1) for n in services}
+        counts["rss_growth_mb"] = growth_mb
         refused_s = sorted(o.seconds for o in refused)
         done_s = sorted(o.seconds for o in outs if o.status is None)
         counts["refused_after_s"] = {"p50": round(refused_s[len(refused_s) // 2], 3), "max": round(refused_s[-1], 3)}
@@ -64,28 +69,49 @@ def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tm
 
 
 def test_clients_leaving_mid_stream_and_mid_handoff_free_every_block(cluster):
+    """Four clients leave while the prefill worker computes their prompt (before any token),
+    four after their first three tokens; each mid-stream leaver is aborted on its decode worker."""
     prompts = make_prompts([300 + i for i in range(8)], seed=91)  # long prompts: prefilled remotely, KV pushed
 
-    async def leave(prompt, after_tokens):
-        task = asyncio.create_task(stream(cluster.router_address, prompt, 150))
-        if after_tokens == 0:  # leave during the prefill and KV handoff
-            await asyncio.sleep(0.01)
-        else:
-            await asyncio.sleep(0.3)
-        task.cancel()
+    class Leave(Exception):
+        pass
+
+    async def leave_after_a_token(out):
+        if len(out.tokens) >= 3:  # the first comes with the prefill's answer; these from the decode worker
+            raise Leave
+
+    async def leave(prompt, mid_stream):
+        if mid_stream:
+            task = asyncio.create_task(stream(cluster.router_address, prompt, 150, on_delta=leave_after_a_token))
+        else:  # leave once the prefill worker holds the request (a 480-token prompt keeps it busy)
+            task = asyncio.create_task(stream(cluster.router_address, prompt + prompt[:180], 16))
+            async with grpc.aio.insecure_channel(cluster.addresses["prefill-0"]) as ch:
+                stub = worker_pb2_grpc.WorkerServiceStub(ch)
+                for _ in range(20000):
+                    if (await stub.GetLoad(worker_pb2.GetLoadRequest())).load.num_requests:
+                        break
+                    await asyncio.sleep(0.0005)
+                else:
+                    raise AssertionError("the request never reached the prefill worker")
+            task.cancel()
         try:
-            await task
-        except asyncio.CancelledError:
-            pass
+            return await task
+        except (asyncio.CancelledError, Leave):
+            return None
 
     async def run():
-        await asyncio.gather(*(leave(p, k % 2) for k, p in enumerate(prompts)))
+        before = await worker_loads(cluster)
+        got = [await leave(p, k % 2 == 1) for k, p in enumerate(prompts)]
         await wait_baseline(cluster, list(WORKERS))
+        after = await worker_loads(cluster)
+        aborted = {n: after[n].num_aborted - before[n].num_aborted for n in WORKERS}
         # the mesh still serves
-        return await stream(cluster.router_address, prompts[0][:40], 8)
+        return got, aborted, await stream(cluster.router_address, prompts[0][:40], 8)
 
-    out = asyncio.run(run())
+    got, aborted, out = asyncio.run(run())
+    assert got == [None] * 8  # every client left
+    assert aborted["decode-0"] + aborted["decode-1"] >= 4, aborted  # each mid-stream leaver, at least
     counts = check([out])
     assert counts["completed"] == 1
-    record("client_cancels", "8 clients leaving during the handoff or mid-stream, then one staying",
-           {**counts, "sent": 9, "cancelled_by_client": 8})
+    record("client_cancels", "4 clients leaving during the prefill, 4 after 3 tokens, then one staying",
+           {**counts, "sent": 9, "cancelled_by_client": 8, "aborted_on_workers": aborted})

@@ -9,13 +9,14 @@ import threading
 import time
 
 import grpc
-import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.launcher import Cluster, ClusterSpec
-from services.proto import worker_pb2, worker_pb2_grpc
+from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.chaos.checker import check, process_gone, record, stream, wait_baseline
 from tests.conftest import make_engine, make_prompts
 from worker import SamplingParams
+from worker.kv.block_hash import hash_blocks
 
 MAX_TOKENS = 300
 
@@ -49,31 +50,65 @@ def after_a_few_tokens(cluster, fault, n: int = 5):
     return on_delta, done
 
 
+async def registry_match(cluster, prompt) -> kv_registry_pb2.MatchResponse:
+    async with grpc.aio.insecure_channel(cluster.addresses["kv-registry"]) as ch:
+        return await kv_registry_pb2_grpc.KvRegistryServiceStub(ch).Match(
+            kv_registry_pb2.MatchRequest(block_hashes=hash_blocks(prompt, 16)))
+
+
 def fault_free(llama, prompt, max_tokens=MAX_TOKENS) -> list[int]:
     [out] = make_engine(llama[1]).generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                     ignore_eos=True))
     return out.token_ids
 
 
-@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
-def test_a_decode_worker_lost_mid_stream_is_migrated(llama, tmp_path, signal_name):
+def test_a_decode_worker_killed_mid_stream_is_migrated(llama, tmp_path):
     cluster = start(llama, tmp_path, "--stall-timeout-s", "3")
     try:
         prompt = make_prompts([20], seed=70)[0]
 
-        async def fault(proc):
-            proc.kill() if signal_name == "SIGKILL" else proc.terminate()
-        on_delta, faults = after_a_few_tokens(cluster, fault)
+        async def kill(proc):
+            proc.kill()
+        on_delta, faults = after_a_few_tokens(cluster, kill)
         out = asyncio.run(stream(cluster.router_address, prompt, MAX_TOKENS, on_delta=on_delta))
         process_gone(cluster.procs.pop(faults["worker"]))
         counts = check([out], [fault_free(llama, prompt)])
-        if signal_name == "SIGKILL":  # SIGTERM drains: the stream may finish where it was
-            assert counts["migrated"] == 1 and max(a for a, _, _ in out.deltas) == 1
+        assert counts["migrated"] == 1 and max(a for a, _, _ in out.deltas) == 1
         survivor = "both-1" if faults["worker"] == "both-0" else "both-0"
-        asyncio.run(wait_baseline(cluster, [survivor], f"redis://{cluster.addresses['redis']}/0"))
-        moved = out.first_token_after.get(1)
-        record(f"decode_worker_{signal_name}", f"{signal_name} to the worker streaming, after 5 tokens", counts,
-               round(moved - faults["at"], 3) if moved else None)
+        asyncio.run(wait_baseline(cluster, [survivor]))
+        record("decode_worker_SIGKILL", "SIGKILL to the worker streaming, after 5 tokens", counts,
+               round(out.first_token_after[1] - faults["at"], 3))
+    finally:
+        cluster.stop()
+
+
+def test_a_decode_worker_told_to_stop_mid_stream_drains_it_where_it_is(llama, tmp_path):
+    """SIGTERM: the worker leaves the mesh (health NOT_SERVING, deregistered) and finishes
+    the request it streams; nothing is migrated; it exits 0."""
+    cluster = start(llama, tmp_path, "--stall-timeout-s", "3")
+    try:
+        prompt = make_prompts([20], seed=70)[0]
+        seen = {}
+
+        async def terminate(proc):
+            proc.terminate()
+            name = [n for n, p in cluster.procs.items() if p is proc][0]
+            async with grpc.aio.insecure_channel(cluster.addresses[name]) as ch:
+                for _ in range(500):  # draining: the health service says so while the stream goes on
+                    status = (await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())).status
+                    if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                        seen["not_serving"] = True
+                        return
+                    await asyncio.sleep(0.01)
+        on_delta, faults = after_a_few_tokens(cluster, terminate)
+        out = asyncio.run(stream(cluster.router_address, prompt, MAX_TOKENS, on_delta=on_delta))
+        proc = cluster.procs.pop(faults["worker"])
+        assert proc.wait(timeout=30) == 0 and seen == {"not_serving": True}
+        counts = check([out], [fault_free(llama, prompt)])
+        assert counts["migrated"] == 0 and {a for a, _, _ in out.deltas} == {0}
+        survivor = "both-1" if faults["worker"] == "both-0" else "both-0"
+        asyncio.run(wait_baseline(cluster, [survivor]))
+        record("decode_worker_SIGTERM", "SIGTERM to the worker streaming, after 5 tokens: drained", counts)
     finally:
         cluster.stop()
 
@@ -120,7 +155,20 @@ def test_a_stopped_decode_worker_is_left_behind_and_its_late_tokens_never_arrive
         stopped["waker"].join()  # the zombie is awake again
         # it rejoins as a fresh registration; its old stream was cancelled by the router, and
         # its KV for it is freed: both workers idle, both registered
-        asyncio.run(wait_baseline(cluster, ["both-0", "both-1"], f"redis://{cluster.addresses['redis']}/0"))
+        asyncio.run(wait_baseline(cluster, ["both-0", "both-1"]))
+        zombie = f"both@{cluster.addresses[stopped['worker']]}"
+
+        async def rejoined():  # its lease expired: declared dead, registered again, its blocks sent again
+            for _ in range(100):
+                match = await registry_match(cluster, prompt)
+                worker_log = (cluster.log_dir / f"{stopped['worker']}.log").read_text()
+                if match.matched_blocks.get(zombie, 0) >= 1 and zombie not in match.unknown_workers \
+                        and "registering again" in worker_log and "sent a full dump" in worker_log:
+                    return
+                await asyncio.sleep(0.1)
+            raise AssertionError(f"{zombie} did not rejoin with its blocks: {match}, {worker_log[-2000:]}")
+        assert f"worker {zombie} declared dead" in (cluster.log_dir / "control-plane.log").read_text()
+        asyncio.run(rejoined())
         record("decode_worker_SIGSTOP", "SIGSTOP past the lease, SIGCONT 4 s later", counts,
                round(out.first_token_after[1] - stopped["at"], 3))
     finally:
@@ -138,11 +186,13 @@ def test_a_prefill_worker_killed_during_the_handoff_is_replaced_by_local_prefill
             async def kill_when_it_has_the_request():
                 async with grpc.aio.insecure_channel(cluster.addresses["prefill-0"]) as ch:
                     stub = worker_pb2_grpc.WorkerServiceStub(ch)
-                    while True:
+                    for _ in range(20000):  # bounded: the request reaches it within seconds
                         load = (await stub.GetLoad(worker_pb2.GetLoadRequest())).load
-                        if load.num_running or load.num_waiting or load.num_free_blocks < load.num_blocks:
+                        if load.num_requests or load.num_free_blocks < load.num_blocks:
                             cluster.procs["prefill-0"].kill()
                             return time.monotonic()
+                        await asyncio.sleep(0.001)
+                    raise AssertionError("the request never reached the prefill worker")
 
             killer = asyncio.create_task(kill_when_it_has_the_request())
             out = await stream(cluster.router_address, prompt, 16)
@@ -151,7 +201,7 @@ def test_a_prefill_worker_killed_during_the_handoff_is_replaced_by_local_prefill
         out, killed_at = asyncio.run(run())
         process_gone(cluster.procs.pop("prefill-0"))
         counts = check([out], [fault_free(llama, prompt, 16)])
-        asyncio.run(wait_baseline(cluster, ["decode-0"], f"redis://{cluster.addresses['redis']}/0"))
+        asyncio.run(wait_baseline(cluster, ["decode-0"]))
         record("prefill_worker_SIGKILL_in_handoff", "SIGKILL to the prefill worker holding the request", counts,
                round(out.first_token_after[0] - killed_at, 3))
     finally:

@@ -39,3 +39,33 @@ async def test_an_expired_lease_is_purged_at_once(redis_client):
         await asyncio.gather(task, return_exceptions=True)
         await channel.close()
         await registry.stop(0)
+
+
+async def test_the_reconciliation_loop_purges_an_expired_worker_without_any_notification(redis_client):
+    index = PrefixIndex(redis_client, ttl_s=1)
+    registry = await start_server([Service(SERVICE_NAME, lambda s: kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(
+        KvRegistryServicer(index, 16, HASH_NAME), s))])
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
+    watcher = LeaseWatcher(redis_client, kv_registry_pb2_grpc.KvRegistryServiceStub(channel), interval_s=0.2)
+    task = asyncio.create_task(watcher.run())
+    try:
+        for _ in range(100):  # the watcher subscribed; then Redis stops notifying (as after a restart)
+            if await redis_client.execute_command("PUBSUB", "NUMPAT"):
+                break
+            await asyncio.sleep(0.05)
+        await redis_client.config_set("notify-keyspace-events", "")
+        await index.register(WorkerRecord("w", "127.0.0.1:1", "decode", "m", "i1", 16, HASH_NAME))
+        await index.apply("w", "i1", [BlockStored(1, [b"\x01" * 32], None, [], 16)])
+        for _ in range(100):  # the lease (1 s) expires; only the loop can notice
+            if not await redis_client.sismember("kervan:workers", "w"):
+                break
+            await asyncio.sleep(0.05)
+        assert watcher.declared_dead == []  # no notification arrived
+        assert not await redis_client.sismember("kervan:workers", "w")
+        assert not await redis_client.exists("kervan:own:w") and not await redis_client.keys("kervan:blk:*")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await channel.close()
+        await registry.stop(0)
+        await redis_client.config_set("notify-keyspace-events", "")

@@ -1,11 +1,11 @@
-"""The engine end to end on a tiny Llama: batching, caching, chunking and
+"""The engine end to end on tiny models of every family: batching, caching, chunking and
 preemption never change greedy output; aborts and finishes return every block."""
 
 import dataclasses
 
 import pytest
 
-from tests.conftest import hf_greedy, make_engine, make_prompts
+from tests.conftest import MODEL_KINDS, hf_greedy, make_engine, make_prompts
 from worker import InvalidRequest, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -44,8 +44,9 @@ def test_seeded_sample_is_the_same_alone_and_in_a_batch(llama):
     assert other.token_ids != alone.token_ids
 
 
-def test_prefix_cache_hit_reports_cached_tokens_and_keeps_output(llama):
-    hf, path = llama
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_prefix_cache_hit_reports_cached_tokens_and_keeps_output(hf_models, kind):
+    hf, path = hf_models(kind)
     engine = make_engine(path)
     shared = make_prompts([18], seed=9)[0]
     first, second = shared + [5, 6, 7], shared + [9, 10]
@@ -58,8 +59,9 @@ def test_prefix_cache_hit_reports_cached_tokens_and_keeps_output(llama):
     assert_idle(engine)
 
 
-def test_chunked_prefill_keeps_output(llama):
-    hf, path = llama
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_chunked_prefill_keeps_output(hf_models, kind):
+    hf, path = hf_models(kind)
     engine = make_engine(path, max_num_batched_tokens=7)  # a 45-token prompt takes 7 steps
     prompts = make_prompts([45, 20], seed=10)
     outs = engine.generate(prompts, GREEDY)
@@ -68,8 +70,9 @@ def test_chunked_prefill_keeps_output(llama):
     assert_idle(engine)
 
 
-def test_preemption_by_recompute_keeps_output(llama):
-    hf, path = llama
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_preemption_by_recompute_keeps_output(hf_models, kind):
+    hf, path = hf_models(kind)
     # 24 blocks of 4 tokens cannot hold four 20-token prompts growing by 10 tokens each
     engine = make_engine(path, num_kv_blocks=24, enable_prefix_caching=False)
     prompts = make_prompts([20, 19, 21, 18], seed=11)

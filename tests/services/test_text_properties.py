@@ -1,0 +1,52 @@
+"""Properties of the router's text path over inputs hypothesis draws: stop strings
+however the text is split into deltas, and incremental detokenization however the
+tokens arrive."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.router.detokenizer import Detokenizer
+from services.router.stop_strings import StopWatch
+from worker.tokenizer import Tokenizer
+
+ALPHABET = "abcE \u00e9\u4e16"  # a few letters, a space and multi-byte characters
+
+
+def split(draw, text: str) -> list[str]:
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_stop_strings_cut_the_text_right_before_the_first_one_however_it_is_split(data):
+    text = data.draw(st.text(ALPHABET, max_size=30))
+    stop = data.draw(st.lists(st.text(ALPHABET, min_size=1, max_size=4), min_size=1, max_size=3))
+    pieces = split(data.draw, text)
+    watch, streamed, hit = StopWatch(stop), "", False
+    for k, piece in enumerate(pieces):
+        out, hit = watch.feed(piece, final=k == len(pieces) - 1)
+        streamed += out
+        if hit:
+            break
+    found = [i for i in (text.find(s) for s in stop) if i >= 0]
+    assert hit == bool(found)
+    assert streamed == (text[:min(found)] if found else text)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_detokenized_deltas_add_up_to_the_decoded_text_however_tokens_arrive(default_model_dir, data):
+    tokenizer = Tokenizer.from_dir(default_model_dir)
+    text = data.draw(st.text(ALPHABET + "xyz.,", max_size=40))
+    ids = tokenizer.encode(text)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=6)))
+    detok, streamed = Detokenizer(tokenizer), ""
+    chunks = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+    for k, chunk in enumerate(chunks):
+        delta = detok.add(chunk, final=k == len(chunks) - 1)
+        assert "\ufffd" not in delta or k == len(chunks) - 1  # a split character is held, not streamed
+        streamed += delta
+    assert streamed == tokenizer.decode(ids)
