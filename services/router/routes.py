@@ -27,8 +27,9 @@ class Placement:
 
 
 # HTTP/2 pings every 2 s, 2 s to answer: a worker that died without closing its
-# connections, or a network that drops everything, fails the calls in about 4 s
-# (then the router migrates them) instead of leaving them hanging.
+# connections, or a network that drops everything, fails the calls (then the router
+# migrates them) instead of leaving them hanging. Meant as about 4 s; against a
+# blackholing proxy it was measured at about 60 s (tests/chaos/test_network_faults.py).
 KEEPALIVE = [("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),
              ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 

@@ -4,6 +4,7 @@ Redis's keyspace notification, without waiting for anyone to read the live set."
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 
 import grpc
 
@@ -17,14 +18,26 @@ from worker.kv.block_hash import HASH_NAME
 from worker.kv.events import BlockStored
 
 
-async def test_an_expired_lease_is_purged_at_once(redis_client):
-    index = PrefixIndex(redis_client, ttl_s=1)
+@asynccontextmanager
+async def watching(index: PrefixIndex, redis_client, interval_s: float):
+    """A kv-registry on ``index`` and a lease watcher over it, running."""
     registry = await start_server([Service(SERVICE_NAME, lambda s: kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(
         KvRegistryServicer(index, 16, HASH_NAME), s))])
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
-    watcher = LeaseWatcher(redis_client, kv_registry_pb2_grpc.KvRegistryServiceStub(channel), interval_s=3600)
-    task = asyncio.create_task(watcher.run())  # reconciles once at start, then only notifications
+    watcher = LeaseWatcher(redis_client, kv_registry_pb2_grpc.KvRegistryServiceStub(channel), interval_s=interval_s)
+    task = asyncio.create_task(watcher.run())
     try:
+        yield watcher
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await channel.close()
+        await registry.stop(0)
+
+
+async def test_an_expired_lease_is_purged_at_once(redis_client):
+    index = PrefixIndex(redis_client, ttl_s=1)
+    async with watching(index, redis_client, interval_s=3600) as watcher:  # reconciles once, then notifications
         await index.register(WorkerRecord("w", "127.0.0.1:1", "decode", "m", "i1", 16, HASH_NAME))
         await index.apply("w", "i1", [BlockStored(1, [b"\x01" * 32, b"\x02" * 32], None, [], 16)])
         assert await redis_client.hlen("kervan:own:w") == 2
@@ -34,21 +47,11 @@ async def test_an_expired_lease_is_purged_at_once(redis_client):
             await asyncio.sleep(0.05)
         assert watcher.declared_dead == ["w"]
         assert not await redis_client.exists("kervan:own:w") and not await redis_client.keys("kervan:blk:*")
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await channel.close()
-        await registry.stop(0)
 
 
 async def test_the_reconciliation_loop_purges_an_expired_worker_without_any_notification(redis_client):
     index = PrefixIndex(redis_client, ttl_s=1)
-    registry = await start_server([Service(SERVICE_NAME, lambda s: kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(
-        KvRegistryServicer(index, 16, HASH_NAME), s))])
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
-    watcher = LeaseWatcher(redis_client, kv_registry_pb2_grpc.KvRegistryServiceStub(channel), interval_s=0.2)
-    task = asyncio.create_task(watcher.run())
-    try:
+    async with watching(index, redis_client, interval_s=0.2) as watcher:
         for _ in range(100):  # the watcher subscribed; then Redis stops notifying (as after a restart)
             if await redis_client.execute_command("PUBSUB", "NUMPAT"):
                 break
@@ -63,9 +66,3 @@ async def test_the_reconciliation_loop_purges_an_expired_worker_without_any_noti
         assert watcher.declared_dead == []  # no notification arrived
         assert not await redis_client.sismember("kervan:workers", "w")
         assert not await redis_client.exists("kervan:own:w") and not await redis_client.keys("kervan:blk:*")
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await channel.close()
-        await registry.stop(0)
-        await redis_client.config_set("notify-keyspace-events", "")
