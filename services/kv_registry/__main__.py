@@ -23,11 +23,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block across the mesh")
     ap.add_argument("--ttl", type=int, default=5, help="seconds a worker stays registered without a heartbeat")
+    ap.add_argument("--redis-max-connections", type=int, default=16,
+                    help="Redis connections at most (more concurrent calls wait for one); bounds the open sockets, "
+                         "which a pool without a bound grows to every burst's peak, after each Redis restart")
     return parse_args_with_env(ap, "kv_registry", argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    client = redis.Redis.from_url(args.redis)
+    client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
+        args.redis, max_connections=args.redis_max_connections, timeout=5))
     await client.ping()
     index = PrefixIndex(client, args.ttl)
     await index.forget_all()  # rebuild from the workers' dumps, asked for on their next heartbeat

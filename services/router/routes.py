@@ -27,11 +27,13 @@ class Placement:
 
 
 # HTTP/2 pings every 2 s, 2 s to answer: a worker that died without closing its
-# connections, or a network that drops everything, fails the calls (then the router
-# migrates them) instead of leaving them hanging. Meant as about 4 s; against a
-# blackholing proxy it was measured at about 60 s (tests/chaos/test_network_faults.py).
+# connections, or a network that drops everything, fails the calls in about 4 s
+# (then the router migrates them) instead of leaving them hanging. gRPC core waits
+# for a ping's ack ``ping_timeout_ms`` (60 s by default), whatever the keepalive
+# timeout says: without it a blackholed connection took 61 s to fail.
 KEEPALIVE = [("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),
-             ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+             ("grpc.http2.ping_timeout_ms", 2000), ("grpc.keepalive_permit_without_calls", 1),
+             ("grpc.http2.max_pings_without_data", 0)]
 
 
 class Channels:

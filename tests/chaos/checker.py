@@ -38,13 +38,14 @@ class Outcome:
         return [t for _, _, ids in self.deltas for t in ids]
 
 
-async def stream(address: str, prompt: list[int], max_tokens: int, on_delta=None, **sampling) -> Outcome:
+async def stream(address: str, prompt: list[int], max_tokens: int, on_delta=None, timeout: float = 120,
+                 **sampling) -> Outcome:
     out = Outcome()
     t0 = time.monotonic()
     async with grpc.aio.insecure_channel(address) as channel:
         call = router_pb2_grpc.RouterServiceStub(channel).Generate(build_request(
             token_ids=prompt, max_tokens=max_tokens, temperature=sampling.pop("temperature", 0.0), ignore_eos=True,
-            **sampling), timeout=120)
+            **sampling), timeout=timeout)
         try:
             async for msg in call:
                 if msg.WhichOneof("kind") == "delta":
@@ -161,6 +162,25 @@ async def runtime(cluster, names) -> dict[str, runtime_pb2.GetRuntimeStatsRespon
             out[name] = await runtime_pb2_grpc.RuntimeServiceStub(ch).GetRuntimeStats(
                 runtime_pb2.GetRuntimeStatsRequest())
     return out
+
+
+def open_fds(pid: int) -> list[str]:
+    """What a process holds open: files by path, TCP sockets as local->remote port
+    (the evidence to read when a file-descriptor count grows)."""
+    tcp = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            tcp[cols[9]] = f"tcp {int(cols[1].rsplit(':', 1)[1], 16)}->{int(cols[2].rsplit(':', 1)[1], 16)}"
+    out = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        inode = target[len("socket:["):-1] if target.startswith("socket:[") else None
+        out.append(tcp.get(inode, target) if inode else target)
+    return sorted(out)
 
 
 def record(test: str, fault: str, counts: dict, fault_to_first_token_s: float | None = None) -> None:

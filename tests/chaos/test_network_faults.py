@@ -37,8 +37,9 @@ class ProxyThread:
 
 
 # a reset is seen at once; a blackhole only by HTTP/2 keepalive pings going unanswered
-# (about 4 s): the stall watchdog is set far beyond the client's deadline, so a broken
-# keepalive would leave the streams hanging until they fail DEADLINE_EXCEEDED
+# (about 4 s): the stall watchdog is set far beyond the clients' 30 s deadline, so a
+# keepalive that is off or slow (gRPC's default ping timeout is 60 s) leaves the streams
+# hanging until they fail DEADLINE_EXCEEDED
 @pytest.mark.parametrize("fault", ["reset", "blackhole"])
 def test_a_worker_cut_off_by_the_network_is_migrated_away_from(llama, tmp_path, fault):
     cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, dtype="float32",
@@ -64,7 +65,7 @@ def test_a_worker_cut_off_by_the_network_is_migrated_away_from(llama, tmp_path, 
                 async def on_delta(out):
                     started[k].set()
                 return on_delta
-            tasks = [asyncio.create_task(stream(cluster.router_address, p, 300, on_delta=first_token(k)))
+            tasks = [asyncio.create_task(stream(cluster.router_address, p, 300, on_delta=first_token(k), timeout=30))
                      for k, p in enumerate(prompts)]
             # the fault must hit streams on both-1 that already delivered tokens: wait until it runs
             # requests that are all past their prefill (each has sampled its first token)

@@ -1,6 +1,8 @@
 """Logits and greedy tokens match Hugging Face transformers on the same weights,
 through the native CPU kernels and through the plain PyTorch path alike."""
 
+import copy
+
 import pytest
 import torch
 
@@ -85,9 +87,8 @@ def test_the_default_dtype_and_bf16_match_transformers_in_that_dtype(hf_models, 
     hf, path = hf_models(kind)
     prompt = make_prompts([37], seed=2)[0]
     ours = prompt_logits(path, prompt, dtype=resolved).float()
-    with torch.no_grad():
-        ref = hf.to(resolved)(torch.tensor([prompt])).logits[0].float()
-        hf.to(torch.float32)
+    with torch.no_grad():  # a copy: the session's model stays float32 for every other test
+        ref = copy.deepcopy(hf).to(resolved)(torch.tensor([prompt])).logits[0].float()
     tol = 1e-4 if resolved == torch.float32 else 0.1  # bf16 keeps 8 bits of mantissa
     torch.testing.assert_close(ours, ref, rtol=tol, atol=tol)
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
