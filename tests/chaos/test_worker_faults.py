@@ -91,15 +91,14 @@ def test_a_decode_worker_told_to_stop_mid_stream_drains_it_where_it_is(llama, tm
         seen = {}
 
         async def terminate(proc):
-            proc.terminate()
             name = [n for n, p in cluster.procs.items() if p is proc][0]
             async with grpc.aio.insecure_channel(cluster.addresses[name]) as ch:
-                for _ in range(500):  # draining: the health service says so while the stream goes on
-                    status = (await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())).status
-                    if status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                        seen["not_serving"] = True
-                        return
-                    await asyncio.sleep(0.01)
+                watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest())
+                assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+                proc.terminate()
+                # draining: the health service says so while the stream goes on
+                seen["not_serving"] = (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+                watch.cancel()
         on_delta, faults = after_a_few_tokens(cluster, terminate)
         out = asyncio.run(stream(cluster.router_address, prompt, MAX_TOKENS, on_delta=on_delta))
         proc = cluster.procs.pop(faults["worker"])

@@ -11,6 +11,7 @@ import pytest
 
 from services.proto import common_pb2, router_pb2, worker_pb2
 from tests.conftest import hf_greedy, make_engine, make_prompts
+from tests.services.conftest import start_mesh
 from worker import SamplingParams
 
 
@@ -141,7 +142,7 @@ async def test_text_prompt_streams_text(text_mesh, default_model_dir):
     assert fin.finished.usage.prompt_tokens == len(Tokenizer.from_dir(default_model_dir).encode("Once upon a time"))
 
 
-@pytest.mark.parametrize("request_kwargs, field", [
+BAD_INPUT = [  # (request fields, words the message must contain); the router refuses before any worker
     ({"text": b"\xff\xfe bad"}, "UTF-8"),
     ({"token_ids": common_pb2.TokenIds(ids=[])}, "prompt is empty"),
     ({}, "prompt is missing"),
@@ -153,17 +154,24 @@ async def test_text_prompt_streams_text(text_mesh, default_model_dir):
     ({"token_ids": common_pb2.TokenIds(ids=[3]), "sampling": common_pb2.SamplingParams(n=10_000)}, "n must"),
     ({"token_ids": common_pb2.TokenIds(ids=[3] * 500), "sampling": common_pb2.SamplingParams(max_tokens=100)},
      "maximum model length"),
-])
-async def test_bad_input_is_invalid_argument_naming_the_field(llama_mesh, request_kwargs, field):
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await collect(llama_mesh.router, router_pb2.GenerateRequest(**request_kwargs))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert field in err.value.details()
-    await wait_idle(llama_mesh)
-    # and the mesh still serves
-    deltas, _ = await collect(llama_mesh.router, router_pb2.GenerateRequest(
-        token_ids=common_pb2.TokenIds(ids=[3, 4, 5]), sampling=greedy(2)))
-    assert len(token_ids(deltas)) == 2
+]
+
+
+async def test_bad_input_is_invalid_argument_naming_the_field(llama):
+    mesh, stop = await start_mesh(llama[1])  # one mesh shape: none of these reaches a worker
+    try:
+        for request_kwargs, field in BAD_INPUT:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(mesh.router, router_pb2.GenerateRequest(**request_kwargs))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+            assert field in err.value.details()
+        await wait_idle(mesh)
+        # and the mesh still serves
+        deltas, _ = await collect(mesh.router, router_pb2.GenerateRequest(
+            token_ids=common_pb2.TokenIds(ids=[3, 4, 5]), sampling=greedy(2)))
+        assert len(token_ids(deltas)) == 2
+    finally:
+        await stop()
 
 
 async def test_n_samples_stream_each_sample_to_its_end(llama_mesh):
