@@ -32,12 +32,15 @@ class StopWatch:
 
     def feed(self, text: str, final: bool) -> tuple[str, bool]:
         """The text safe to stream now, and whether a stop string ended the sample
-        (the text returned then ends right before it)."""
+        (the text returned then ends right before it). The stop string that ends it is
+        the one completed first, as if the text were checked after every character
+        (of two completed at once, the longer): the answer never depends on how the
+        text was split into deltas."""
         buffer = self.held + text
-        found = [i for i in (buffer.find(s) for s in self.stop) if i >= 0]
+        found = [(i + len(s), i) for s in self.stop if (i := buffer.find(s)) >= 0]  # (end, start)
         if found:
             self.held = ""
-            return buffer[:min(found)], True
+            return buffer[:min(found)[1]], True
         cut = len(buffer) if final else max(0, len(buffer) - self.hold)
         self.held = buffer[cut:]
         return buffer[:cut], False

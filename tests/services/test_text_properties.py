@@ -21,7 +21,7 @@ def split(draw, text: str) -> list[str]:
 
 @settings(max_examples=400, deadline=None)
 @given(st.data())
-def test_stop_strings_cut_the_text_right_before_the_first_one_however_it_is_split(data):
+def test_stop_strings_cut_the_text_before_the_first_one_completed_however_it_is_split(data):
     text = data.draw(st.text(ALPHABET, max_size=30))
     stop = data.draw(st.lists(st.text(ALPHABET, min_size=1, max_size=4), min_size=1, max_size=3))
     pieces = split(data.draw, text)
@@ -31,9 +31,11 @@ def test_stop_strings_cut_the_text_right_before_the_first_one_however_it_is_spli
         streamed += out
         if hit:
             break
-    found = [i for i in (text.find(s) for s in stop) if i >= 0]
-    assert hit == bool(found)
-    assert streamed == (text[:min(found)] if found else text)
+    # the first stop string completed ends the text (checked after every character)
+    first = next(((end, start) for end in range(len(text) + 1) for start in range(end)
+                  if text[start:end] in stop), None)
+    assert hit == (first is not None)
+    assert streamed == (text[:first[1]] if first else text)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
