@@ -24,14 +24,17 @@ async def scheduler_stats(cluster) -> scheduler_pb2.GetStatsResponse:
                                                                                 timeout=10)
 
 
-async def wait_cached(cluster, prompt, num_blocks):
-    """KV events reach the registry asynchronously: wait until it sees the blocks."""
+async def wait_cached(cluster, prompt, num_blocks, worker_id: str | None = None):
+    """KV events reach the registry asynchronously: wait until it sees the blocks (on
+    ``worker_id``, or on any worker)."""
     from worker.kv.block_hash import hash_blocks
     async with grpc.aio.insecure_channel(cluster.addresses["kv-registry"]) as ch:
         stub = kv_registry_pb2_grpc.KvRegistryServiceStub(ch)
         for _ in range(100):
             match = await stub.Match(kv_registry_pb2.MatchRequest(block_hashes=hash_blocks(prompt, 16)))
-            if max(match.matched_blocks.values(), default=0) >= num_blocks:
+            seen = match.matched_blocks.get(worker_id, 0) if worker_id else max(match.matched_blocks.values(),
+                                                                                default=0)
+            if seen >= num_blocks:
                 return
             await asyncio.sleep(0.05)
     raise AssertionError("registry never saw the prompt's blocks")

@@ -82,15 +82,27 @@ async def test_a_shared_prefix_is_placed_on_the_decode_worker_that_caches_it(clu
     assert out.usage["cached_prompt_tokens"] == 0
     assert first.by_prefill_reason["remote"] == before.by_prefill_reason["remote"] + 1  # prefilled remotely
     [holder] = [w for w in decoders if first.by_worker[w] == before.by_worker[w] + 1]
-    await wait_cached(cluster, prompt, 4)
+    await wait_cached(cluster, prompt, 4, holder)  # the pushed KV is cached on the decode worker too
+    choices = []
     for k in range(4):
-        out = await complete(cluster, token_ids=prompt[:64] + [3 + k, 4 + k], max_tokens=2, temperature=0.0,
-                             ignore_eos=True)
+        shared = prompt[:64] + [3 + k, 4 + k]
+        choices.append(await dry_run(cluster, shared))  # what the scheduler would do, and why
+        out = await complete(cluster, token_ids=shared, max_tokens=2, temperature=0.0, ignore_eos=True)
         assert out.usage["cached_prompt_tokens"] == 64, k
     after = await scheduler_stats(cluster)
-    assert after.by_worker[holder] == first.by_worker[holder] + 4  # all four on the worker holding the prefix
+    # all four on the worker holding the prefix
+    assert after.by_worker[holder] == first.by_worker[holder] + 4, (holder, choices, await worker_loads(cluster))
     assert after.by_prefill_reason["short"] == first.by_prefill_reason["short"] + 4  # nothing left to ship
     await wait_idle(cluster)
+
+
+async def dry_run(cluster, prompt) -> tuple:
+    from services.proto import scheduler_pb2, scheduler_pb2_grpc
+    from worker.kv.block_hash import hash_blocks
+    async with grpc.aio.insecure_channel(cluster.addresses["scheduler"]) as ch:
+        placed = await scheduler_pb2_grpc.SchedulerServiceStub(ch).Place(scheduler_pb2.PlaceRequest(
+            request_id="dry", block_hashes=hash_blocks(prompt, 16), num_prompt_tokens=len(prompt), dry_run=True))
+    return placed.decode_worker_id, placed.prefill_reason, dict(placed.scores)
 
 
 def test_generic_reflection_client_sees_every_service_serving(cluster):
