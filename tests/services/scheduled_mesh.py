@@ -51,7 +51,9 @@ class ScheduledMesh:
     model_dir: Path
     redis: object  # redis.asyncio.Redis, flushed by the fixture
     registry: Server = None
+    registry_stub: kv_registry_pb2_grpc.KvRegistryServiceStub = None
     scheduler: Server = None
+    scheduler_stub: scheduler_pb2_grpc.SchedulerServiceStub = None
     router_server: Server = None
     router_servicer: RouterServicer = None
     router: router_pb2_grpc.RouterServiceStub = None

@@ -11,13 +11,16 @@ import asyncio
 import grpc
 import pytest
 
+from control_plane.client import build_request
 from services.common.errors import retry_after_s
 from services.common.load import Load
 from services.kv_registry.index import PrefixIndex, WorkerRecord
+from services.proto import router_pb2_grpc
 from services.router.runner import MigrationPolicy
 from tests.chaos.checker import check, stream
 from tests.conftest import make_engine, make_prompts
 from tests.services.scheduled_mesh import BLOCK_SIZE, ScheduledMesh
+from tests.services.mesh_helpers import engine_paused
 from worker import SamplingParams
 from worker.kv.block_hash import HASH_NAME, hash_blocks
 from worker.kv.events import BlockStored
@@ -134,7 +137,6 @@ async def test_the_scheduler_places_on_the_last_live_set_while_the_registry_is_g
 
 @pytest.mark.mesh(workers=1, max_in_flight=2)
 async def test_the_router_refuses_past_its_in_flight_limit_with_retry_info(mesh):
-    from tests.services.test_router_worker import engine_paused
     prompt = make_prompts([12], seed=134)[0]
     with engine_paused(mesh):  # the two admitted requests cannot finish meanwhile
         held = [asyncio.create_task(stream(address(mesh), prompt, 8)) for _ in range(2)]
@@ -144,8 +146,6 @@ async def test_the_router_refuses_past_its_in_flight_limit_with_retry_info(mesh)
             await asyncio.sleep(0.01)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             async with grpc.aio.insecure_channel(address(mesh)) as ch:
-                from control_plane.client import build_request
-                from services.proto import router_pb2_grpc
                 async for _ in router_pb2_grpc.RouterServiceStub(ch).Generate(build_request(token_ids=prompt)):
                     pass
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
-from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -12,59 +10,9 @@ import pytest
 from services.proto import common_pb2, router_pb2, worker_pb2
 from tests.conftest import hf_greedy, make_engine, make_prompts
 from tests.services.conftest import start_mesh
+from tests.services.mesh_helpers import (collect, engine_paused, greedy, num_aborted, token_ids, wait_aborted,
+                                         wait_idle, wait_inactive)
 from worker import SamplingParams
-
-
-def greedy(max_tokens, **kw):
-    return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
-
-
-async def collect(stub, request, timeout=60):
-    deltas, finished = [], []
-    async for msg in stub.Generate(request, timeout=timeout):
-        (deltas if msg.WhichOneof("kind") == "delta" else finished).append(msg)
-    return deltas, finished
-
-
-def token_ids(deltas, sample=0):
-    return [t for d in deltas if d.delta.sample_index == sample for t in d.delta.token_ids]
-
-
-async def wait_idle(mesh, timeout=10.0):
-    """Every worker back to no running/waiting request and all blocks free, none staged."""
-    loads = None
-    for _ in range(int(timeout / 0.05)):
-        loads = [(await w.stub.GetLoad(worker_pb2.GetLoadRequest())).load for w in mesh.workers]
-        if all(x.num_running == x.num_waiting == 0 and x.num_free_blocks == x.num_blocks for x in loads):
-            return loads
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"workers not idle: {loads}")
-
-
-async def num_aborted(mesh) -> int:
-    return sum([(await w.stub.GetLoad(worker_pb2.GetLoadRequest())).load.num_aborted for w in mesh.workers])
-
-
-async def wait_aborted(mesh, count: int, timeout=10.0) -> None:
-    """Until the workers report ``count`` aborts in all: the evidence an abort reached them."""
-    for _ in range(int(timeout / 0.02)):
-        if await num_aborted(mesh) >= count:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"the workers report {await num_aborted(mesh)} aborts, not {count}")
-
-
-@contextmanager
-def engine_paused(mesh):
-    """Hold every worker's engine thread between two steps: no request progresses, so
-    none can finish by itself while the test acts on it."""
-    release = threading.Event()
-    for w in mesh.workers:
-        w.engine.post(lambda e: release.wait(30))
-    try:
-        yield
-    finally:
-        release.set()
 
 
 async def test_greedy_through_router_equals_engine_and_transformers(llama, llama_mesh):
@@ -122,15 +70,6 @@ async def test_cancel_mid_stream_aborts_on_the_worker_and_frees_every_block(llam
         await wait_inactive(llama_mesh)
     await wait_aborted(llama_mesh, before + 1)
     await wait_idle(llama_mesh)
-
-
-async def wait_inactive(mesh, timeout=10.0) -> None:
-    """Until no worker counts a request in flight (its gRPC call ended)."""
-    for _ in range(int(timeout / 0.02)):
-        if not any(w.engine.load().num_requests for w in mesh.workers):
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("a worker still has the request in flight")
 
 
 async def test_text_prompt_streams_text(text_mesh, default_model_dir):

@@ -13,7 +13,7 @@ import pytest
 
 from services.proto import common_pb2, router_pb2
 from tests.conftest import make_engine, make_prompts
-from tests.services.test_router_worker import collect, wait_idle
+from tests.services.mesh_helpers import collect, wait_idle
 from worker import SamplingParams
 
 BASE = dict(max_tokens=12, temperature=1.0, seed=11, ignore_eos=True)
