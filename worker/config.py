@@ -13,7 +13,7 @@ import torch
 
 from worker.platform import DtypeError, Platform, parse_dtype
 
-# architectures -> the model family that serves them (worker/models/registry.py)
+# architectures the one decoder in worker/models/decoder.py serves
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",

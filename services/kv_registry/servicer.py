@@ -1,4 +1,6 @@
-"""KvRegistryService: protobuf in, ``PrefixIndex`` call, protobuf out."""
+"""KvRegistryService: protobuf in, ``PrefixIndex`` call, protobuf out; it also checks that a
+registering worker agrees with the mesh (block size, hash function) and, through
+``Generations``, notices a Redis that restarted empty."""
 
 from __future__ import annotations
 

@@ -13,11 +13,11 @@ destroys no other (it is the same everywhere once every cache is full).
 
 Filters first (role, model, admission: a worker at its request limit gets no
 more; room for the prompt's blocks — when no worker has room the request queues
-on the cheapest rather than fail here), then the lowest
-cost wins (or a softmax draw when a temperature is set). The ``round_robin`` and
-``random`` policies ignore the cost: they are the baselines the placement
-benchmark measures KV-aware placement against. The decode worker is chosen first; a separate prefill worker
-only when the uncached part of the prompt is long enough to be worth a KV
+on the cheapest rather than fail here), then the lowest cost wins (or a softmax
+draw when a temperature is set). The ``round_robin`` and ``random`` policies
+ignore the cost: they are the baselines the placement benchmark measures
+KV-aware placement against. The decode worker is chosen first; a separate
+prefill worker only when the uncached part of the prompt is long enough to be worth a KV
 handoff and a prefill worker exists — otherwise the decode worker prefills
 locally (counted as a decode-only fallback when no prefill worker was up).
 

@@ -51,7 +51,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         rid, prompt = request.request_id, list(request.prompt.ids)
         self.engine.validate(prompt, params)
         if params.n != 1:
-            raise InvalidRequest("n > 1 is served by aggregated workers only")
+            raise InvalidRequest("n > 1 is not prefilled remotely: its samples fork after the prompt, on one worker")
         out = None
         async for out in self.engine.generate(rid, prompt, dataclasses.replace(params, max_tokens=1), hold_kv=True):
             pass

@@ -10,7 +10,8 @@ and prefix reuse (cached blocks start ``num_computed_tokens`` ahead).
 Running sequences go first, in arrival order; when blocks run out the latest
 arrival is preempted (its blocks freed, recomputed later). Waiting sequences are
 admitted while budget, sequence slots and blocks last; none is admitted in a step
-that had to preempt. (Not to be confused with the mesh-level ``Placer``.)"""
+that had to preempt. (Not to be confused with the mesh-level placement in
+``services/scheduler/``, which chooses a worker.)"""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Turns a ``ScheduledBatch`` into tensors, runs the model, samples.
 
 Owns the KV cache tensors, one per layer: [2, num_blocks, num_kv_heads,
-block_size * head_dim] (see ``paged_attention`` for the layout inside a block). Sequences are laid out decodes first (one new token
-each), then prompt chunks, which is the layout ``paged_attention`` expects. Only
+block_size * head_dim] (see ``paged_attention`` for the layout inside a block).
+Sequences are laid out decodes first (one new token each), then prompt chunks,
+which is the layout ``paged_attention`` expects. Only
 rows that sample become logits: the last token of each sequence that reaches its
 end this step (repeated ``n`` times for the first sample of an ``n > 1`` request)."""
 
