@@ -52,7 +52,8 @@ async def populate(index: PrefixIndex, rng: random.Random, num_workers: int, tot
     registered = 0
     for w in range(num_workers):
         wid = f"decode@10.0.0.{w}:50051"
-        await index.register(WorkerRecord(wid, wid.split("@")[1], "decode", "m", f"inc{w}", 16, HASH_NAME))
+        await index.register(WorkerRecord(worker_id=wid, address=wid.split("@")[1], role="decode", model="m",
+                                          incarnation=f"inc{w}", block_size=16, hash_name=HASH_NAME))
         held = [h for chain in chains for h in chain[:rng.randint(0, len(chain))]]
         held += [rng.randbytes(32) for _ in range(per_worker - len(held))]
         seq = 0

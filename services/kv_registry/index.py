@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 P = "kervan:"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkerRecord:
     worker_id: str
     address: str
@@ -147,9 +147,10 @@ class PrefixIndex:
                 await self.purge(wid)
                 continue
             f = {k.decode(): v.decode() for k, v in record.items()}
-            live.append((WorkerRecord(f["worker_id"], f["address"], f["role"], f["model"], f["incarnation"],
-                                      int(f["block_size"]), f["hash_name"]),
-                         Load(**{k.name: int(f.get(k.name, 0)) for k in fields(Load)})))
+            record = WorkerRecord(worker_id=f["worker_id"], address=f["address"], role=f["role"], model=f["model"],
+                                  incarnation=f["incarnation"], block_size=int(f["block_size"]),
+                                  hash_name=f["hash_name"])
+            live.append((record, Load(**{k.name: int(f.get(k.name, 0)) for k in fields(Load)})))
         return live
 
     async def purge(self, worker_id: str) -> None:

@@ -27,8 +27,9 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
                 f"{self.block_size} tokens with {self.hash_name!r}")
         if not (w.worker_id and w.address and w.incarnation) or w.role not in ("prefill", "decode", "both"):
             raise ValueError("worker_id, address, incarnation and a role of prefill, decode or both are required")
-        await self.index.register(WorkerRecord(w.worker_id, w.address, w.role, w.model, w.incarnation,
-                                               w.block_size, w.hash_name))
+        await self.index.register(WorkerRecord(worker_id=w.worker_id, address=w.address, role=w.role, model=w.model,
+                                               incarnation=w.incarnation, block_size=w.block_size,
+                                               hash_name=w.hash_name))
         return kv_registry_pb2.RegisterResponse(ttl_s=self.index.ttl_s)
 
     async def Deregister(self, request, context) -> kv_registry_pb2.DeregisterResponse:

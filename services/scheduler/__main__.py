@@ -43,9 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     channel = grpc.aio.insecure_channel(args.registry)
     servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(channel),
-                                 PlacementConfig(args.policy, args.overlap_weight, args.eviction_weight,
-                                                 args.temperature, args.min_remote_prefill_blocks,
-                                                 args.max_prefill_queue_tokens),
+                                 PlacementConfig(policy=args.policy, overlap_weight=args.overlap_weight,
+                                                 eviction_weight=args.eviction_weight, temperature=args.temperature,
+                                                 min_remote_prefill_blocks=args.min_remote_prefill_blocks,
+                                                 max_prefill_queue_tokens=args.max_prefill_queue_tokens),
                                  RecentPlacements(args.load_window_s, args.prefix_window_s), args.seed)
     handle = await start_server([Service(SERVICE_NAME, lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
         servicer, s))], args.host, args.port)

@@ -37,7 +37,7 @@ import random
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Candidate:
     worker_id: str
     address: str
@@ -54,7 +54,7 @@ class Candidate:
 POLICIES = ("kv", "round_robin", "random")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlacementConfig:
     policy: str = "kv"  # "kv": the cost above; "round_robin", "random": baselines
     overlap_weight: float = 2.0  # Dynamo's default is 1.0; 2.0 measured better here (benchmarks/README.md)

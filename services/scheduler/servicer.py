@@ -91,11 +91,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                               by_worker=dict(self.by_worker), refused=self.refused)
 
     def _candidate(self, w: kv_registry_pb2.LiveWorker, matched_blocks: int) -> Candidate:
+        # placements since its last report count as its load until the report shows them
         prefill_tokens, blocks = self.recent.pending(w.info.worker_id)
-        return Candidate(w.info.worker_id, w.info.address, w.info.role, matched_blocks,
-                         w.load.num_blocks - w.load.num_free_blocks + blocks, w.load.num_prefill_tokens + prefill_tokens,
-                         w.load.num_free_blocks - blocks, w.load.num_evictable_blocks, w.info.model,
-                         # its own report alone: adding recent placements would count twice the ones
-                         # it already reported and refuse below its limit in a burst (its admission
-                         # refuses what this lets through too many)
-                         full=0 < w.load.max_requests <= w.load.num_requests)
+        # its own report alone says whether it is full: adding recent placements would count twice
+        # the ones it already reported and refuse below its limit in a burst (its admission
+        # refuses what this lets through too many)
+        full = 0 < w.load.max_requests <= w.load.num_requests
+        return Candidate(worker_id=w.info.worker_id, address=w.info.address, role=w.info.role, model=w.info.model,
+                         matched_blocks=matched_blocks,
+                         active_blocks=w.load.num_blocks - w.load.num_free_blocks + blocks,
+                         prefill_tokens=w.load.num_prefill_tokens + prefill_tokens,
+                         free_blocks=w.load.num_free_blocks - blocks,
+                         evictable_blocks=w.load.num_evictable_blocks, full=full)

@@ -143,8 +143,10 @@ class AsyncEngine:
 
     def _snapshot_load(self) -> None:
         sched = self.engine.scheduler
-        self._load = Load(len(sched.running), len(sched.waiting), self.engine.kv.num_free_blocks,
-                          self.engine.config.num_kv_blocks, sched.num_prefill_tokens, self.engine.kv.pool.num_evictable)
+        self._load = Load(num_running=len(sched.running), num_waiting=len(sched.waiting),
+                          num_free_blocks=self.engine.kv.num_free_blocks, num_blocks=self.engine.config.num_kv_blocks,
+                          num_prefill_tokens=sched.num_prefill_tokens,
+                          num_evictable_blocks=self.engine.kv.pool.num_evictable)
 
     def _post(self, command: tuple) -> None:
         self._inbox.put(command)

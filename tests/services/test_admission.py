@@ -73,7 +73,8 @@ async def test_the_scheduler_skips_full_workers_and_refuses_when_all_are_full(re
     stub = scheduler_pb2_grpc.SchedulerServiceStub(to_scheduler)
     try:
         for wid in ("a", "b"):
-            await index.register(WorkerRecord(wid, f"127.0.0.1:{ord(wid)}", "both", "m", "i1", 16, "sha256"))
+            await index.register(WorkerRecord(worker_id=wid, address=f"127.0.0.1:{ord(wid)}", role="both", model="m",
+                                              incarnation="i1", block_size=16, hash_name="sha256"))
 
         async def report(wid, requests):
             await index.heartbeat(wid, "i1", Load(num_free_blocks=100, num_blocks=100, num_requests=requests,

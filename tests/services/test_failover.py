@@ -102,8 +102,9 @@ async def register_ghosts(mesh: ScheduledMesh, prompt: list[int], num: int) -> l
     for k in range(num):
         sock_port = 1 + k  # privileged, never bound by a test: connection refused
         wid = f"both@127.0.0.1:{sock_port}"
-        await index.register(WorkerRecord(wid, f"127.0.0.1:{sock_port}", "both", mesh.model_dir.name, "g", BLOCK_SIZE,
-                                          HASH_NAME))
+        await index.register(WorkerRecord(worker_id=wid, address=f"127.0.0.1:{sock_port}", role="both",
+                                          model=mesh.model_dir.name, incarnation="g", block_size=BLOCK_SIZE,
+                                          hash_name=HASH_NAME))
         await index.heartbeat(wid, "g", Load(num_free_blocks=256, num_blocks=256))
         await index.apply(wid, "g", [BlockStored(1, hashes, None, [], BLOCK_SIZE)])
         ghosts.append(f"127.0.0.1:{sock_port}")

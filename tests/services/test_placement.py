@@ -10,7 +10,8 @@ CFG = PlacementConfig(overlap_weight=1.0, min_remote_prefill_blocks=2)
 
 
 def cand(wid, role="decode", matched=0, active=0, queued=0, free=100, model="m", evictable=0, full=False):
-    return Candidate(wid, f"{wid}:1", role, matched, active, queued, free, evictable, model, full)
+    return Candidate(worker_id=wid, address=f"{wid}:1", role=role, matched_blocks=matched, active_blocks=active,
+                     prefill_tokens=queued, free_blocks=free, evictable_blocks=evictable, model=model, full=full)
 
 
 def test_prefers_the_worker_holding_the_prefix_unless_it_is_busier():
