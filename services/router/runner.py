@@ -103,7 +103,6 @@ class RequestRunner:
         self.policy = policy
         self.suspects = Suspects(policy.suspect_s)
         self._background: set[asyncio.Task] = set()
-        self.num_migrations = 0
 
     async def run(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams, n: int,
                   deadline) -> AsyncIterator[tuple[int, worker_pb2.TokenUpdate]]:
@@ -158,7 +157,6 @@ class RequestRunner:
                     raise Unavailable(f"{lost} after {len(delivered)} tokens; "
                                       f"{reason or f'migration limit ({self.policy.max_migrations}) reached'}") from None
                 attempt += 1
-                self.num_migrations += 1
                 log.info("request %s: %s after %d tokens; migrating (attempt %d)", rid, lost, len(delivered), attempt)
 
     async def _attempt(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams, n: int, deadline,

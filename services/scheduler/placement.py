@@ -70,7 +70,6 @@ AGGREGATED = "aggregated"  # the chosen worker does both
 SHORT = "short"  # the uncached part is too short to be worth a KV handoff
 NO_PREFILL_WORKER = "no_prefill_worker"  # decode-only fallback: no prefill worker is up
 PREFILL_QUEUE_FULL = "prefill_queue_full"  # overflow: the prefill pool is backed up
-REASONS = (REMOTE, AGGREGATED, SHORT, NO_PREFILL_WORKER, PREFILL_QUEUE_FULL)
 
 
 class AllBusy(Exception):
@@ -87,14 +86,6 @@ class Decision:
     prefill: Candidate | None  # None: prefill on the decode worker
     scores: dict[str, float] = field(default_factory=dict)
     reason: str = REMOTE
-
-    @property
-    def fallback(self) -> bool:
-        return self.reason == NO_PREFILL_WORKER
-
-    @property
-    def overflow(self) -> bool:
-        return self.reason == PREFILL_QUEUE_FULL
 
     @property
     def cached_blocks(self) -> int:

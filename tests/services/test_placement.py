@@ -30,18 +30,18 @@ def test_long_uncached_prompts_go_to_a_prefill_worker():
 
 def test_short_uncached_part_is_prefilled_locally():
     d = place([cand("d", matched=7), cand("p", "prefill")], 8, CFG)
-    assert d.prefill is None and not d.fallback and d.cached_blocks == 7
+    assert d.prefill is None and d.reason == "short" and d.cached_blocks == 7
 
 
 def test_decode_only_fallback_without_prefill_workers():
     d = place([cand("d")], 8, CFG)
-    assert d.prefill is None and d.fallback and d.reason == "no_prefill_worker"
+    assert d.prefill is None and d.reason == "no_prefill_worker"
 
 
 def test_a_full_prefill_queue_overflows_to_a_less_queued_decode_worker():
     cfg = PlacementConfig(max_prefill_queue_tokens=1000)
     d = place([cand("d", queued=200), cand("p", "prefill", queued=1500)], 8, cfg)
-    assert d.prefill is None and d.overflow and not d.fallback and d.reason == "prefill_queue_full"
+    assert d.prefill is None and d.reason == "prefill_queue_full"
     assert place([cand("d", queued=1600), cand("p", "prefill", queued=1500)], 8, cfg).prefill.worker_id == "p"
     assert place([cand("d"), cand("p", "prefill", queued=900)], 8, cfg).prefill.worker_id == "p"
     never = PlacementConfig(max_prefill_queue_tokens=0)
