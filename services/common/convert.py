@@ -10,7 +10,7 @@ from dataclasses import asdict, fields
 
 from services.common.load import Load
 from services.proto import common_pb2, kv_registry_pb2
-from worker.engine.sampling_params import SamplingParams
+from worker.engine.sampling_params import InvalidRequest, SamplingParams
 from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
@@ -55,7 +55,7 @@ def tier_to_proto(medium: str) -> int:
 
 def tier_from_proto(tier: int) -> str:
     if tier not in _TIER_NAMES:
-        raise ValueError(f"tier must be KV_TIER_DEVICE, KV_TIER_HOST or KV_TIER_DISK, got {tier}")
+        raise InvalidRequest(f"tier must be KV_TIER_DEVICE, KV_TIER_HOST or KV_TIER_DISK, got {tier}")
     return _TIER_NAMES[tier]
 
 
@@ -79,4 +79,4 @@ def event_from_proto(msg: kv_registry_pb2.KvEvent) -> KVEvent:
         return BlockRemoved(msg.seq, list(msg.removed.block_hashes), tier_from_proto(msg.removed.tier))
     if kind == "cleared":
         return AllBlocksCleared(msg.seq)
-    raise ValueError(f"KV event {msg.seq} has no kind")
+    raise InvalidRequest(f"KV event {msg.seq} has no kind")

@@ -3,11 +3,16 @@
 Servicers raise domain errors; clients see a clear status and message, never
 INTERNAL for their own mistakes:
 
-    InvalidRequest, ValueError  -> INVALID_ARGUMENT
+    InvalidRequest              -> INVALID_ARGUMENT
     Overloaded                  -> RESOURCE_EXHAUSTED
-    Unavailable                 -> UNAVAILABLE
+    Unavailable, Redis down     -> UNAVAILABLE
     FailedPrecondition          -> FAILED_PRECONDITION
-    anything else               -> INTERNAL (logged with its traceback)"""
+    NotFound, AlreadyExists     -> NOT_FOUND, ALREADY_EXISTS
+    anything else               -> INTERNAL (logged with its traceback and the request id)
+
+Only the domain's own exceptions name a client mistake: a ``ValueError`` from deep
+inside (a block pool out of blocks, a shape that does not match) is Kervan's fault,
+and says so."""
 
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ class FailedPrecondition(Exception):
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
-    if isinstance(exc, (InvalidRequest, ValueError)):
+    if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -91,12 +96,12 @@ def retry_after_s(err: grpc.aio.AioRpcError) -> float | None:
     return None
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, request: object = None) -> None:
     code = status_for(exc)
     if isinstance(exc, Overloaded):
         await context.abort_with_status(overloaded_status(exc))
     if code == grpc.StatusCode.INTERNAL:
-        log.exception("internal error")
+        log.exception("internal error in %s (request_id %r)", context.peer(), getattr(request, "request_id", ""))
         await context.abort(code, f"internal error: {type(exc).__name__}")
     await context.abort(code, str(exc))
 
@@ -114,7 +119,7 @@ def _guard_unary(inner):
         except Exception as exc:
             if _passes_through(exc):
                 raise
-            await _abort(context, exc)
+            await _abort(context, exc, request_or_iterator)
     return behaviour
 
 
@@ -131,7 +136,7 @@ def _guard_stream(inner):
         except Exception as exc:
             if _passes_through(exc):
                 raise
-            await _abort(context, exc)
+            await _abort(context, exc, request)
     return behaviour
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from services.common.convert import event_from_proto, load_from_proto, load_to_proto, tier_from_proto
 from services.common.errors import FailedPrecondition
+from worker.engine.sampling_params import InvalidRequest
 from services.kv_registry.generation import Generations
 from services.kv_registry.index import PrefixIndex, WorkerRecord
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
@@ -26,7 +27,7 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
                 f"worker {w.worker_id!r} hashes blocks of {w.block_size} tokens with {w.hash_name!r}; this mesh uses "
                 f"{self.block_size} tokens with {self.hash_name!r}")
         if not (w.worker_id and w.address and w.incarnation) or w.role not in ("prefill", "decode", "both"):
-            raise ValueError("worker_id, address, incarnation and a role of prefill, decode or both are required")
+            raise InvalidRequest("worker_id, address, incarnation and a role of prefill, decode or both are required")
         await self.index.register(WorkerRecord(worker_id=w.worker_id, address=w.address, role=w.role, model=w.model,
                                                incarnation=w.incarnation, block_size=w.block_size,
                                                hash_name=w.hash_name))
