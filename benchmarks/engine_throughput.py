@@ -114,7 +114,8 @@ def run_dtype(model_dir, dtype: str, rounds, args) -> dict:
     finally:
         if peer is not None:
             peer.close()
-    result = {"dtype": resolved, "device": engine.config.device, "runs": runs, "kv_waste": max(r["kervan"]["kv_waste"] for r in runs)}
+    result = {"dtype": resolved, "device": engine.config.device, "runs": runs,
+              "kv_waste": max(r["kervan"]["kv_waste"] for r in runs)}
     for system in ("kervan", "transformers", "vllm"):
         if system in runs[0]:
             result[f"{system}_output_tokens_per_s"] = median(r[system]["output_tokens_per_s"] for r in runs)

@@ -34,10 +34,10 @@ import grpc
 from benchmarks import plots
 from benchmarks.load import Timed, pct_ms, timed_request
 from benchmarks.machine import add_dtype_argument, machine
-from worker.platform import usable_cores
 from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
 from services.proto import router_pb2_grpc
 from worker.default_model import ensure_default_model
+from worker.platform import usable_cores
 
 SHAPES = {"aggregated": dict(num_prefill=0, num_decode=0, num_both=2),
           "disaggregated": dict(num_prefill=1, num_decode=1)}

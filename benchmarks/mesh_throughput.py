@@ -176,7 +176,8 @@ def main() -> None:
     # the full disaggregated mesh, and the same services around one aggregated worker: the
     # second isolates what the services cost from what splitting the cores between two
     # engines costs. Both stay up (idle workers sleep) while the systems take turns.
-    shapes = {"mesh": dict(num_prefill=1, num_decode=1), "mesh_aggregated": dict(num_prefill=0, num_decode=0, num_both=1)}
+    shapes = {"mesh": dict(num_prefill=1, num_decode=1),
+              "mesh_aggregated": dict(num_prefill=0, num_decode=0, num_both=1)}
     clusters = {name: Cluster(ClusterSpec(model_dir, **shapes[name], dtype=args.dtype), new_log_dir())
                 for name in args.topologies.split(",")}
     results: dict[int, dict[str, list[dict]]] = {c: {name: [] for name in ["engine", *clusters]} for c in concurrencies}

@@ -95,9 +95,10 @@ def main() -> None:
     oracle = oracle_hit_rate(work, which, args.prefix_len, 16)
     report = {"benchmark": "prefix_placement", "model": str(model_dir), "machine": machine(args.dtype),
               "replicas": args.replicas,
-              "workload": {"requests": len(work), "system_prompts": args.prefixes, "system_prompt_tokens": args.prefix_len,
-                           "suffix_tokens": args.suffix_len, "output_tokens": args.output_len,
-                           "concurrency": args.concurrency, "kv_blocks_per_worker": args.kv_blocks_per_worker},
+              "workload": {"requests": len(work), "system_prompts": args.prefixes,
+                           "system_prompt_tokens": args.prefix_len, "suffix_tokens": args.suffix_len,
+                           "output_tokens": args.output_len, "concurrency": args.concurrency,
+                           "kv_blocks_per_worker": args.kv_blocks_per_worker},
               "oracle_hit_rate": round(oracle, 3), "policies": {}}
     ttfts = {}
     for policy in args.policies.split(","):

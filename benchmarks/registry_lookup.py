@@ -116,8 +116,9 @@ async def main_async(args) -> dict:
         registered = await populate(index, rng, args.workers, args.blocks, chains)
         load_s = time.perf_counter() - t0
         memory = (await r.info("memory"))["used_memory"]  # both layouts
-        server = await start_server([Service(SERVICE_NAME, lambda s: kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(
-            KvRegistryServicer(index, 16, HASH_NAME), s))])
+        servicer = KvRegistryServicer(index, 16, HASH_NAME)
+        server = await start_server([Service(SERVICE_NAME, lambda s: (
+            kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(servicer, s)))])
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
         stub = kv_registry_pb2_grpc.KvRegistryServiceStub(channel)
 
@@ -138,9 +139,10 @@ async def main_async(args) -> dict:
         await channel.close()
         await server.stop(0)
         await r.aclose()
-    report = {"benchmark": "registry_lookup", "machine": machine(), "workers": args.workers, "blocks_registered": registered,
-              "prompt_blocks": args.prompt_blocks, "lookups": args.lookups, "load_seconds": round(load_s, 1),
-              "redis_used_memory_mb": round(memory / 2**20), "mean_longest_match_blocks": round(sum(depth) / len(depth), 1),
+    report = {"benchmark": "registry_lookup", "machine": machine(), "workers": args.workers,
+              "blocks_registered": registered, "prompt_blocks": args.prompt_blocks, "lookups": args.lookups,
+              "load_seconds": round(load_s, 1), "redis_used_memory_mb": round(memory / 2**20),
+              "mean_longest_match_blocks": round(sum(depth) / len(depth), 1),
               "latency_ms": {name: {"p50": pct(v, 50), "p99": pct(v, 99), "max": round(max(v), 3)}
                              for name, v in samples.items()}}
     report["owner_sets_vs_bitmaps_p99"] = round(report["latency_ms"]["owner_sets"]["p99"]

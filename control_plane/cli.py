@@ -17,7 +17,6 @@ import time
 
 import click
 
-
 DTYPE_HELP = ("auto (bfloat16 where the hardware computes it natively, else float32), bfloat16, float16 "
               "or float32")
 

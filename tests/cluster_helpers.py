@@ -7,8 +7,14 @@ import asyncio
 import grpc
 
 from control_plane.client import Completion, accumulate, build_request, stream
-from services.proto import (kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2,
-                            worker_pb2_grpc)
+from services.proto import (
+    kv_registry_pb2,
+    kv_registry_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 
 
 async def complete(cluster, timeout: float = 60, **kwargs) -> Completion:

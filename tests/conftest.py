@@ -13,8 +13,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 
 def _configs():
-    from transformers import (Glm4MoeConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
-                              Qwen2MoeConfig)
+    from transformers import Glm4MoeConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig
     llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 64, "rope_theta": 10000.0}
     return {
@@ -45,8 +44,8 @@ def build_hf_model(kind: str, seed: int = 0):
     return model
 
 
-_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-         "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+         "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 
 
 @pytest.fixture(scope="session")

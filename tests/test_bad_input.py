@@ -159,7 +159,7 @@ async def test_push_kv_refuses_foreign_segments_and_bad_headers(cluster):
     async with grpc.aio.insecure_channel(cluster.addresses["decode-0"]) as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)
         for head, words in bad_headers:
-            async def one():
+            async def one(head=head):
                 yield worker_pb2.PushKvRequest(header=head)
             await expect(lambda: stub.PushKv(one(), timeout=30), INVALID, words)
 

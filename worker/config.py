@@ -87,14 +87,14 @@ class ModelConfig:
             raise ConfigError(f"rotary dim {self.rope.rotary_dim} invalid for head_dim {self.head_dim}")
 
     @staticmethod
-    def from_dir(model_dir: str | Path) -> "ModelConfig":
+    def from_dir(model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
         return ModelConfig.from_hf_dict(json.loads(path.read_text()))
 
     @staticmethod
-    def from_hf_dict(cfg: dict) -> "ModelConfig":
+    def from_hf_dict(cfg: dict) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -213,7 +213,7 @@ class EngineConfig:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * elem
 
-    def resolve(self, model: ModelConfig, platform: Platform) -> "EngineConfig":
+    def resolve(self, model: ModelConfig, platform: Platform) -> EngineConfig:
         """Fill the values that depend on the hardware and the model; returns a new config."""
         device = platform.resolve_device(self.device)
         if device.startswith("cuda") and platform.cuda is None:

@@ -14,7 +14,7 @@ class Tokenizer:
         self._tok = tok
 
     @staticmethod
-    def from_dir(model_dir: str | Path) -> "Tokenizer | None":
+    def from_dir(model_dir: str | Path) -> Tokenizer | None:
         path = Path(model_dir) / "tokenizer.json"
         return Tokenizer(HFTokenizer.from_file(str(path))) if path.is_file() else None
 

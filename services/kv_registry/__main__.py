@@ -36,8 +36,8 @@ async def serve(args: argparse.Namespace) -> None:
     index = PrefixIndex(client, args.ttl)
     await index.forget_all()  # rebuild from the workers' dumps, asked for on their next heartbeat
     servicer = KvRegistryServicer(index, args.block_size, HASH_NAME)
-    handle = await start_server([Service(SERVICE_NAME, lambda s: kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(
-        servicer, s))], args.host, args.port)
+    handle = await start_server([Service(SERVICE_NAME, lambda s: (
+        kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(servicer, s)))], args.host, args.port)
     print(f"kv-registry ready on {args.host}:{handle.port}", flush=True)
     await serve_until_signal(handle, client.aclose)
 

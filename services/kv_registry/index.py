@@ -129,7 +129,8 @@ class PrefixIndex:
                      ) -> tuple[int, bool, bool]:
         answer = await self._apply(keys=[f"{P}w:{worker_id}", f"{P}own:{worker_id}", f"{P}seq:{worker_id}",
                                          f"{P}unknown"],
-                                   args=[incarnation, worker_id, self.owners.block_prefix, "1" if replace else "0", *ops])
+                                   args=[incarnation, worker_id, self.owners.block_prefix, "1" if replace else "0",
+                                         *ops])
         if answer == -1:
             raise StaleIncarnation(worker_id, incarnation)
         return int(answer[0]), bool(answer[1]), bool(answer[2])

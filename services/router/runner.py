@@ -26,8 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import grpc
 
@@ -154,8 +154,8 @@ class RequestRunner:
                     continue
                 reason = not_migratable(sampling, n)
                 if reason or attempt >= self.policy.max_migrations:
-                    raise Unavailable(f"{lost} after {len(delivered)} tokens; "
-                                      f"{reason or f'migration limit ({self.policy.max_migrations}) reached'}") from None
+                    why = reason or f"migration limit ({self.policy.max_migrations}) reached"
+                    raise Unavailable(f"{lost} after {len(delivered)} tokens; {why}") from None
                 attempt += 1
                 log.info("request %s: %s after %d tokens; migrating (attempt %d)", rid, lost, len(delivered), attempt)
 

@@ -24,7 +24,6 @@ from services.router.stop_strings import StopWatch, validate_stop
 from worker.engine.sampling_params import InvalidRequest
 from worker.tokenizer import Tokenizer
 
-
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -58,8 +57,8 @@ class _Sample:
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, routes: StaticRoutes | ScheduledRoutes, tokenizer: Tokenizer | None, limits: ModelLimits,
-                 max_in_flight: int = 1024, migration: MigrationPolicy = MigrationPolicy()):
-        self.runner = RequestRunner(routes, limits.name, migration)
+                 max_in_flight: int = 1024, migration: MigrationPolicy | None = None):
+        self.runner = RequestRunner(routes, limits.name, migration or MigrationPolicy())
         self.max_in_flight = max_in_flight
         self.tokenizer = tokenizer
         self.limits = limits

@@ -48,8 +48,8 @@ async def serve(args: argparse.Namespace) -> None:
                                                  min_remote_prefill_blocks=args.min_remote_prefill_blocks,
                                                  max_prefill_queue_tokens=args.max_prefill_queue_tokens),
                                  RecentPlacements(args.load_window_s, args.prefix_window_s), args.seed)
-    handle = await start_server([Service(SERVICE_NAME, lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
-        servicer, s))], args.host, args.port)
+    handle = await start_server([Service(SERVICE_NAME, lambda s: (
+        scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)))], args.host, args.port)
     print(f"scheduler ready on {args.host}:{handle.port}", flush=True)
     await serve_until_signal(handle, channel.close)
 

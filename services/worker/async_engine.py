@@ -16,8 +16,9 @@ import asyncio
 import logging
 import queue
 import threading
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Callable, TypeVar
+from typing import TypeVar
 
 from services.common.errors import Overloaded
 from services.common.load import Load

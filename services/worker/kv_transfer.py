@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
-from typing import AsyncIterator
 
 import numpy as np
 import torch

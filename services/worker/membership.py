@@ -9,6 +9,7 @@ them (a gap in the events, or a registry restart) and says so in a response."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 
@@ -69,7 +70,7 @@ class Membership:
     async def _event_loop(self) -> None:
         while True:
             events = await self.engine.call(lambda e: e.take_events())
-            if events and await self._guarded(lambda: self._publish(events)):
+            if events and await self._guarded(functools.partial(self._publish, events)):
                 self._dump_wanted = True
             if self._dump_wanted:
                 self._dump_wanted = False

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -53,8 +53,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if params.n != 1:
             raise InvalidRequest("n > 1 is not prefilled remotely: its samples fork after the prompt, on one worker")
         out = None
-        async for out in self.engine.generate(rid, prompt, dataclasses.replace(params, max_tokens=1), hold_kv=True):
-            pass
+        async for update in self.engine.generate(rid, prompt, dataclasses.replace(params, max_tokens=1), hold_kv=True):
+            out = update  # the last one: the prompt's first token
         first = out.outputs[0]
         response = worker_pb2.PrefillResponse(first_token=first.token_ids[0],
                                               first_logprob=first.logprobs[0] if first.logprobs else 0.0,
@@ -85,7 +85,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         except grpc.aio.AioRpcError as err:
             if export is not None:
                 export.discard()
-            raise Unavailable(f"KV push to {request.decode_address} failed: {err.code().name} {err.details()}")
+            why = f"{err.code().name} {err.details()}"
+            raise Unavailable(f"KV push to {request.decode_address} failed: {why}") from None
         finally:
             if export is not None:
                 export.close()

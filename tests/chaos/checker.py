@@ -82,7 +82,8 @@ def check(outcomes: list[Outcome], expected: list[list[int]] | None = None,
             counts["failed_as_intended"] += 1
         else:
             counts["lost"] += 1
-    assert counts["lost"] == 0 and counts["duplicate_tokens"] == 0, (counts, [(o.status, o.details) for o in outcomes if o.status])
+    failures = [(o.status, o.details) for o in outcomes if o.status]
+    assert counts["lost"] == 0 and counts["duplicate_tokens"] == 0, (counts, failures)
     return counts
 
 

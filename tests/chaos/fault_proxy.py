@@ -17,7 +17,7 @@ class FaultProxy:
         self._server: asyncio.base_events.Server | None = None
         self._pairs: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
 
-    async def start(self) -> "FaultProxy":
+    async def start(self) -> FaultProxy:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self

@@ -14,7 +14,6 @@ from tests.cluster_helpers import WORKERS, scheduler_stats, worker_loads
 from tests.conftest import make_engine, make_prompts
 from worker import SamplingParams
 
-
 OUTPUT = 160  # long enough that the admitted requests still run while the whole burst arrives
 
 

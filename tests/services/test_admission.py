@@ -14,9 +14,7 @@ import pytest
 from services.common.errors import Overloaded, retry_after_s
 from services.common.load import Load
 from services.common.server import Service, start_server
-from services.kv_registry.__main__ import SERVICE_NAME as REGISTRY_NAME
 from services.kv_registry.index import PrefixIndex, WorkerRecord
-from services.kv_registry.servicer import KvRegistryServicer
 from services.proto import common_pb2, kv_registry_pb2_grpc, router_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.router.routes import Placement
 from services.router.runner import MigrationPolicy, RequestRunner
@@ -24,7 +22,7 @@ from services.scheduler.__main__ import SERVICE_NAME as SCHEDULER_NAME
 from services.scheduler.placement import PlacementConfig
 from services.scheduler.servicer import SchedulerServicer
 from tests.conftest import make_engine, make_prompts
-from tests.services.conftest import start_mesh, start_worker
+from tests.services.conftest import start_mesh, start_registry, start_worker
 from worker import SamplingParams
 
 
@@ -64,11 +62,11 @@ async def test_overload_is_refused_fast_with_retry_info_and_accepted_requests_fi
 
 async def test_the_scheduler_skips_full_workers_and_refuses_when_all_are_full(redis_client):
     index = PrefixIndex(redis_client)
-    registry = await start_server([Service(REGISTRY_NAME, lambda s: kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(
-        KvRegistryServicer(index, 16, "sha256"), s))])
+    registry = await start_registry(index)
     to_registry = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
-    scheduler = await start_server([Service(SCHEDULER_NAME, lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
-        SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(to_registry), PlacementConfig()), s))])
+    servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(to_registry), PlacementConfig())
+    scheduler = await start_server([Service(SCHEDULER_NAME, lambda s: (
+        scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)))])
     to_scheduler = grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}")
     stub = scheduler_pb2_grpc.SchedulerServiceStub(to_scheduler)
     try:

@@ -19,8 +19,8 @@ from services.proto import router_pb2_grpc
 from services.router.runner import MigrationPolicy
 from tests.chaos.checker import check, stream
 from tests.conftest import make_engine, make_prompts
-from tests.services.scheduled_mesh import BLOCK_SIZE, ScheduledMesh
 from tests.services.mesh_helpers import engine_paused
+from tests.services.scheduled_mesh import BLOCK_SIZE, ScheduledMesh
 from worker import SamplingParams
 from worker.kv.block_hash import HASH_NAME, hash_blocks
 from worker.kv.events import BlockStored

@@ -9,11 +9,9 @@ from contextlib import asynccontextmanager
 import grpc
 
 from control_plane.membership import LeaseWatcher
-from services.common.server import Service, start_server
-from services.kv_registry.__main__ import SERVICE_NAME
 from services.kv_registry.index import PrefixIndex, WorkerRecord
-from services.kv_registry.servicer import KvRegistryServicer
 from services.proto import kv_registry_pb2_grpc
+from tests.services.conftest import start_registry
 from worker.kv.block_hash import HASH_NAME
 from worker.kv.events import BlockStored
 
@@ -21,8 +19,7 @@ from worker.kv.events import BlockStored
 @asynccontextmanager
 async def watching(index: PrefixIndex, redis_client, interval_s: float):
     """A kv-registry on ``index`` and a lease watcher over it, running."""
-    registry = await start_server([Service(SERVICE_NAME, lambda s: kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(
-        KvRegistryServicer(index, 16, HASH_NAME), s))])
+    registry = await start_registry(index)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
     watcher = LeaseWatcher(redis_client, kv_registry_pb2_grpc.KvRegistryServiceStub(channel), interval_s=interval_s)
     task = asyncio.create_task(watcher.run())

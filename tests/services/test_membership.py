@@ -6,14 +6,12 @@ import asyncio
 
 import grpc
 
-from services.common.server import Service, start_server
-from services.kv_registry.__main__ import SERVICE_NAME
 from services.kv_registry.index import PrefixIndex
-from services.kv_registry.servicer import KvRegistryServicer
 from services.proto import kv_registry_pb2_grpc
 from services.worker.async_engine import AsyncEngine
 from services.worker.membership import Membership
 from tests.conftest import make_engine, make_prompts
+from tests.services.conftest import start_registry
 from worker import SamplingParams
 from worker.kv.block_hash import HASH_NAME
 
@@ -28,8 +26,7 @@ async def until(predicate, timeout=10.0):
 
 async def test_blocks_reach_the_index_and_gaps_and_restarts_are_healed_by_dumps(llama, redis_client):
     index = PrefixIndex(redis_client)
-    registry = await start_server([Service(SERVICE_NAME, lambda s: kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(
-        KvRegistryServicer(index, 4, HASH_NAME), s))])
+    registry = await start_registry(index, block_size=4)
     engine = AsyncEngine(make_engine(llama[1]))
     engine.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
@@ -71,8 +68,7 @@ async def test_blocks_reach_the_index_and_gaps_and_restarts_are_healed_by_dumps(
 
 async def test_a_worker_hashing_differently_is_refused_at_registration(redis_client):
     from services.proto import kv_registry_pb2
-    registry = await start_server([Service(SERVICE_NAME, lambda s: kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(
-        KvRegistryServicer(PrefixIndex(redis_client), 16, HASH_NAME), s))])
+    registry = await start_registry(PrefixIndex(redis_client))
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}") as channel:
             stub = kv_registry_pb2_grpc.KvRegistryServiceStub(channel)

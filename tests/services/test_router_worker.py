@@ -10,8 +10,16 @@ import pytest
 from services.proto import common_pb2, router_pb2, worker_pb2
 from tests.conftest import hf_greedy, make_engine, make_prompts
 from tests.services.conftest import start_mesh
-from tests.services.mesh_helpers import (collect, engine_paused, greedy, num_aborted, token_ids, wait_aborted,
-                                         wait_idle, wait_inactive)
+from tests.services.mesh_helpers import (
+    collect,
+    engine_paused,
+    greedy,
+    num_aborted,
+    token_ids,
+    wait_aborted,
+    wait_idle,
+    wait_inactive,
+)
 from worker import SamplingParams
 
 
@@ -75,7 +83,7 @@ async def test_cancel_mid_stream_aborts_on_the_worker_and_frees_every_block(llam
 async def test_text_prompt_streams_text(text_mesh, default_model_dir):
     from worker.tokenizer import Tokenizer
     deltas, [fin] = await collect(text_mesh.router, router_pb2.GenerateRequest(
-        text="Once upon a time".encode(), sampling=common_pb2.SamplingParams(max_tokens=20, seed=5)))
+        text=b"Once upon a time", sampling=common_pb2.SamplingParams(max_tokens=20, seed=5)))
     ids = token_ids(deltas)
     assert "".join(d.delta.text for d in deltas) == Tokenizer.from_dir(default_model_dir).decode(ids)
     assert fin.finished.usage.prompt_tokens == len(Tokenizer.from_dir(default_model_dir).encode("Once upon a time"))
@@ -131,7 +139,7 @@ async def test_deadline_is_passed_on_and_expiry_aborts_the_request(llama_mesh):
             if msg.delta.token_ids:
                 break
         with engine_paused(llama_mesh):  # past the deadline with the request unfinished
-            async for msg in call:
+            async for _ in call:
                 pass
             await wait_inactive(llama_mesh)  # the deadline reached the worker's call too
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -34,7 +34,8 @@ def test_rms_norm(dtype, hidden):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [64, 100])
 def test_add_rms_norm_updates_both_in_place(dtype, hidden):
-    x, residual, w = randn(9, hidden, dtype=dtype), randn(9, hidden, dtype=dtype, seed=1), randn(hidden, dtype=dtype, seed=2)
+    x, residual = randn(9, hidden, dtype=dtype), randn(9, hidden, dtype=dtype, seed=1)
+    w = randn(hidden, dtype=dtype, seed=2)
     want_sum = x + residual  # one rounding to the dtype, as PyTorch does
     want = fused.rms_norm_torch(want_sum, w, 1e-6)
     torch.ops.kervan.add_rms_norm(x, residual, w, 1e-6)

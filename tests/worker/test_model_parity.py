@@ -13,7 +13,6 @@ from worker.layers.paged_attention import AttentionMetadata
 from worker.loader import load_model
 from worker.runner.model_runner import allocate_kv_caches
 
-
 pytestmark = pytest.mark.isa
 
 

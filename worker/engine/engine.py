@@ -51,7 +51,7 @@ class Engine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, **options) -> "Engine":
+    def from_pretrained(cls, model_dir: str | Path, **options) -> Engine:
         return cls(model_dir, EngineConfig(**options))
 
     # -- the step-level interface -------------------------------------------------

@@ -96,7 +96,7 @@ class Request:
             parent = self.block_hashes[-1] if done else ROOT_HASH
             self.block_hashes += hash_blocks(self.token_ids, self.block_size, self.cache_salt, parent, done)
 
-    def fork(self, sample_index: int) -> "Request":
+    def fork(self, sample_index: int) -> Request:
         """A sibling sample sharing everything computed so far (the prompt)."""
         child = Request.__new__(Request)
         child.__dict__.update(self.__dict__)

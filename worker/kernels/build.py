@@ -167,7 +167,7 @@ class _BuildLock:
         self.path, self.wait_s = path, wait_s
         self.fd = -1
 
-    def __enter__(self) -> "_BuildLock":
+    def __enter__(self) -> _BuildLock:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + self.wait_s
         while True:

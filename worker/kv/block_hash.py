@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 HASH_NAME = "sha256"  # advertised to the mesh so every member hashes alike
 ROOT_HASH = hashlib.sha256(b"kervan.block_hash.v1").digest()

@@ -3,7 +3,7 @@ into one column-parallel matmul and down row-parallel."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -53,7 +53,7 @@ class AttentionMetadata:
     @staticmethod
     def build(slots: list[int], decode_tables: list[list[int]], decode_lens: list[int],
               prefills: list[tuple[int, int, int, list[int]]], block_size: int,
-              device: torch.device, native: bool = False) -> "AttentionMetadata":
+              device: torch.device, native: bool = False) -> AttentionMetadata:
         """slots: block_id * block_size + offset per token; prefills: (start,
         num_tokens, num_context, block_ids) per chunk."""
         slot = torch.tensor(slots, dtype=torch.long, device=device)

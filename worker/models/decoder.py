@@ -9,7 +9,7 @@ and returns hidden states; the runner picks which rows become logits."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
