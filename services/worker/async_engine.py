@@ -7,7 +7,8 @@ each request's asyncio queue via ``call_soon_threadsafe``.
 
     event loop                         engine thread
     generate() --add-->  inbox  --->   add_request
-    abort()    --abort-> inbox  --->   abort
+    abort()    --abort-> inbox  --->   abort          (one dataclass per command:
+    call(fn)   --call--> inbox  --->   fn(engine)      _Add, _Abort, _Call)
     queue.get() <--call_soon_threadsafe--  step() outputs"""
 
 from __future__ import annotations
@@ -58,6 +59,31 @@ class _Stream:
     queue: asyncio.Queue
 
 
+# What the event loop asks of the engine thread, one record per kind of command.
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    stream: _Stream
+    options: dict
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[Engine], object]
+    loop: asyncio.AbstractEventLoop | None = None  # with ``future``: whoever awaits the result
+    future: asyncio.Future | None = None
+
+
+_Command = _Add | _Abort | _Call
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, max_waiting: int | None = None):
         """``max_waiting``: requests admitted beyond a full batch (``max_num_seqs``)
@@ -102,7 +128,7 @@ class AsyncEngine:
                              f"(max_num_seqs + max_waiting); retry later or elsewhere")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._active.add(request_id)
-        self._post(("add", request_id, prompt, params, stream, options))
+        self._post(_Add(request_id, prompt, params, stream, options))
         finished = False
         try:
             while not finished:
@@ -116,25 +142,25 @@ class AsyncEngine:
         finally:
             self._active.discard(request_id)
             if not finished:
-                self._post(("abort", request_id))
+                self._post(_Abort(request_id))
 
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         self.engine.validate(prompt, params)  # reads configuration only: safe off the engine thread
 
     def abort(self, request_id: str) -> bool:
         known = request_id in self._active
-        self._post(("abort", request_id))
+        self._post(_Abort(request_id))
         return known
 
     def post(self, fn: Callable[[Engine], object]) -> None:
         """Run ``fn(engine)`` on the engine thread between steps, without waiting for it."""
-        self._post(("call", fn, None, None))
+        self._post(_Call(fn))
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread, between steps."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._post(("call", fn, loop, future))
+        self._post(_Call(fn, loop, future))
         return await future
 
     def load(self) -> Load:
@@ -149,7 +175,7 @@ class AsyncEngine:
                           num_prefill_tokens=sched.num_prefill_tokens,
                           num_evictable_blocks=self.engine.kv.pool.num_evictable)
 
-    def _post(self, command: tuple) -> None:
+    def _post(self, command: _Command) -> None:
         self._inbox.put(command)
         self._wake.set()
 
@@ -177,28 +203,35 @@ class AsyncEngine:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                _, rid, prompt, params, stream, options = command
-                self._streams[rid] = stream
-                try:
-                    self.engine.add_request(prompt, params, request_id=rid, **options)
-                except Exception as exc:
-                    self._deliver(rid, exc)
-            elif command[0] == "call":
-                _, fn, loop, future = command
-                try:
-                    result = fn(self.engine)
-                except Exception as exc:
-                    if future is None:
-                        log.exception("posted engine call failed")
-                    else:
-                        loop.call_soon_threadsafe(_settle, future, None, exc)
-                else:
-                    if future is not None:
-                        loop.call_soon_threadsafe(_settle, future, result, None)
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                self.num_aborted += self.engine.abort(command.request_id)
+                self._streams.pop(command.request_id, None)
+            elif isinstance(command, _Call):
+                self._call(command)
             else:
-                self.num_aborted += self.engine.abort(command[1])
-                self._streams.pop(command[1], None)
+                raise TypeError(f"unknown engine command {command!r}")  # a bug: never taken for an abort
+
+    def _add(self, command: _Add) -> None:
+        self._streams[command.request_id] = command.stream
+        try:
+            self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
+                                    **command.options)
+        except Exception as exc:
+            self._deliver(command.request_id, exc)
+
+    def _call(self, command: _Call) -> None:
+        try:
+            result = command.fn(self.engine)
+        except Exception as exc:
+            if command.future is None:
+                log.exception("posted engine call failed")
+            else:
+                command.loop.call_soon_threadsafe(_settle, command.future, None, exc)
+        else:
+            if command.future is not None:
+                command.loop.call_soon_threadsafe(_settle, command.future, result, None)
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         self._deliver_all([(request_id, item)])
