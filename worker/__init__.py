@@ -14,6 +14,8 @@ _EXPORTS = {
     "InvalidRequest": "worker.engine.sampling_params",
     "RequestOutput": "worker.engine.outputs",
     "CompletionOutput": "worker.engine.outputs",
+    "EngineStats": "worker.engine.outputs",
+    "ImportedKV": "worker.engine.engine",
 }
 
 __all__ = sorted(_EXPORTS)

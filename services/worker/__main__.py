@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, num_kv_blocks=args.num_kv_blocks,
                                     max_num_seqs=args.max_num_seqs)
     log.info("engine: %s on %s, native CPU kernels %s", dtype_name(engine.config.dtype), engine.config.device,
-             "on" if engine.runner.native_kernels else "off")
+             "on" if engine.uses_native_kernels else "off")
     async_engine = AsyncEngine(engine, args.max_waiting)
     loop_ready = threading.Event()
     holder: dict = {}

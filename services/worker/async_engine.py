@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TypeVar
 
 from services.common.errors import Overloaded
@@ -163,17 +163,17 @@ class AsyncEngine:
         self._post(_Call(fn, loop, future))
         return await future
 
+    @property
+    def block_size(self) -> int:
+        return self.engine.config.block_size
+
     def load(self) -> Load:
         """The load as of the engine thread's last step, with the requests admitted now."""
         return replace(self._load, num_requests=len(self._active), max_requests=self.max_requests,
                        num_aborted=self.num_aborted)
 
     def _snapshot_load(self) -> None:
-        sched = self.engine.scheduler
-        self._load = Load(num_running=len(sched.running), num_waiting=len(sched.waiting),
-                          num_free_blocks=self.engine.kv.num_free_blocks, num_blocks=self.engine.config.num_kv_blocks,
-                          num_prefill_tokens=sched.num_prefill_tokens,
-                          num_evictable_blocks=self.engine.kv.pool.num_evictable)
+        self._load = Load(**asdict(self.engine.stats()))
 
     def _post(self, command: _Command) -> None:
         self._inbox.put(command)

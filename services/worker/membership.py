@@ -32,7 +32,7 @@ class Membership:
         self.engine = engine
         self.info = kv_registry_pb2.WorkerInfo(
             worker_id=f"{role}@{address}", address=address, role=role, model=model, incarnation=uuid.uuid4().hex,
-            block_size=engine.engine.config.block_size, hash_name=HASH_NAME)
+            block_size=engine.block_size, hash_name=HASH_NAME)
         self.heartbeat_s = heartbeat_s
         self.event_interval_s = event_interval_s
         self.load_interval_s = load_interval_s
@@ -111,7 +111,7 @@ class Membership:
         return reply.needs_full_dump
 
     async def _dump(self) -> None:
-        seq, cached = await self.engine.call(lambda e: e.kv.dump())
+        seq, cached = await self.engine.call(lambda e: e.cached_blocks())
         reply = await self.registry.ReportBlocks(kv_registry_pb2.ReportBlocksRequest(
             worker_id=self.info.worker_id, incarnation=self.info.incarnation, seq=seq,
             tiers=[kv_registry_pb2.TierBlocks(tier=tier_to_proto(MEDIUM_DEVICE), block_hashes=cached)]), timeout=30)

@@ -19,9 +19,7 @@ from services.common.errors import FailedPrecondition, Unavailable
 from services.proto import worker_pb2, worker_pb2_grpc
 from services.worker import kv_transfer
 from services.worker.async_engine import AsyncEngine
-from worker import RequestOutput
-from worker.engine.engine import ImportedKV
-from worker.engine.sampling_params import InvalidRequest
+from worker import ImportedKV, InvalidRequest, RequestOutput
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]", socket.gethostname()}
 

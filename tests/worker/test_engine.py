@@ -213,3 +213,25 @@ def test_kv_events_announce_stored_and_evicted_blocks_in_sequence(llama):
 def engine_hashes(tokens, block_size):
     from worker.kv.block_hash import hash_blocks
     return hash_blocks(tokens, block_size)
+
+
+def test_stats_and_cached_blocks_are_the_engines_public_view(llama):
+    from worker import EngineStats
+    engine = make_engine(llama[1])
+    assert engine.stats() == EngineStats(num_running=0, num_waiting=0, num_free_blocks=128, num_blocks=128,
+                                         num_prefill_tokens=0, num_evictable_blocks=0)
+    prompt = make_prompts([10], seed=12)[0]
+    engine.add_request(prompt, GREEDY, request_id="s")
+    assert engine.stats().num_waiting == 1 and engine.stats().num_prefill_tokens == 10
+    engine.step()
+    assert engine.stats().num_running == 1 and engine.stats().num_prefill_tokens == 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    seq, hashes = engine.cached_blocks()  # the prompt's two full blocks, then full blocks of its output
+    assert hashes[:2] == engine_block_hashes(prompt) and seq >= 1
+    assert engine.stats().num_evictable_blocks == len(hashes)
+
+
+def engine_block_hashes(tokens):
+    from worker.kv.block_hash import hash_blocks
+    return hash_blocks(tokens, 4)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from worker.config import ConfigError, EngineConfig, ModelConfig
-from worker.engine.outputs import CompletionOutput, RequestOutput
+from worker.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from worker.engine.request import Request
 from worker.engine.sampling_params import InvalidRequest, SamplingParams
 from worker.engine.scheduler import StepScheduler
@@ -206,6 +206,21 @@ class Engine:
             del self.groups[request_id]
         return RequestOutput(request_id, first.token_ids[:first.num_prompt_tokens], completions,
                              max(first.num_cached_tokens, 0), finished)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                           num_free_blocks=self.kv.num_free_blocks, num_blocks=self.config.num_kv_blocks,
+                           num_prefill_tokens=self.scheduler.num_prefill_tokens,
+                           num_evictable_blocks=self.kv.pool.num_evictable)
+
+    def cached_blocks(self) -> tuple[int, list[bytes]]:
+        """Every cached block's hash, as of the last KV event's sequence number (a full
+        dump for the registry; events not yet taken are superseded by it)."""
+        return self.kv.dump()
+
+    @property
+    def uses_native_kernels(self) -> bool:
+        return self.runner.native_kernels
 
     def kv_slot_usage(self) -> tuple[int, int]:
         """(slots allocated to running sequences, slots holding their KV); shared blocks

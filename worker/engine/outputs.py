@@ -41,3 +41,15 @@ class RequestOutput:
     @property
     def text(self) -> str | None:
         return self.outputs[0].text
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStats:
+    """The engine's load as of its last step (what a worker reports to the mesh)."""
+
+    num_running: int  # sequences running
+    num_waiting: int  # sequences waiting
+    num_free_blocks: int  # KV blocks free (cached or empty)
+    num_blocks: int
+    num_prefill_tokens: int  # prompt tokens admitted, not yet computed
+    num_evictable_blocks: int  # free blocks still holding cached prefixes
