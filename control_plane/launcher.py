@@ -106,7 +106,8 @@ class Cluster:
         self.spawned[role] += 1
         extra = ["--num-kv-blocks", str(self.spec.num_kv_blocks)] if self.spec.num_kv_blocks else []
         self._start(name, "services.worker", "--role", role, "--model", str(self.spec.model_dir),
-                    "--registry", self.addresses["kv-registry"], "--dtype", self.spec.dtype, *extra,
+                    "--registry", self.addresses["kv-registry"], "--dtype", self.spec.dtype,
+                    "--block-size", str(self.spec.block_size), *extra,
                     *self.spec.worker_args, *args,
                     env={"OMP_NUM_THREADS": str(threads)}, cores=cores)
         return name

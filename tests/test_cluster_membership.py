@@ -75,3 +75,35 @@ def test_workers_join_and_leave_while_requests_flow(llama, tmp_path):
         assert after.placements == s.placements
     finally:
         cluster.stop()
+
+
+def test_a_block_size_other_than_16_reaches_every_process(llama, tmp_path):
+    """The router hashes, the registry checks and the workers cache blocks of one size: the
+    launcher's ``block_size`` (before, workers always used 16 and any other size had every
+    worker refused)."""
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, dtype="float32",
+                                  num_kv_blocks=256, block_size=8), tmp_path)
+    cluster.start(timeout=240)
+    try:
+        prompt = make_prompts([30], seed=51)[0]
+
+        async def twice():
+            first = await complete(cluster, token_ids=prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
+            for _ in range(100):  # its 3 full blocks of 8 reach the registry
+                if (await scheduler_dry_run(cluster, prompt)).cached_blocks == 3:
+                    break
+                await asyncio.sleep(0.05)
+            second = await complete(cluster, token_ids=prompt[:27] + [5], max_tokens=4, temperature=0.0,
+                                    ignore_eos=True)
+            return first, second
+
+        first, second = asyncio.run(twice())
+        assert first.finish_reason == "length" and second.usage["cached_prompt_tokens"] == 24  # 3 blocks of 8
+    finally:
+        cluster.stop()
+
+
+async def scheduler_dry_run(cluster, prompt) -> scheduler_pb2.PlaceResponse:
+    async with grpc.aio.insecure_channel(cluster.addresses["scheduler"]) as ch:
+        return await scheduler_pb2_grpc.SchedulerServiceStub(ch).Place(scheduler_pb2.PlaceRequest(
+            request_id="dry", block_hashes=hash_blocks(prompt, 8), num_prompt_tokens=len(prompt), dry_run=True))

@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="auto: bfloat16 where the hardware computes it natively, else float32 (float16 on GPUs "
                          "without bf16); `kervan info` shows the choice")
     ap.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="tokens per KV block; every process of a mesh takes the same (the kv-registry refuses others)")
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-waiting", type=int, default=256,
@@ -89,8 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging()
     log.info("platform: %s", current_platform().summary())
     model_dir = Path(args.model) if args.model else ensure_default_model()
-    engine = Engine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, num_kv_blocks=args.num_kv_blocks,
-                                    max_num_seqs=args.max_num_seqs)
+    engine = Engine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                                    num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs)
     log.info("engine: %s on %s, native CPU kernels %s", dtype_name(engine.config.dtype), engine.config.device,
              "on" if engine.uses_native_kernels else "off")
     async_engine = AsyncEngine(engine, args.max_waiting)
