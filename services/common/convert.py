@@ -1,7 +1,7 @@
 """The only module that turns protobuf messages into domain objects and back
 (sampling parameters, finish reasons, worker load, KV events).
 
-Unset optional fields take the defaults documented in ``protos/kervan/v1/common.proto``;
+Unset optional fields take ``SamplingParams``' defaults (as ``protos/kervan/v1/common.proto`` documents);
 everything else is validated by the domain constructors, whose errors name the field."""
 
 from __future__ import annotations
@@ -17,15 +17,22 @@ _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_RE
            "abort": common_pb2.FINISH_REASON_ABORT}
 
 
+_DEFAULTS = SamplingParams()  # what an unset optional field means: the engine's own defaults
+
+
+def max_tokens_of(msg: common_pb2.SamplingParams) -> int:
+    return msg.max_tokens if msg.HasField("max_tokens") else _DEFAULTS.max_tokens
+
+
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else 16,
-        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        max_tokens=max_tokens_of(msg),
+        temperature=msg.temperature if msg.HasField("temperature") else _DEFAULTS.temperature,
         top_k=msg.top_k,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else _DEFAULTS.top_p,
         min_p=msg.min_p,
         seed=msg.seed if msg.HasField("seed") else None,
-        n=msg.n if msg.HasField("n") else 1,
+        n=msg.n if msg.HasField("n") else _DEFAULTS.n,
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs,

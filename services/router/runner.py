@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common.convert import max_tokens_of
 from services.common.errors import Overloaded, Unavailable, retry_after_s
 from services.proto import common_pb2, worker_pb2
 from services.router.routes import Placement, ScheduledRoutes, StaticRoutes
@@ -112,7 +113,7 @@ class RequestRunner:
         excluded: set[str] = set()
         busy: WorkerBusy | None = None  # the last refusal, answered if no other worker takes the request
         attempt = placements = 0
-        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else 16
+        max_tokens = max_tokens_of(sampling)
         while True:
             produced = False
             base = len(delivered)  # tokens this attempt's worker counts as prompt

@@ -21,14 +21,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--registry", required=True, help="HOST:PORT of the kv-registry")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--policy", choices=POLICIES, default="kv",
+    ap.add_argument("--policy", choices=POLICIES, default=PlacementConfig.policy,
                     help="kv: KV-overlap and load cost; round_robin and random are baselines")
     ap.add_argument("--overlap-weight", type=float, default=PlacementConfig.overlap_weight,
                     help="weight of uncached prompt blocks")
     ap.add_argument("--eviction-weight", type=float, default=PlacementConfig.eviction_weight,
                     help="weight of cached blocks a request would evict")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--min-remote-prefill-blocks", type=int, default=2,
+    ap.add_argument("--temperature", type=float, default=PlacementConfig.temperature,
+                    help="0: the lowest cost wins; > 0: a softmax draw over -cost / temperature")
+    ap.add_argument("--min-remote-prefill-blocks", type=int, default=PlacementConfig.min_remote_prefill_blocks,
                     help="uncached prompt blocks below which the decode worker prefills locally")
     ap.add_argument("--max-prefill-queue-tokens", type=int, default=PlacementConfig.max_prefill_queue_tokens,
                     help="prefill-pool queue (tokens) above which the decode worker prefills locally; 0: never")
