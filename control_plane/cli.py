@@ -26,29 +26,38 @@ def main() -> None:
     """Kervan: serve large language models across many processes and machines."""
 
 
+def sampling_options(fn):
+    for option in reversed([
+        click.option("--max-tokens", type=int, default=32, show_default=True),
+        click.option("--temperature", type=float, default=None, help="0 = greedy (default 1.0)"),
+        click.option("--top-p", type=float, default=None),
+        click.option("--top-k", type=int, default=0),
+        click.option("--min-p", type=float, default=0.0),
+        click.option("--seed", type=int, default=None),
+        click.option("--ignore-eos", is_flag=True),
+    ]):
+        fn = option(fn)
+    return fn
+
+
 @main.command()
 @click.argument("prompt")
 @click.option("--model", "model_dir", default=None, help="Hugging Face model directory (default: embedded model).")
-@click.option("--max-tokens", default=32, show_default=True)
-@click.option("--temperature", default=0.8, show_default=True)
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--top-k", default=0, show_default=True)
-@click.option("--min-p", default=0.0, show_default=True)
-@click.option("--seed", default=None, type=int)
+@sampling_options
 @click.option("-n", "n", default=1, show_default=True, help="Number of samples.")
-@click.option("--ignore-eos", is_flag=True)
 @click.option("--dtype", default="auto", show_default=True, help=DTYPE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def complete(prompt: str, model_dir: str | None, max_tokens: int, temperature: float, top_p: float,
-             top_k: int, min_p: float, seed: int | None, n: int, ignore_eos: bool, dtype: str,
+def complete(prompt: str, model_dir: str | None, max_tokens: int, temperature: float | None, top_p: float | None,
+             top_k: int, min_p: float, seed: int | None, ignore_eos: bool, n: int, dtype: str,
              as_json: bool) -> None:
     """Complete PROMPT with the in-process engine."""
     from worker import Engine, InvalidRequest, SamplingParams
     from worker.default_model import ensure_default_model
 
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                min_p=min_p, seed=seed, n=n, ignore_eos=ignore_eos)
+        unset = {"temperature": temperature, "top_p": top_p}  # None: the engine's default, as for generate
+        params = SamplingParams(max_tokens=max_tokens, top_k=top_k, min_p=min_p, seed=seed, n=n,
+                                ignore_eos=ignore_eos, **{k: v for k, v in unset.items() if v is not None})
         engine = Engine.from_pretrained(model_dir or ensure_default_model(), dtype=dtype)
         start = time.perf_counter()
         [out] = engine.generate([prompt], params)
@@ -67,20 +76,6 @@ def complete(prompt: str, model_dir: str | None, max_tokens: int, temperature: f
     total = sum(len(c.token_ids) for c in out.outputs)
     click.echo(f"[{total} tokens in {elapsed:.2f}s, finish: {', '.join(c.finish_reason for c in out.outputs)}]",
                err=True)
-
-
-def sampling_options(fn):
-    for option in reversed([
-        click.option("--max-tokens", type=int, default=32, show_default=True),
-        click.option("--temperature", type=float, default=None, help="0 = greedy (default 1.0)"),
-        click.option("--top-p", type=float, default=None),
-        click.option("--top-k", type=int, default=0),
-        click.option("--min-p", type=float, default=0.0),
-        click.option("--seed", type=int, default=None),
-        click.option("--ignore-eos", is_flag=True),
-    ]):
-        fn = option(fn)
-    return fn
 
 
 @main.command()
