@@ -75,7 +75,7 @@ class Cluster:
             self._start("kv-registry", "services.kv_registry", "--redis", redis_url,
                         "--block-size", str(self.spec.block_size), *self.spec.registry_args)
             self._wait_serving(["kv-registry"], timeout)
-            self._spawn("control-plane", [sys.executable, "-m", "control_plane.membership", "--redis", redis_url,
+            self._spawn("control-plane", [sys.executable, "-m", "control_plane.lease_watch", "--redis", redis_url,
                                           "--registry", self.addresses["kv-registry"]])
             self._start("scheduler", "services.scheduler", "--registry", self.addresses["kv-registry"],
                         *self.spec.scheduler_args)

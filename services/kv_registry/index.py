@@ -36,6 +36,7 @@ from worker.kv.events import BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
 P = "kervan:"
+LEASE_PREFIX = f"{P}w:"  # a worker's lease key is LEASE_PREFIX + its id (the lease watch listens for their expiry)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +77,7 @@ class PrefixIndex:
             await self.r.sadd(f"{P}unknown", *workers)
 
     async def register(self, worker: WorkerRecord) -> None:
-        key = f"{P}w:{worker.worker_id}"
+        key = f"{LEASE_PREFIX}{worker.worker_id}"
         previous = await self.r.hget(key, "incarnation")
         if previous is not None and previous.decode() != worker.incarnation:
             await self.purge(worker.worker_id)  # a restarted process starts with an empty cache
@@ -96,7 +97,7 @@ class PrefixIndex:
     async def heartbeat(self, worker_id: str, incarnation: str, load: Load) -> bool:
         """Renew and record load; True when the registry needs the worker's full dump."""
         fields = [x for k, v in asdict(load).items() for x in (k, str(v))]
-        answer = await self._renew(keys=[f"{P}w:{worker_id}", f"{P}unknown"],
+        answer = await self._renew(keys=[f"{LEASE_PREFIX}{worker_id}", f"{P}unknown"],
                                    args=[incarnation, worker_id, self.ttl_s, *fields])
         if answer < 0:
             raise StaleIncarnation(worker_id, incarnation)
@@ -127,7 +128,7 @@ class PrefixIndex:
 
     async def _write(self, worker_id: str, incarnation: str, ops: list, replace: bool = False
                      ) -> tuple[int, bool, bool]:
-        answer = await self._apply(keys=[f"{P}w:{worker_id}", f"{P}own:{worker_id}", f"{P}seq:{worker_id}",
+        answer = await self._apply(keys=[f"{LEASE_PREFIX}{worker_id}", f"{P}own:{worker_id}", f"{P}seq:{worker_id}",
                                          f"{P}unknown"],
                                    args=[incarnation, worker_id, self.owners.block_prefix, "1" if replace else "0",
                                          *ops])
@@ -140,7 +141,7 @@ class PrefixIndex:
         ids = sorted(w.decode() for w in await self.r.smembers(f"{P}workers"))
         async with self.r.pipeline(transaction=False) as pipe:
             for wid in ids:
-                pipe.hgetall(f"{P}w:{wid}")
+                pipe.hgetall(f"{LEASE_PREFIX}{wid}")
             records = await pipe.execute()
         live = []
         for wid, record in zip(ids, records):
@@ -156,7 +157,7 @@ class PrefixIndex:
 
     async def purge(self, worker_id: str) -> None:
         await self._drop_ownership(worker_id)
-        await self.r.delete(f"{P}w:{worker_id}", f"{P}seq:{worker_id}")
+        await self.r.delete(f"{LEASE_PREFIX}{worker_id}", f"{P}seq:{worker_id}")
         await self.r.srem(f"{P}workers", worker_id)
         await self.r.srem(f"{P}unknown", worker_id)
         await self.owners.release_slot(worker_id)
@@ -173,6 +174,6 @@ class PrefixIndex:
 
     async def _check(self, worker_id: str, incarnation: str) -> None:
         """Raises StaleIncarnation unless ``incarnation`` is the registered one."""
-        current = await self.r.hget(f"{P}w:{worker_id}", "incarnation")
+        current = await self.r.hget(f"{LEASE_PREFIX}{worker_id}", "incarnation")
         if current is None or current.decode() != incarnation:
             raise StaleIncarnation(worker_id, incarnation)

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 import grpc
 
-from control_plane.membership import LeaseWatcher
+from control_plane.lease_watch import LeaseWatcher
 from services.kv_registry.index import PrefixIndex, WorkerRecord
 from services.proto import kv_registry_pb2_grpc
 from tests.services.conftest import start_registry

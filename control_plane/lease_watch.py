@@ -1,4 +1,4 @@
-"""``python -m control_plane.membership``: the control plane's watch over worker leases.
+"""``python -m control_plane.lease_watch``: the control plane's watch over worker leases.
 
 Workers hold leases in Redis (``kervan:w:{id}``, renewed by their heartbeats). This
 process declares a worker dead the moment its lease expires — Redis keyspace
@@ -21,10 +21,10 @@ import grpc
 import redis.asyncio as redis
 
 from services.common.config import parse_args as parse_args_with_env
+from services.kv_registry.index import LEASE_PREFIX
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 
 log = logging.getLogger(__name__)
-LEASE_PREFIX = "kervan:w:"
 
 
 class LeaseWatcher:
@@ -70,7 +70,7 @@ class LeaseWatcher:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m control_plane.membership", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m control_plane.lease_watch", description=__doc__.split("\n\n")[0])
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
     ap.add_argument("--registry", required=True, help="HOST:PORT of the kv-registry")
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between reconciliations")
