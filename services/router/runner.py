@@ -27,7 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -97,6 +97,17 @@ class Suspects:
         return set(self._until)
 
 
+@dataclass
+class _Progress:
+    """Where one request stands across its attempts."""
+
+    delivered: list[int] = field(default_factory=list)  # sample 0's tokens the client has
+    excluded: set[str] = field(default_factory=set)  # workers this request found lost or busy
+    busy: WorkerBusy | None = None  # the last refusal, answered if no other worker takes the request
+    attempt: int = 0  # migrations so far (what TokenDelta.attempt says)
+    placements: int = 0  # placements that ended before a first token (lost or refused)
+
+
 class RequestRunner:
     def __init__(self, routes: StaticRoutes | ScheduledRoutes, model: str, policy: MigrationPolicy):
         self.routes = routes
@@ -109,56 +120,64 @@ class RequestRunner:
                   deadline) -> AsyncIterator[tuple[int, worker_pb2.TokenUpdate]]:
         """(attempt, update) pairs; updates of later attempts carry indices continuing
         the earlier ones and no cached-prompt count (theirs covers delivered tokens)."""
-        delivered: list[int] = []
-        excluded: set[str] = set()
-        busy: WorkerBusy | None = None  # the last refusal, answered if no other worker takes the request
-        attempt = placements = 0
+        state = _Progress()
         max_tokens = max_tokens_of(sampling)
         while True:
             produced = False
-            base = len(delivered)  # tokens this attempt's worker counts as prompt
+            base = len(state.delivered)  # tokens this attempt's worker counts as prompt
             resumed = common_pb2.SamplingParams()
             resumed.CopyFrom(sampling)
             resumed.max_tokens = max_tokens - base
-            worker_rid = rid if attempt == 0 else f"{rid}.m{attempt}"
+            worker_rid = rid if state.attempt == 0 else f"{rid}.m{state.attempt}"
             try:
-                async for update in self._attempt(worker_rid, prompt + delivered, resumed, n, deadline,
-                                                  excluded | self.suspects.current()):
+                async for update in self._attempt(worker_rid, prompt + state.delivered, resumed, n, deadline,
+                                                  state.excluded | self.suspects.current()):
                     produced = True
-                    if attempt:
+                    if state.attempt:
                         update.index += base
                         update.cached_prompt_tokens = 0
                     if update.sample_index == 0:
-                        delivered += update.token_ids
-                    yield attempt, update
+                        state.delivered += update.token_ids
+                    yield state.attempt, update
                 return
             except WorkerBusy as refused:
-                placements += 1
-                if produced or delivered or placements >= MAX_PLACEMENTS or not self.routes.alternatives:
-                    raise Overloaded(str(refused), refused.retry_after_s) from None
-                busy = refused
-                excluded.add(refused.address)
-                log.debug("request %s: %s refused it; placing again", rid, refused.address)
+                self._refused(rid, state, refused, produced)
             except grpc.aio.AioRpcError as err:
-                if busy is not None and err.code() == grpc.StatusCode.UNAVAILABLE:
-                    raise Overloaded(str(busy), busy.retry_after_s) from None  # no other worker to try
+                if state.busy is not None and err.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise Overloaded(str(state.busy), state.busy.retry_after_s) from None  # no other worker to try
                 raise
             except WorkerLost as lost:
-                excluded.add(lost.address)
-                self.suspects.mark(lost.address)
-                if not produced and not delivered:
-                    placements += 1
-                    if placements >= MAX_PLACEMENTS:
-                        raise Unavailable(f"{lost}; no other worker took the request") from None
-                    log.info("request %s: %s before its first token; placing again", rid, lost)
-                    await asyncio.sleep(0.05 * placements)
-                    continue
-                reason = not_migratable(sampling, n)
-                if reason or attempt >= self.policy.max_migrations:
-                    why = reason or f"migration limit ({self.policy.max_migrations}) reached"
-                    raise Unavailable(f"{lost} after {len(delivered)} tokens; {why}") from None
-                attempt += 1
-                log.info("request %s: %s after %d tokens; migrating (attempt %d)", rid, lost, len(delivered), attempt)
+                await self._lost(rid, state, lost, produced, sampling, n)
+
+    def _refused(self, rid: str, state: _Progress, refused: WorkerBusy, produced: bool) -> None:
+        """Place a refused request elsewhere, or raise the refusal as the client's answer."""
+        state.placements += 1
+        if produced or state.delivered or state.placements >= MAX_PLACEMENTS or not self.routes.alternatives:
+            raise Overloaded(str(refused), refused.retry_after_s) from None
+        state.busy = refused
+        state.excluded.add(refused.address)
+        log.debug("request %s: %s refused it; placing again", rid, refused.address)
+
+    async def _lost(self, rid: str, state: _Progress, lost: WorkerLost, produced: bool,
+                    sampling: common_pb2.SamplingParams, n: int) -> None:
+        """Place again (nothing delivered yet) or migrate (tokens delivered) a request whose
+        worker was lost, or raise UNAVAILABLE saying why it cannot go on."""
+        state.excluded.add(lost.address)
+        self.suspects.mark(lost.address)
+        if not produced and not state.delivered:
+            state.placements += 1
+            if state.placements >= MAX_PLACEMENTS:
+                raise Unavailable(f"{lost}; no other worker took the request") from None
+            log.info("request %s: %s before its first token; placing again", rid, lost)
+            await asyncio.sleep(0.05 * state.placements)
+            return
+        reason = not_migratable(sampling, n)
+        if reason or state.attempt >= self.policy.max_migrations:
+            why = reason or f"migration limit ({self.policy.max_migrations}) reached"
+            raise Unavailable(f"{lost} after {len(state.delivered)} tokens; {why}") from None
+        state.attempt += 1
+        log.info("request %s: %s after %d tokens; migrating (attempt %d)", rid, lost, len(state.delivered),
+                 state.attempt)
 
     async def _attempt(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams, n: int, deadline,
                        exclude: set[str]) -> AsyncIterator[worker_pb2.TokenUpdate]:
