@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from worker.model_limits import max_position
 from worker.platform import DtypeError, Platform, parse_dtype
 
 # architectures the one decoder in worker/models/decoder.py serves
@@ -120,7 +121,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
-            max_position=cfg.get("max_position_embeddings", 4096),
+            max_position=max_position(cfg),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope=_parse_rope(cfg, head_dim),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch == "Qwen2ForCausalLM"))),
@@ -220,10 +221,15 @@ class EngineConfig:
             raise ConfigError(f"device {self.device!r} requested but CUDA is not available")
         concrete = replace(self, device=device, dtype=platform.resolve_dtype(self.dtype, device))
         num_blocks = self.num_kv_blocks or max(2, self.kv_cache_memory_bytes // concrete.bytes_per_block(model))
-        max_len = min(self.max_model_len or model.max_position, model.max_position)
         if self.max_model_len and self.max_model_len > model.max_position:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
                               f"max_position_embeddings {model.max_position}")
+        capacity = num_blocks * self.block_size
+        if self.max_model_len and self.max_model_len > capacity:
+            raise ConfigError(f"max_model_len {self.max_model_len} does not fit the KV cache "
+                              f"({num_blocks} blocks x {self.block_size} = {capacity} tokens)")
+        # unset: the model's limit, cut to what the KV cache holds (one sequence must always fit)
+        max_len = self.max_model_len or min(model.max_position, capacity)
         return replace(concrete, num_kv_blocks=num_blocks, max_model_len=max_len)
 
 

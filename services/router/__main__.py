@@ -17,6 +17,7 @@ from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2_grpc
 from services.router.routes import Channels, Placement, ScheduledRoutes, StaticRoutes
 from services.router.runner import MigrationPolicy
 from services.router.servicer import ModelLimits, RouterServicer
+from worker.model_limits import max_position
 from worker.tokenizer import Tokenizer
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
@@ -45,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_limits(model_dir: Path) -> ModelLimits:
     cfg = json.loads((model_dir / "config.json").read_text())
-    return ModelLimits(cfg["vocab_size"], cfg.get("max_position_embeddings", 4096), model_dir.name)
+    return ModelLimits(cfg["vocab_size"], max_position(cfg), model_dir.name)
 
 
 async def serve(args: argparse.Namespace) -> None:

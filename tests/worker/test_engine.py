@@ -235,3 +235,14 @@ def test_stats_and_cached_blocks_are_the_engines_public_view(llama):
 def engine_block_hashes(tokens):
     from worker.kv.block_hash import hash_blocks
     return hash_blocks(tokens, 4)
+
+
+def test_max_model_len_is_the_models_limit_cut_to_what_the_kv_cache_holds(llama):
+    from worker.config import ConfigError
+    assert make_engine(llama[1], num_kv_blocks=128).config.max_model_len == 512  # the model's limit (128 x 4 = 512)
+    assert make_engine(llama[1], num_kv_blocks=20).config.max_model_len == 80  # one sequence must always fit
+    assert make_engine(llama[1], num_kv_blocks=20, max_model_len=64).config.max_model_len == 64
+    with pytest.raises(ConfigError, match="does not fit the KV cache"):
+        make_engine(llama[1], num_kv_blocks=20, max_model_len=100)
+    with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings 512"):
+        make_engine(llama[1], max_model_len=600)

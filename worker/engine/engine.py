@@ -8,12 +8,12 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from worker.config import ConfigError, EngineConfig, ModelConfig
+from worker.config import EngineConfig, ModelConfig
 from worker.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from worker.engine.request import Request
 from worker.engine.sampling_params import InvalidRequest, SamplingParams
@@ -41,7 +41,7 @@ class ImportedKV:
 class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig):
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.config = _resolve(config, self.model_config)
+        self.config = config.resolve(self.model_config, current_platform())
         model = load_model(model_dir, self.config.dtype, self.config.max_model_len, self.config.device)
         self.kv = KVCacheManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = StepScheduler(self.config, self.kv)
@@ -232,13 +232,3 @@ class Engine:
         return allocated, used
 
 
-def _resolve(config: EngineConfig, model: ModelConfig) -> EngineConfig:
-    explicit = config.max_model_len is not None
-    config = config.resolve(model, current_platform())
-    capacity = config.num_kv_blocks * config.block_size
-    if config.max_model_len > capacity:
-        if explicit:
-            raise ConfigError(f"max_model_len {config.max_model_len} does not fit the KV cache "
-                              f"({config.num_kv_blocks} blocks x {config.block_size} = {capacity} tokens)")
-        config = replace(config, max_model_len=capacity)  # one sequence must always fit
-    return config
