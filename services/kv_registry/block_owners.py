@@ -2,11 +2,11 @@
 
 Every registered worker gets a slot (the lowest free one); ``blk:{hash}`` is a
 bitmap with the owners' slot bits set, deleted when its last bit clears (KV events
-write them in ``scripts.APPLY``). A longest-prefix match is then one round trip of one MGET (plus the slot table and
-the unknown set, pipelined) and a walk of AND-ed integers on the client: a
-128-block prompt moves ~128 short strings, where a set per block (SMEMBERS of
-each) moved every owner's id for every block and cost several times more (the
-registry benchmark measures both)."""
+write them in ``scripts.APPLY``). A longest-prefix match is then one round trip of
+one MGET (plus the slot table and the unknown set, pipelined) and a walk of AND-ed
+integers on the client: a 128-block prompt moves ~128 short strings, where a set
+per block (SMEMBERS of each) moved every owner's id for every block and cost
+several times more (the registry benchmark measures both)."""
 
 from __future__ import annotations
 

@@ -149,10 +149,10 @@ class PrefixIndex:
                 await self.purge(wid)
                 continue
             f = {k.decode(): v.decode() for k, v in record.items()}
-            record = WorkerRecord(worker_id=f["worker_id"], address=f["address"], role=f["role"], model=f["model"],
+            worker = WorkerRecord(worker_id=f["worker_id"], address=f["address"], role=f["role"], model=f["model"],
                                   incarnation=f["incarnation"], block_size=int(f["block_size"]),
                                   hash_name=f["hash_name"])
-            live.append((record, Load(**{k.name: int(f.get(k.name, 0)) for k in fields(Load)})))
+            live.append((worker, Load(**{k.name: int(f.get(k.name, 0)) for k in fields(Load)})))
         return live
 
     async def purge(self, worker_id: str) -> None:

@@ -17,9 +17,9 @@ on the cheapest rather than fail here), then the lowest cost wins (or a softmax
 draw when a temperature is set). The ``round_robin`` and ``random`` policies
 ignore the cost: they are the baselines the placement benchmark measures
 KV-aware placement against. The decode worker is chosen first; a separate
-prefill worker only when the uncached part of the prompt is long enough to be worth a KV
-handoff and a prefill worker exists — otherwise the decode worker prefills
-locally (counted as a decode-only fallback when no prefill worker was up).
+prefill worker only when the uncached part of the prompt is long enough to be
+worth a KV handoff and a prefill worker exists — otherwise the decode worker
+prefills locally (counted as a decode-only fallback when no prefill worker was up).
 
 Like Dynamo's conditional disaggregation, remote prefill also needs room in the
 prefill pool: when even the chosen prefill worker has more than

@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from typing import TypeVar
 
 from services.common.errors import Overloaded
@@ -96,7 +96,7 @@ class AsyncEngine:
         self._active: set[str] = set()  # event loop only: ids in flight, for duplicate checks
         self._stopped = False
         self.num_aborted = 0  # engine thread writes, anyone reads: requests aborted before they finished
-        self._load = Load(num_free_blocks=engine.config.num_kv_blocks, num_blocks=engine.config.num_kv_blocks)
+        self._stats = engine.stats()  # as of the engine thread's last step
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -169,11 +169,8 @@ class AsyncEngine:
 
     def load(self) -> Load:
         """The load as of the engine thread's last step, with the requests admitted now."""
-        return replace(self._load, num_requests=len(self._active), max_requests=self.max_requests,
-                       num_aborted=self.num_aborted)
-
-    def _snapshot_load(self) -> None:
-        self._load = Load(**asdict(self.engine.stats()))
+        return Load(**vars(self._stats), num_requests=len(self._active), max_requests=self.max_requests,
+                    num_aborted=self.num_aborted)
 
     def _post(self, command: _Command) -> None:
         self._inbox.put(command)
@@ -182,7 +179,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopped:
             self._drain_inbox()
-            self._snapshot_load()
+            self._stats = self.engine.stats()
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
