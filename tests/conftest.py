@@ -3,6 +3,8 @@ safetensors into a temporary folder, so tests need no download."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -72,6 +74,20 @@ def make_engine(model_dir, **options):
     from worker import Engine
     options = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 128, **options}
     return Engine.from_pretrained(model_dir, **options)
+
+
+def greedy_tokens(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The in-process engine's greedy tokens for each prompt: the reference the mesh's
+    answers are checked against (computed once per model, prompts and length)."""
+    return [list(t) for t in _greedy_tokens(str(model_dir), tuple(map(tuple, prompts)), max_tokens)]
+
+
+@functools.cache
+def _greedy_tokens(model_dir: str, prompts: tuple, max_tokens: int) -> tuple:
+    from worker import SamplingParams
+    outs = make_engine(model_dir).generate([list(p) for p in prompts],
+                                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return tuple(tuple(o.token_ids) for o in outs)
 
 
 def make_prompts(lengths, seed=0, vocab=128):

@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.client import build_request
-from tests.cluster_helpers import complete, scheduler_stats, wait_cached, wait_idle, worker_loads
+from tests.cluster_helpers import complete, scheduler_dry_run, scheduler_stats, wait_cached, wait_idle, worker_loads
 from tests.conftest import hf_greedy, make_engine, make_prompts
 from worker import SamplingParams
 
@@ -86,7 +86,8 @@ async def test_a_shared_prefix_is_placed_on_the_decode_worker_that_caches_it(clu
     choices = []
     for k in range(4):
         shared = prompt[:64] + [3 + k, 4 + k]
-        choices.append(await dry_run(cluster, shared))  # what the scheduler would do, and why
+        placed = await scheduler_dry_run(cluster, shared)  # what the scheduler would do, and why
+        choices.append((placed.decode_worker_id, placed.prefill_reason, dict(placed.scores)))
         out = await complete(cluster, token_ids=shared, max_tokens=2, temperature=0.0, ignore_eos=True)
         assert out.usage["cached_prompt_tokens"] == 64, k
     after = await scheduler_stats(cluster)
@@ -94,15 +95,6 @@ async def test_a_shared_prefix_is_placed_on_the_decode_worker_that_caches_it(clu
     assert after.by_worker[holder] == first.by_worker[holder] + 4, (holder, choices, await worker_loads(cluster))
     assert after.by_prefill_reason["short"] == first.by_prefill_reason["short"] + 4  # nothing left to ship
     await wait_idle(cluster)
-
-
-async def dry_run(cluster, prompt) -> tuple:
-    from services.proto import scheduler_pb2, scheduler_pb2_grpc
-    from worker.kv.block_hash import hash_blocks
-    async with grpc.aio.insecure_channel(cluster.addresses["scheduler"]) as ch:
-        placed = await scheduler_pb2_grpc.SchedulerServiceStub(ch).Place(scheduler_pb2.PlaceRequest(
-            request_id="dry", block_hashes=hash_blocks(prompt, 16), num_prompt_tokens=len(prompt), dry_run=True))
-    return placed.decode_worker_id, placed.prefill_reason, dict(placed.scores)
 
 
 def test_generic_reflection_client_sees_every_service_serving(cluster):

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
-
 from control_plane.launcher import Cluster, ClusterSpec
-from services.proto import scheduler_pb2, scheduler_pb2_grpc
-from tests.cluster_helpers import complete, scheduler_stats
+from tests.cluster_helpers import complete, scheduler_dry_run, scheduler_stats
 from tests.conftest import make_prompts
-from worker.kv.block_hash import hash_blocks
 
 
 def test_workers_join_and_leave_while_requests_flow(llama, tmp_path):
@@ -62,12 +58,7 @@ def test_workers_join_and_leave_while_requests_flow(llama, tmp_path):
             f"both@{cluster.addresses['both-0']}", f"both@{cluster.addresses['both-1']}"}
 
         async def dry_run():  # answers without counting; only the remaining worker is a candidate
-            async with grpc.aio.insecure_channel(cluster.addresses["scheduler"]) as ch:
-                stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
-                placed = await stub.Place(scheduler_pb2.PlaceRequest(
-                    request_id="dry", block_hashes=hash_blocks(prompts[0], 16), num_prompt_tokens=len(prompts[0]),
-                    dry_run=True))
-                return placed, await stub.GetStats(scheduler_pb2.GetStatsRequest())
+            return await scheduler_dry_run(cluster, prompts[0]), await scheduler_stats(cluster)
 
         placed, after = asyncio.run(dry_run())
         assert placed.decode_address == cluster.addresses["both-1"] and placed.prefill_reason == "aggregated"
@@ -90,7 +81,7 @@ def test_a_block_size_other_than_16_reaches_every_process(llama, tmp_path):
         async def twice():
             first = await complete(cluster, token_ids=prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
             for _ in range(100):  # its 3 full blocks of 8 reach the registry
-                if (await scheduler_dry_run(cluster, prompt)).cached_blocks == 3:
+                if (await scheduler_dry_run(cluster, prompt, 8)).cached_blocks == 3:
                     break
                 await asyncio.sleep(0.05)
             second = await complete(cluster, token_ids=prompt[:27] + [5], max_tokens=4, temperature=0.0,
@@ -101,9 +92,3 @@ def test_a_block_size_other_than_16_reaches_every_process(llama, tmp_path):
         assert first.finish_reason == "length" and second.usage["cached_prompt_tokens"] == 24  # 3 blocks of 8
     finally:
         cluster.stop()
-
-
-async def scheduler_dry_run(cluster, prompt) -> scheduler_pb2.PlaceResponse:
-    async with grpc.aio.insecure_channel(cluster.addresses["scheduler"]) as ch:
-        return await scheduler_pb2_grpc.SchedulerServiceStub(ch).Place(scheduler_pb2.PlaceRequest(
-            request_id="dry", block_hashes=hash_blocks(prompt, 8), num_prompt_tokens=len(prompt), dry_run=True))

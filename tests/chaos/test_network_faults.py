@@ -14,8 +14,7 @@ from control_plane.launcher import Cluster, ClusterSpec, free_port
 from services.proto import worker_pb2, worker_pb2_grpc
 from tests.chaos.checker import check, record, stream, wait_baseline
 from tests.chaos.fault_proxy import FaultProxy
-from tests.conftest import make_engine, make_prompts
-from worker import SamplingParams
+from tests.conftest import greedy_tokens, make_prompts
 
 
 class ProxyThread:
@@ -55,8 +54,7 @@ def test_a_worker_cut_off_by_the_network_is_migrated_away_from(llama, tmp_path, 
                        "--advertise-address", f"127.0.0.1:{proxy.port}", port=port)
         cluster._wait_serving(["both-1"], 240)
         prompts = make_prompts([20, 21, 22, 23], seed=100)
-        expected = [o.token_ids for o in make_engine(llama[1]).generate(
-            prompts, SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))]
+        expected = greedy_tokens(llama[1], prompts, 300)
 
         async def run():
             started = [asyncio.Event() for _ in prompts]

@@ -11,8 +11,7 @@ from control_plane.launcher import Cluster, ClusterSpec
 from services.proto import worker_pb2, worker_pb2_grpc
 from tests.chaos.checker import check, record, runtime, stream, wait_baseline
 from tests.cluster_helpers import WORKERS, scheduler_stats, worker_loads
-from tests.conftest import make_engine, make_prompts
-from worker import SamplingParams
+from tests.conftest import greedy_tokens, make_prompts
 
 OUTPUT = 160  # long enough that the admitted requests still run while the whole burst arrives
 
@@ -29,8 +28,7 @@ def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tm
     cluster.start(timeout=240)
     try:
         prompts = make_prompts([16 + i % 9 for i in range(64)], seed=90)
-        expected = [o.token_ids for o in make_engine(llama[1]).generate(
-            prompts, SamplingParams(max_tokens=OUTPUT, temperature=0, ignore_eos=True))]
+        expected = greedy_tokens(llama[1], prompts, OUTPUT)
         services = ["router", "both-0", "both-1"]
 
         async def burst():

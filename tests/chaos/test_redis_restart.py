@@ -11,8 +11,7 @@ import redis.asyncio as redis
 from control_plane.launcher import Cluster, ClusterSpec
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from tests.chaos.checker import check, record, stream, wait_baseline
-from tests.conftest import make_engine, make_prompts
-from worker import SamplingParams
+from tests.conftest import greedy_tokens, make_prompts
 from worker.kv.block_hash import hash_blocks
 
 
@@ -23,8 +22,7 @@ def test_redis_restarting_empty_starts_a_generation_and_requests_keep_flowing(ll
     url = f"redis://{cluster.addresses['redis']}/0"
     try:
         prompts = make_prompts([20 + i % 7 for i in range(32)], seed=80)
-        expected = [o.token_ids for o in make_engine(llama[1]).generate(
-            prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))]
+        expected = greedy_tokens(llama[1], prompts, 40)
 
         async def run_id():
             r = redis.Redis.from_url(url)

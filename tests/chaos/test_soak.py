@@ -12,8 +12,7 @@ from collections import Counter
 
 from control_plane.launcher import Cluster, ClusterSpec
 from tests.chaos.checker import check, open_fds, process_gone, record, runtime, stream, wait_baseline
-from tests.conftest import make_engine, make_prompts
-from worker import SamplingParams
+from tests.conftest import greedy_tokens, make_prompts
 
 SOAK_REQUESTS = int(os.environ.get("KERVAN_SOAK_REQUESTS", "80"))
 SEED = int(os.environ.get("KERVAN_SOAK_SEED", "1234"))
@@ -31,8 +30,7 @@ def test_soak_with_random_faults(llama, tmp_path):
     rng = random.Random(SEED)
     try:
         pool = make_prompts([12 + i % 11 for i in range(24)], seed=110)
-        expected = [o.token_ids for o in make_engine(llama[1]).generate(
-            pool, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))]
+        expected = greedy_tokens(llama[1], pool, 48)
         asyncio.run(stream(cluster.router_address, pool[0], 4))  # warm-up before the baseline
         before = asyncio.run(runtime(cluster, SERVICES))
         fds_before = open_fds(cluster.procs["kv-registry"].pid)

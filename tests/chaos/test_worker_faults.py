@@ -14,8 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from control_plane.launcher import Cluster, ClusterSpec
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.chaos.checker import check, process_gone, record, stream, wait_baseline
-from tests.conftest import make_engine, make_prompts
-from worker import SamplingParams
+from tests.conftest import greedy_tokens, make_prompts
 from worker.kv.block_hash import hash_blocks
 
 MAX_TOKENS = 300
@@ -57,9 +56,7 @@ async def registry_match(cluster, prompt) -> kv_registry_pb2.MatchResponse:
 
 
 def fault_free(llama, prompt, max_tokens=MAX_TOKENS) -> list[int]:
-    [out] = make_engine(llama[1]).generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                                    ignore_eos=True))
-    return out.token_ids
+    return greedy_tokens(llama[1], [prompt], max_tokens)[0]
 
 
 def test_a_decode_worker_killed_mid_stream_is_migrated(llama, tmp_path):

@@ -21,9 +21,8 @@ from services.router.runner import MigrationPolicy, RequestRunner
 from services.scheduler.__main__ import SERVICE_NAME as SCHEDULER_NAME
 from services.scheduler.placement import PlacementConfig
 from services.scheduler.servicer import SchedulerServicer
-from tests.conftest import make_engine, make_prompts
+from tests.conftest import greedy_tokens, make_prompts
 from tests.services.conftest import start_mesh, start_registry, start_worker
-from worker import SamplingParams
 
 
 async def test_overload_is_refused_fast_with_retry_info_and_accepted_requests_finish(llama):
@@ -125,8 +124,7 @@ async def test_a_request_a_worker_refuses_goes_to_another_and_is_refused_when_no
     (a, stop_a), (b, stop_b) = [await start_worker(llama[1], "both", max_waiting=0, max_num_seqs=1) for _ in "ab"]
     runner = RequestRunner(FirstNotExcluded([("a", a.stub), ("b", b.stub)]), "", MigrationPolicy())
     prompts = make_prompts([12, 13, 14], seed=61)
-    expected = [o.token_ids for o in make_engine(llama[1]).generate(
-        prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
+    expected = greedy_tokens(llama[1], prompts, 8)
     holds = []
     try:
         async def hold(worker, rid):  # occupy the worker's only slot for a while (490 tokens)

@@ -18,10 +18,9 @@ from services.kv_registry.index import PrefixIndex, WorkerRecord
 from services.proto import router_pb2_grpc
 from services.router.runner import MigrationPolicy
 from tests.chaos.checker import check, stream
-from tests.conftest import make_engine, make_prompts
+from tests.conftest import greedy_tokens, make_prompts
 from tests.services.mesh_helpers import engine_paused
 from tests.services.scheduled_mesh import BLOCK_SIZE, ScheduledMesh
-from worker import SamplingParams
 from worker.kv.block_hash import HASH_NAME, hash_blocks
 from worker.kv.events import BlockStored
 
@@ -60,9 +59,7 @@ def kill_after(mesh: ScheduledMesh, *counts: int):
 
 
 def fault_free(llama, prompt) -> list[int]:
-    [out] = make_engine(llama[1]).generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
-                                                                    ignore_eos=True))
-    return out.token_ids
+    return greedy_tokens(llama[1], [prompt], MAX_TOKENS)[0]
 
 
 async def test_greedy_is_migrated_twice_and_equals_the_fault_free_run(mesh, llama):
@@ -131,8 +128,7 @@ async def test_the_scheduler_places_on_the_last_live_set_while_the_registry_is_g
     await mesh.registry.stop(0)
     before = await mesh.placements()
     out = await stream(address(mesh), prompt, 8)
-    [expected] = make_engine(llama[1]).generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert check([out], [expected.token_ids])["completed"] == 1
+    assert check([out], greedy_tokens(llama[1], [prompt], 8))["completed"] == 1
     assert await mesh.placements() == before + 1
 
 
