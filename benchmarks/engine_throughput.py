@@ -55,12 +55,13 @@ def run_kervan(engine: Engine, prompts, outputs) -> dict:
     while engine.has_unfinished_requests():
         for out in engine.step():
             produced += len(out.outputs[0].new_token_ids)
-        a, u = engine.kv_slot_usage()
-        allocated, used, steps = allocated + a, used + u, steps + 1
+        stats = engine.stats()
+        allocated, used = allocated + stats.num_kv_slots_allocated, used + stats.num_kv_slots_used
+        steps += 1
     seconds = time.perf_counter() - start
     return {"output_tokens": produced, "seconds": round(seconds, 3),
             "output_tokens_per_s": round(produced / seconds, 1), "steps": steps,
-            "kv_waste": round(1 - used / allocated, 4), "preemptions": engine.scheduler.num_preemptions}
+            "kv_waste": round(1 - used / allocated, 4), "preemptions": engine.stats().num_preemptions}
 
 
 def load_transformers(model_dir, dtype: torch.dtype, device: str):

@@ -51,13 +51,18 @@ def summary(seconds, tokens, ttfts, itls) -> dict:
             "itl_ms": {"p50": pct_ms(itls, 50), "p99": pct_ms(itls, 99)}}
 
 
+def unfinished(engine: Engine) -> int:
+    stats = engine.stats()
+    return stats.num_running + stats.num_waiting
+
+
 def run_engine(engine: Engine, work, concurrency: int) -> dict:
     pending = list(enumerate(work))
     started, last, ttfts, itls = {}, {}, [], []
     tokens = 0
     t0 = time.perf_counter()
     while pending or engine.has_unfinished_requests():
-        while pending and engine.scheduler.num_unfinished < concurrency:
+        while pending and unfinished(engine) < concurrency:
             _, (prompt, n) = pending.pop(0)
             rid = engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
             started[rid] = time.perf_counter()

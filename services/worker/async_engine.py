@@ -169,8 +169,11 @@ class AsyncEngine:
 
     def load(self) -> Load:
         """The load as of the engine thread's last step, with the requests admitted now."""
-        return Load(**vars(self._stats), num_requests=len(self._active), max_requests=self.max_requests,
-                    num_aborted=self.num_aborted)
+        stats = self._stats
+        return Load(num_running=stats.num_running, num_waiting=stats.num_waiting,
+                    num_free_blocks=stats.num_free_blocks, num_blocks=stats.num_blocks,
+                    num_prefill_tokens=stats.num_prefill_tokens, num_evictable_blocks=stats.num_evictable_blocks,
+                    num_requests=len(self._active), max_requests=self.max_requests, num_aborted=self.num_aborted)
 
     def _post(self, command: _Command) -> None:
         self._inbox.put(command)

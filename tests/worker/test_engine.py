@@ -77,7 +77,7 @@ def test_preemption_by_recompute_keeps_output(hf_models, kind):
     engine = make_engine(path, num_kv_blocks=24, enable_prefix_caching=False)
     prompts = make_prompts([20, 19, 21, 18], seed=11)
     outs = engine.generate(prompts, GREEDY)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.stats().num_preemptions > 0
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, prompt, 10)
     assert_idle(engine)
@@ -219,12 +219,16 @@ def test_stats_and_cached_blocks_are_the_engines_public_view(llama):
     from worker import EngineStats
     engine = make_engine(llama[1])
     assert engine.stats() == EngineStats(num_running=0, num_waiting=0, num_free_blocks=128, num_blocks=128,
-                                         num_prefill_tokens=0, num_evictable_blocks=0)
+                                         num_prefill_tokens=0, num_evictable_blocks=0, num_preemptions=0,
+                                         num_kv_slots_allocated=0, num_kv_slots_used=0)
     prompt = make_prompts([10], seed=12)[0]
     engine.add_request(prompt, GREEDY, request_id="s")
     assert engine.stats().num_waiting == 1 and engine.stats().num_prefill_tokens == 10
     engine.step()
-    assert engine.stats().num_running == 1 and engine.stats().num_prefill_tokens == 0
+    stats = engine.stats()
+    assert stats.num_running == 1 and stats.num_prefill_tokens == 0
+    # the prompt's KV in three blocks of four slots (the third holds two, and the next token's slot)
+    assert (stats.num_kv_slots_allocated, stats.num_kv_slots_used) == (12, 10)
     while engine.has_unfinished_requests():
         engine.step()
     seq, hashes = engine.cached_blocks()  # the prompt's two full blocks, then full blocks of its output

@@ -208,10 +208,15 @@ class Engine:
                              max(first.num_cached_tokens, 0), finished)
 
     def stats(self) -> EngineStats:
-        return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+        running = self.scheduler.running
+        return EngineStats(num_running=len(running), num_waiting=len(self.scheduler.waiting),
                            num_free_blocks=self.kv.num_free_blocks, num_blocks=self.config.num_kv_blocks,
                            num_prefill_tokens=self.scheduler.num_prefill_tokens,
-                           num_evictable_blocks=self.kv.pool.num_evictable)
+                           num_evictable_blocks=self.kv.pool.num_evictable,
+                           num_preemptions=self.scheduler.num_preemptions,
+                           num_kv_slots_allocated=self.config.block_size * sum(
+                               len(self.kv.tables.get(req.request_id, ())) for req in running),
+                           num_kv_slots_used=sum(req.num_computed_tokens for req in running))
 
     def cached_blocks(self) -> tuple[int, list[bytes]]:
         """Every cached block's hash, as of the last KV event's sequence number (a full
@@ -221,14 +226,3 @@ class Engine:
     @property
     def uses_native_kernels(self) -> bool:
         return self.runner.native_kernels
-
-    def kv_slot_usage(self) -> tuple[int, int]:
-        """(slots allocated to running sequences, slots holding their KV); shared blocks
-        count once per sequence."""
-        allocated = used = 0
-        for req in self.scheduler.running:
-            allocated += len(self.kv.tables.get(req.request_id, ())) * self.config.block_size
-            used += req.num_computed_tokens
-        return allocated, used
-
-

@@ -45,7 +45,8 @@ class RequestOutput:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineStats:
-    """The engine's load as of its last step (what a worker reports to the mesh)."""
+    """The engine's load as of its last step (what a worker reports to the mesh), and
+    how well its KV cache is used."""
 
     num_running: int  # sequences running
     num_waiting: int  # sequences waiting
@@ -53,3 +54,8 @@ class EngineStats:
     num_blocks: int
     num_prefill_tokens: int  # prompt tokens admitted, not yet computed
     num_evictable_blocks: int  # free blocks still holding cached prefixes
+    num_preemptions: int  # sequences preempted (their KV dropped) since the engine started
+    # KV slots (one token each) in the blocks of running sequences, and how many of them hold
+    # KV; the difference is the cache's internal waste (a block shared by two sequences counts twice)
+    num_kv_slots_allocated: int
+    num_kv_slots_used: int
