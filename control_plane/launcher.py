@@ -129,17 +129,6 @@ class Cluster:
             proc.kill()
             return proc.wait()
 
-    def restart_redis(self) -> None:
-        """Kill the private Redis and start an empty one on the same port (chaos tests)."""
-        old = self.procs.pop("redis")
-        old.kill()
-        old.wait()
-        port = int(self.addresses["redis"].rsplit(":", 1)[1])
-        rest, self.procs = self.procs, {}
-        self._spawn("redis", redis_argv(port, self.log_dir))
-        self.procs.update(rest)  # Redis stays first: stopped last
-        wait_listening(port, self.procs["redis"])
-
     def _start_redis(self) -> str:
         port = free_port()
         self._spawn("redis", redis_argv(port, self.log_dir))

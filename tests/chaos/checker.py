@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import grpc
 
 from control_plane.client import build_request
+from control_plane.redis_server import redis_argv, wait_listening
 from services.proto import router_pb2_grpc, runtime_pb2, runtime_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 REPORT = Path(os.environ.get("KERVAN_CHAOS_REPORT", "chaos-report.json"))
@@ -90,6 +92,18 @@ def check(outcomes: list[Outcome], expected: list[list[int]] | None = None,
 def process_gone(proc, timeout: float = 10.0) -> None:
     proc.wait(timeout=timeout)
     assert proc.poll() is not None and not Path(f"/proc/{proc.pid}").exists()
+
+
+def restart_redis(cluster) -> None:
+    """Kill the cluster's private Redis and start an empty one on the same port; it keeps its
+    place among the cluster's processes (Redis is stopped last)."""
+    cluster.procs["redis"].kill()
+    cluster.procs["redis"].wait()
+    port = int(cluster.addresses["redis"].rsplit(":", 1)[1])
+    with open(cluster.log_dir / "redis-restarted.log", "ab") as log:
+        cluster.procs["redis"] = subprocess.Popen(redis_argv(port, cluster.log_dir), stdout=log,
+                                                  stderr=subprocess.STDOUT, start_new_session=True)
+    wait_listening(port, cluster.procs["redis"])
 
 
 async def wait_baseline(cluster, workers: list[str], redis_url: str | None = None, timeout: float = 20.0) -> None:

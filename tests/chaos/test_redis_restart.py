@@ -10,7 +10,7 @@ import redis.asyncio as redis
 
 from control_plane.launcher import Cluster, ClusterSpec
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
-from tests.chaos.checker import check, record, stream, wait_baseline
+from tests.chaos.checker import check, record, restart_redis, stream, wait_baseline
 from tests.conftest import greedy_tokens, make_prompts
 from worker.kv.block_hash import hash_blocks
 
@@ -44,7 +44,7 @@ def test_redis_restarting_empty_starts_a_generation_and_requests_keep_flowing(ll
             while len(done) < 6:
                 await asyncio.sleep(0.02)
             at = time.monotonic()
-            await asyncio.to_thread(cluster.restart_redis)
+            await asyncio.to_thread(restart_redis, cluster)
             after = await run_id()
             assert after != before  # the fault happened: another Redis, empty
             await clients

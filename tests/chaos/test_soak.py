@@ -11,7 +11,7 @@ import random
 from collections import Counter
 
 from control_plane.launcher import Cluster, ClusterSpec
-from tests.chaos.checker import check, open_fds, process_gone, record, runtime, stream, wait_baseline
+from tests.chaos.checker import check, open_fds, process_gone, record, restart_redis, runtime, stream, wait_baseline
 from tests.conftest import greedy_tokens, make_prompts
 
 SOAK_REQUESTS = int(os.environ.get("KERVAN_SOAK_REQUESTS", "80"))
@@ -62,7 +62,7 @@ def test_soak_with_random_faults(llama, tmp_path):
                         faults.append(f"SIGKILL {victim} after {after} requests")
                         await asyncio.to_thread(cluster.add_worker, "both")
                     else:
-                        await asyncio.to_thread(cluster.restart_redis)
+                        await asyncio.to_thread(restart_redis, cluster)
                         faults.append(f"Redis restarted empty after {after} requests")
 
             await asyncio.gather(injector(), *(client(k) for k in range(4)))
