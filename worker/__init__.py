@@ -12,6 +12,7 @@ _EXPORTS = {
     "Engine": "worker.engine.engine",
     "SamplingParams": "worker.engine.sampling_params",
     "InvalidRequest": "worker.engine.sampling_params",
+    "RequestLimits": "worker.engine.sampling_params",
     "RequestOutput": "worker.engine.outputs",
     "CompletionOutput": "worker.engine.outputs",
     "EngineStats": "worker.engine.outputs",

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-from worker.model_limits import max_position
 from worker.platform import DtypeError, Platform, parse_dtype
+
+DEFAULT_MAX_POSITION = 4096  # when config.json names no max_position_embeddings
 
 # architectures the one decoder in worker/models/decoder.py serves
 SUPPORTED_ARCHITECTURES = (
@@ -121,7 +122,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
-            max_position=max_position(cfg),
+            max_position=cfg.get("max_position_embeddings", DEFAULT_MAX_POSITION),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope=_parse_rope(cfg, head_dim),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch == "Qwen2ForCausalLM"))),

@@ -3,8 +3,9 @@
 Keys (``kervan:`` prefix):
 
     workers               set of registered worker ids
-    w:{id}                hash: address, role, model, incarnation, block_size,
-                          hash_name, load fields; expires unless heartbeats renew it
+    w:{id}                hash: the worker's record (address, role, model, incarnation,
+                          block_size, hash_name, limits) and load fields; expires
+                          unless heartbeats renew it
     seq:{id}              last applied event sequence number of the worker
     slots                 hash: worker id -> its slot in the block bitmaps
     blk:{hash hex}        bitmap of the slots of the workers holding that block
@@ -48,6 +49,13 @@ class WorkerRecord:
     incarnation: str
     block_size: int
     hash_name: str
+    max_model_len: int  # the longest request it serves (prompt + max_tokens)
+    max_n: int  # the most samples per request it serves
+
+    @classmethod
+    def from_hash(cls, f: dict[str, str]) -> WorkerRecord:
+        """The record a registration stored in the worker's Redis hash (every value a string)."""
+        return cls(**{k.name: int(f[k.name]) if k.type == "int" else f[k.name] for k in fields(cls)})
 
 
 class StaleIncarnation(FailedPrecondition):
@@ -149,9 +157,7 @@ class PrefixIndex:
                 await self.purge(wid)
                 continue
             f = {k.decode(): v.decode() for k, v in record.items()}
-            worker = WorkerRecord(worker_id=f["worker_id"], address=f["address"], role=f["role"], model=f["model"],
-                                  incarnation=f["incarnation"], block_size=int(f["block_size"]),
-                                  hash_name=f["hash_name"])
+            worker = WorkerRecord.from_hash(f)
             live.append((worker, Load(**{k.name: int(f.get(k.name, 0)) for k in fields(Load)})))
         return live
 

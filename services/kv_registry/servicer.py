@@ -4,6 +4,8 @@ registering worker agrees with the mesh (block size, hash function) and, through
 
 from __future__ import annotations
 
+from dataclasses import asdict, fields
+
 from services.common.convert import event_from_proto, load_from_proto, load_to_proto, tier_from_proto
 from services.common.errors import FailedPrecondition
 from services.kv_registry.generation import Generations
@@ -26,11 +28,11 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
             raise FailedPrecondition(
                 f"worker {w.worker_id!r} hashes blocks of {w.block_size} tokens with {w.hash_name!r}; this mesh uses "
                 f"{self.block_size} tokens with {self.hash_name!r}")
-        if not (w.worker_id and w.address and w.incarnation) or w.role not in ("prefill", "decode", "both"):
-            raise InvalidRequest("worker_id, address, incarnation and a role of prefill, decode or both are required")
-        await self.index.register(WorkerRecord(worker_id=w.worker_id, address=w.address, role=w.role, model=w.model,
-                                               incarnation=w.incarnation, block_size=w.block_size,
-                                               hash_name=w.hash_name))
+        if not (w.worker_id and w.address and w.incarnation and w.max_model_len and w.max_n) or \
+                w.role not in ("prefill", "decode", "both"):
+            raise InvalidRequest("worker_id, address, incarnation, max_model_len, max_n and a role of prefill, "
+                                 "decode or both are required")
+        await self.index.register(WorkerRecord(**{f.name: getattr(w, f.name) for f in fields(WorkerRecord)}))
         return kv_registry_pb2.RegisterResponse(ttl_s=self.index.ttl_s)
 
     async def Deregister(self, request, context) -> kv_registry_pb2.DeregisterResponse:
@@ -62,9 +64,7 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
         out = kv_registry_pb2.ListWorkersResponse()
         for record, load in await self.index.live_workers():
             out.workers.add(
-                info=kv_registry_pb2.WorkerInfo(worker_id=record.worker_id, address=record.address, role=record.role,
-                                                model=record.model, incarnation=record.incarnation,
-                                                block_size=record.block_size, hash_name=record.hash_name),
+                info=kv_registry_pb2.WorkerInfo(**asdict(record)),
                 load=load_to_proto(load))
         back = {w.info.worker_id for w in out.workers}
         if not self.generations.rebuilding and any(w.info.worker_id not in back for w in self._last_live):

@@ -20,7 +20,7 @@ KV_TIER_HOST: KvTier
 KV_TIER_DISK: KvTier
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "model", "incarnation", "block_size", "hash_name")
+    __slots__ = ("worker_id", "address", "role", "model", "incarnation", "block_size", "hash_name", "max_model_len", "max_n")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,8 @@ class WorkerInfo(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_N_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     role: str
@@ -35,7 +37,9 @@ class WorkerInfo(_message.Message):
     incarnation: str
     block_size: int
     hash_name: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., incarnation: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_name: _Optional[str] = ...) -> None: ...
+    max_model_len: int
+    max_n: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., incarnation: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_n: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker",)

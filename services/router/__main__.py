@@ -1,7 +1,9 @@
 """``python -m services.router``: the public RouterService over gRPC.
 
-Reads the model directory's ``config.json`` and ``tokenizer.json``; places each
-request through the scheduler (or on fixed workers, for small setups and tests)."""
+Reads the model directory's ``config.json`` (the vocabulary) and ``tokenizer.json``;
+places each request through the scheduler, which checks it against the limits the
+workers registered (or on fixed workers, which check it themselves: for small
+setups and tests)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2_grpc
 from services.router.routes import Channels, Placement, ScheduledRoutes, StaticRoutes
 from services.router.runner import MigrationPolicy
 from services.router.servicer import ModelLimits, RouterServicer
-from worker.model_limits import max_position
 from worker.tokenizer import Tokenizer
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
@@ -46,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_limits(model_dir: Path) -> ModelLimits:
     cfg = json.loads((model_dir / "config.json").read_text())
-    return ModelLimits(cfg["vocab_size"], max_position(cfg), model_dir.name)
+    return ModelLimits(vocab_size=cfg["vocab_size"], name=model_dir.name)
 
 
 async def serve(args: argparse.Namespace) -> None:

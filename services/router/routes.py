@@ -57,9 +57,12 @@ class StaticRoutes:
     def __init__(self, placement: Placement):
         self.placement = placement
 
-    async def route(self, request_id: str, prompt: list[int], timeout: float | None, model: str = "",
-                    exclude: list[str] = ()) -> Placement:
-        return self.placement
+    async def route(self, request_id: str, prompt: list[int], max_tokens: int, n: int, timeout: float | None,
+                    model: str = "", exclude: list[str] = ()) -> Placement:
+        p = self.placement
+        if p.worker is None and n > 1:  # FORKED_SAMPLES: the decode worker prefills too
+            return Placement(worker=p.decode, worker_address=p.decode_address)
+        return p
 
 
 class ScheduledRoutes:
@@ -70,13 +73,14 @@ class ScheduledRoutes:
         self.block_size = block_size
         self.channels = channels
 
-    async def route(self, request_id: str, prompt: list[int], timeout: float | None, model: str = "",
-                    exclude: list[str] = ()) -> Placement:
+    async def route(self, request_id: str, prompt: list[int], max_tokens: int, n: int, timeout: float | None,
+                    model: str = "", exclude: list[str] = ()) -> Placement:
         """``exclude``: worker addresses the router found unreachable (the registry may
-        not know yet)."""
+        not know yet). A request no worker's limits hold is refused by the scheduler
+        (INVALID_ARGUMENT)."""
         placed = await self.scheduler.Place(scheduler_pb2.PlaceRequest(
-            request_id=request_id, block_hashes=hash_blocks(prompt, self.block_size),
-            num_prompt_tokens=len(prompt), model=model, exclude_addresses=exclude), timeout=timeout)
+            request_id=request_id, block_hashes=hash_blocks(prompt, self.block_size), num_prompt_tokens=len(prompt),
+            max_tokens=max_tokens, n=n, model=model, exclude_addresses=exclude), timeout=timeout)
         if not placed.prefill_address:
             return Placement(worker=self.channels.stub(placed.decode_address), worker_address=placed.decode_address)
         return Placement(prefill=self.channels.stub(placed.prefill_address),

@@ -34,7 +34,8 @@ import grpc
 from services.common.convert import max_tokens_of
 from services.common.errors import Overloaded, Unavailable, retry_after_s
 from services.proto import common_pb2, worker_pb2
-from services.router.routes import Placement, ScheduledRoutes, StaticRoutes
+from services.router.routes import ScheduledRoutes, StaticRoutes
+from worker.engine.sampling_params import FORKED_SAMPLES
 
 log = logging.getLogger(__name__)
 MAX_PLACEMENTS = 3
@@ -74,7 +75,7 @@ def worker_error(address: str, err: grpc.aio.AioRpcError) -> Exception:
 
 def not_migratable(sampling: common_pb2.SamplingParams, n: int) -> str | None:
     if n > 1:
-        return "n > 1 requests are not migrated"
+        return f"{FORKED_SAMPLES}; it is not migrated"
     if sampling.HasField("seed") and sampling.temperature != 0:
         return "seeded sampling is not migrated (the continuation would differ from an unbroken run)"
     return None
@@ -181,9 +182,8 @@ class RequestRunner:
 
     async def _attempt(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams, n: int, deadline,
                        exclude: set[str]) -> AsyncIterator[worker_pb2.TokenUpdate]:
-        place = await self.routes.route(rid, prompt, deadline.remaining(), self.model, sorted(exclude))
-        if place.worker is None and n > 1:  # samples fork after the prompt: one worker must do both
-            place = Placement(worker=place.decode, worker_address=place.decode_address)
+        place = await self.routes.route(rid, prompt, sampling.max_tokens, n, deadline.remaining(), self.model,
+                                        sorted(exclude))
         ids = common_pb2.TokenIds(ids=prompt)
         if place.worker is not None:
             call = place.worker.Execute(worker_pb2.ExecuteRequest(request_id=rid, prompt=ids, sampling=sampling),

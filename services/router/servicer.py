@@ -28,10 +28,12 @@ from worker.tokenizer import Tokenizer
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelLimits:
+    """What the router checks itself; the length and n limits are the workers' (the
+    scheduler places a request only where they hold it)."""
+
     vocab_size: int
-    max_model_len: int
     name: str = ""  # the served model's name (its directory's, as workers register it)
 
 
@@ -94,9 +96,6 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         prompt = self._prompt_ids(request)
         params = sampling_from_proto(request.sampling)
         validate_stop(list(request.sampling.stop), self.tokenizer is not None)
-        if len(prompt) + params.max_tokens > self.limits.max_model_len:
-            raise InvalidRequest(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                                 f"the maximum model length {self.limits.max_model_len}")
         if rid in self.in_flight:
             raise AlreadyExists(f"request_id {rid!r} is already in flight")
         if len(self.in_flight) >= self.max_in_flight:

@@ -11,14 +11,16 @@ the prefix keeps winning until it is really busier. A last term,
 push out where the worker has too few empty blocks: a new prefix goes where it
 destroys no other (it is the same everywhere once every cache is full).
 
-Filters first (role, model, admission: a worker at its request limit gets no
-more; room for the prompt's blocks — when no worker has room the request queues
+Filters first (role, model, the request's size: only workers whose registered
+limits hold it — none at all is the client's mistake, ``InvalidRequest``; admission: a
+worker at its request limit gets no more; room for the prompt's blocks — when no worker has room the request queues
 on the cheapest rather than fail here), then the lowest cost wins (or a softmax
 draw when a temperature is set). The ``round_robin`` and ``random`` policies
 ignore the cost: they are the baselines the placement benchmark measures
 KV-aware placement against. The decode worker is chosen first; a separate
 prefill worker only when the uncached part of the prompt is long enough to be
-worth a KV handoff and a prefill worker exists — otherwise the decode worker
+worth a KV handoff, the request has one sample (n > 1 forks from the prompt's
+KV on one worker) and a prefill worker exists — otherwise the decode worker
 prefills locally (counted as a decode-only fallback when no prefill worker was up).
 
 Like Dynamo's conditional disaggregation, remote prefill also needs room in the
@@ -36,6 +38,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from worker.engine.sampling_params import InvalidRequest, RequestLimits
+
 
 @dataclass(frozen=True, kw_only=True)
 class Candidate:
@@ -49,6 +53,19 @@ class Candidate:
     evictable_blocks: int = 0  # of those, the ones still holding cached prefixes
     model: str = ""
     full: bool = False  # at its request limit: admits nothing more for now
+    limits: RequestLimits = RequestLimits(max_model_len=1 << 30, max_n=1 << 30)  # as it registered them
+
+
+@dataclass(frozen=True, kw_only=True)
+class Size:
+    """How large a request is: what a worker's limits must hold."""
+
+    num_prompt_tokens: int = 0
+    max_tokens: int = 0
+    n: int = 1
+
+    def fits(self, c: Candidate) -> bool:
+        return c.limits.allows(self.num_prompt_tokens, self.max_tokens, self.n)
 
 
 POLICIES = ("kv", "round_robin", "random")
@@ -68,6 +85,7 @@ class PlacementConfig:
 REMOTE = "remote"  # on a prefill worker, KV shipped to the decode worker
 AGGREGATED = "aggregated"  # the chosen worker does both
 SHORT = "short"  # the uncached part is too short to be worth a KV handoff
+FORKED = "forked"  # n > 1: the samples fork from the prompt's KV on the decode worker
 NO_PREFILL_WORKER = "no_prefill_worker"  # decode-only fallback: no prefill worker is up
 PREFILL_QUEUE_FULL = "prefill_queue_full"  # overflow: the prefill pool is backed up
 
@@ -118,22 +136,32 @@ def choose(pool: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig,
 
 
 def place(candidates: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig,
-          rng: random.Random | None = None, turn: int = 0, model: str = "") -> Decision | None:
+          rng: random.Random | None = None, turn: int = 0, model: str = "", size: Size = Size()) -> Decision | None:
     """``turn``: a counter the caller advances per request (round robin); ``model``:
     only workers serving it (empty: any)."""
     candidates = [c for c in candidates if not model or c.model == model]
     decoders = [c for c in candidates if c.role in ("decode", "both")]
     if not decoders:
         return None
-    if all(c.full for c in decoders):
-        raise AllBusy(len(decoders))
-    decode, scores = choose([c for c in decoders if not c.full], num_prompt_blocks, cfg, rng, turn)
+    fitting = [c for c in decoders if size.fits(c)]
+    if not fitting:
+        largest = RequestLimits(max_model_len=max(c.limits.max_model_len for c in decoders),
+                                max_n=max(c.limits.max_n for c in decoders))
+        largest.check(size.num_prompt_tokens, size.max_tokens, size.n)  # names the limit it exceeds
+        raise InvalidRequest(f"no worker serves both n={size.n} and prompt ({size.num_prompt_tokens} tokens) + "
+                       f"max_tokens ({size.max_tokens}) at once")  # each alone fits some worker
+    if all(c.full for c in fitting):
+        raise AllBusy(len(fitting))
+    decode, scores = choose([c for c in fitting if not c.full], num_prompt_blocks, cfg, rng, turn)
     uncached = num_prompt_blocks - decode.matched_blocks
     if decode.role == "both":
         return Decision(decode, None, scores, AGGREGATED)
+    if size.n > 1:
+        return Decision(decode, None, scores, FORKED)
     if uncached < cfg.min_remote_prefill_blocks:
         return Decision(decode, None, scores, SHORT)
-    prefillers = [c for c in candidates if c.role == "prefill"]
+    prefill_size = Size(num_prompt_tokens=size.num_prompt_tokens, max_tokens=1)  # it computes the first token
+    prefillers = [c for c in candidates if c.role == "prefill" and prefill_size.fits(c)]
     if not prefillers:
         return Decision(decode, None, scores, NO_PREFILL_WORKER)
     prefillers = [c for c in prefillers if not c.full]

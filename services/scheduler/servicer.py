@@ -1,4 +1,6 @@
-"""SchedulerService: ask the kv-registry for live workers and prefix overlap, then place."""
+"""SchedulerService: ask the kv-registry for live workers (with the limits each
+registered) and prefix overlap, then place; a request no worker's limits hold is
+refused here, with INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import grpc
 
 from services.common.errors import Overloaded, Unavailable
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from services.scheduler.placement import AllBusy, Candidate, PlacementConfig, place
+from services.scheduler.placement import AllBusy, Candidate, PlacementConfig, Size, place
 from services.scheduler.recent import RecentPlacements
+from worker.engine.sampling_params import RequestLimits
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                       for w in workers.workers if w.info.address not in excluded]
         num_blocks = len(hashes)
         try:
-            decision = place(candidates, num_blocks, self.config, self.rng, self.placements, request.model)
+            decision = place(candidates, num_blocks, self.config, self.rng, self.placements, request.model,
+                             Size(num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens,
+                                  n=request.n or 1))
         except AllBusy as busy:
             self.refused += not request.dry_run
             raise Overloaded(f"{busy}; retry later") from None
@@ -102,4 +107,5 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                          active_blocks=w.load.num_blocks - w.load.num_free_blocks + blocks,
                          prefill_tokens=w.load.num_prefill_tokens + prefill_tokens,
                          free_blocks=w.load.num_free_blocks - blocks,
-                         evictable_blocks=w.load.num_evictable_blocks, full=full)
+                         evictable_blocks=w.load.num_evictable_blocks, full=full,
+                         limits=RequestLimits(max_model_len=w.info.max_model_len, max_n=w.info.max_n))

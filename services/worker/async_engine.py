@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from services.common.errors import Overloaded
 from services.common.load import Load
-from worker import Engine, InvalidRequest, RequestOutput, SamplingParams
+from worker import Engine, InvalidRequest, RequestLimits, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -122,7 +122,8 @@ class AsyncEngine:
         ``options`` go to ``Engine.add_request`` (``hold_kv``, ``imported``)."""
         if request_id in self._active:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight")
-        self.validate(prompt, params)  # fail fast, before the engine thread sees it
+        # fail fast, in the caller's task (it reads configuration only: safe off the engine thread)
+        self.engine.validate(prompt, params)
         if self.load().full:
             raise Overloaded(f"this worker has {len(self._active)} requests in flight, its limit "
                              f"(max_num_seqs + max_waiting); retry later or elsewhere")
@@ -144,9 +145,6 @@ class AsyncEngine:
             if not finished:
                 self._post(_Abort(request_id))
 
-    def validate(self, prompt: list[int], params: SamplingParams) -> None:
-        self.engine.validate(prompt, params)  # reads configuration only: safe off the engine thread
-
     def abort(self, request_id: str) -> bool:
         known = request_id in self._active
         self._post(_Abort(request_id))
@@ -166,6 +164,10 @@ class AsyncEngine:
     @property
     def block_size(self) -> int:
         return self.engine.config.block_size
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self.engine.limits
 
     def load(self) -> Load:
         """The load as of the engine thread's last step, with the requests admitted now."""

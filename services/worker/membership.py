@@ -32,7 +32,8 @@ class Membership:
         self.engine = engine
         self.info = kv_registry_pb2.WorkerInfo(
             worker_id=f"{role}@{address}", address=address, role=role, model=model, incarnation=uuid.uuid4().hex,
-            block_size=engine.block_size, hash_name=HASH_NAME)
+            block_size=engine.block_size, hash_name=HASH_NAME, max_model_len=engine.limits.max_model_len,
+            max_n=engine.limits.max_n)
         self.heartbeat_s = heartbeat_s
         self.event_interval_s = event_interval_s
         self.load_interval_s = load_interval_s

@@ -20,6 +20,7 @@ from services.proto import worker_pb2, worker_pb2_grpc
 from services.worker import kv_transfer
 from services.worker.async_engine import AsyncEngine
 from worker import ImportedKV, InvalidRequest, RequestOutput
+from worker.engine.sampling_params import FORKED_SAMPLES
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]", socket.gethostname()}
 
@@ -47,9 +48,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._require("prefill", "both")
         params = sampling_from_proto(request.sampling)
         rid, prompt = request.request_id, list(request.prompt.ids)
-        self.engine.validate(prompt, params)
         if params.n != 1:
-            raise InvalidRequest("n > 1 is not prefilled remotely: its samples fork after the prompt, on one worker")
+            raise InvalidRequest(f"{FORKED_SAMPLES}; it is not prefilled for another")
         out = None
         async for update in self.engine.generate(rid, prompt, dataclasses.replace(params, max_tokens=1), hold_kv=True):
             out = update  # the last one: the prompt's first token

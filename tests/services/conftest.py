@@ -15,11 +15,13 @@ from services.proto import router_pb2_grpc, worker_pb2_grpc
 from services.router.__main__ import SERVICE_NAME as ROUTER_NAME
 from services.router.__main__ import model_limits
 from services.router.routes import Placement, StaticRoutes
+from services.router.runner import MigrationPolicy
 from services.router.servicer import RouterServicer
 from services.worker.__main__ import SERVICE_NAME as WORKER_NAME
 from services.worker.async_engine import AsyncEngine
 from services.worker.servicer import WorkerServicer
 from tests.conftest import make_engine
+from tests.services.scheduled_mesh import ScheduledMesh
 from worker.tokenizer import Tokenizer
 
 
@@ -109,6 +111,21 @@ async def text_mesh(default_model_dir):
     mesh, stop = await start_mesh(default_model_dir, dtype="auto", block_size=16, num_kv_blocks=256)
     yield mesh
     await stop()
+
+
+@pytest.fixture
+async def mesh(llama, redis_client, request):
+    """The in-process scheduled mesh (tests/services/scheduled_mesh.py); a ``mesh`` mark sets
+    its ``workers`` (2) and ``max_in_flight``."""
+    marker = request.node.get_closest_marker("mesh")
+    options = marker.kwargs if marker else {}
+    m = ScheduledMesh(llama[1], redis_client)
+    try:
+        await m.start(options.get("workers", 2), MigrationPolicy(max_migrations=2, stall_timeout_s=30.0),
+                      options.get("max_in_flight", 1024))
+        yield m
+    finally:
+        await m.stop()
 
 
 async def start_registry(index, block_size: int = 16):

@@ -87,8 +87,9 @@ class ScheduledMesh:
         await self.router_server.set_serving(True)
         self.router = router_pb2_grpc.RouterServiceStub(self.channel(f"127.0.0.1:{self.router_server.port}"))
 
-    async def add_worker(self) -> MeshWorker:
-        engine = AsyncEngine(make_engine(self.model_dir, block_size=BLOCK_SIZE, num_kv_blocks=256))
+    async def add_worker(self, **engine_options) -> MeshWorker:
+        engine = AsyncEngine(make_engine(self.model_dir, **{"block_size": BLOCK_SIZE, "num_kv_blocks": 256,
+                                                            **engine_options}))
         engine.start()
         servicer = WorkerServicer(engine, "both")
         server = await start_server([Service(WORKER_NAME, lambda s: (
@@ -133,3 +134,8 @@ class ScheduledMesh:
         for server in (self.scheduler, self.registry):
             if server is not None:
                 await server.stop(0)
+
+
+def address(mesh: ScheduledMesh) -> str:
+    """The mesh's router."""
+    return f"127.0.0.1:{mesh.router_server.port}"

@@ -71,7 +71,8 @@ async def test_the_scheduler_skips_full_workers_and_refuses_when_all_are_full(re
     try:
         for wid in ("a", "b"):
             await index.register(WorkerRecord(worker_id=wid, address=f"127.0.0.1:{ord(wid)}", role="both", model="m",
-                                              incarnation="i1", block_size=16, hash_name="sha256"))
+                                              incarnation="i1", block_size=16, hash_name="sha256",
+                                              max_model_len=4096, max_n=16))
 
         async def report(wid, requests):
             await index.heartbeat(wid, "i1", Load(num_free_blocks=100, num_blocks=100, num_requests=requests,
@@ -107,7 +108,7 @@ class FirstNotExcluded:
     def __init__(self, workers):
         self.workers = workers
 
-    async def route(self, request_id, prompt, timeout, model="", exclude=()):
+    async def route(self, request_id, prompt, max_tokens, n, timeout, model="", exclude=()):
         for address, stub in self.workers:
             if address not in exclude:
                 return Placement(worker=stub, worker_address=address)

@@ -1,6 +1,8 @@
 """The engine thread's inbox: typed commands, and an unknown one is a bug (before,
 anything unrecognised was taken for an abort)."""
 
+import asyncio
+
 import pytest
 
 from services.worker.async_engine import AsyncEngine
@@ -16,7 +18,11 @@ async def test_commands_reach_the_engine_and_an_unknown_one_is_a_bug(llama):
         outs = [o async for o in engine.generate("r1", prompt, SamplingParams(max_tokens=3, temperature=0))]
         assert outs[-1].finished and len(outs[-1].token_ids) == 3
         assert await engine.call(lambda e: e.has_unfinished_requests()) is False
-        load = engine.load()  # the engine's stats as of its last step, with the worker's own counts
+        for _ in range(500):  # the engine's stats as of its last loop, with the worker's own counts
+            load = engine.load()
+            if load.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
         assert (load.num_running, load.num_waiting, load.num_requests, load.num_aborted) == (0, 0, 0, 0)
         assert load.num_blocks == 128 and load.num_free_blocks == 128 and load.num_evictable_blocks > 0
         with pytest.raises(ZeroDivisionError):  # an engine call's exception reaches its caller

@@ -16,32 +16,14 @@ from services.common.errors import retry_after_s
 from services.common.load import Load
 from services.kv_registry.index import PrefixIndex, WorkerRecord
 from services.proto import router_pb2_grpc
-from services.router.runner import MigrationPolicy
 from tests.chaos.checker import check, stream
 from tests.conftest import greedy_tokens, make_prompts
 from tests.services.mesh_helpers import engine_paused
-from tests.services.scheduled_mesh import BLOCK_SIZE, ScheduledMesh
+from tests.services.scheduled_mesh import BLOCK_SIZE, ScheduledMesh, address
 from worker.kv.block_hash import HASH_NAME, hash_blocks
 from worker.kv.events import BlockStored
 
 MAX_TOKENS = 400
-
-
-@pytest.fixture
-async def mesh(llama, redis_client, request):
-    marker = request.node.get_closest_marker("mesh")
-    options = marker.kwargs if marker else {}
-    m = ScheduledMesh(llama[1], redis_client)
-    try:
-        await m.start(options.get("workers", 2), MigrationPolicy(max_migrations=2, stall_timeout_s=30.0),
-                      options.get("max_in_flight", 1024))
-        yield m
-    finally:
-        await m.stop()
-
-
-def address(mesh: ScheduledMesh) -> str:
-    return f"127.0.0.1:{mesh.router_server.port}"
 
 
 def kill_after(mesh: ScheduledMesh, *counts: int):
@@ -86,7 +68,7 @@ async def test_unseeded_sampling_is_migrated_and_seeded_or_n_samples_end_unavail
     on_delta, killed = kill_after(mesh, 5)
     out = await stream(address(mesh), prompt, MAX_TOKENS, on_delta=on_delta, temperature=1.0, n=2)
     assert killed and out.status == grpc.StatusCode.UNAVAILABLE
-    assert "n > 1 requests are not migrated" in out.details
+    assert "n > 1: the samples fork from one prompt's KV on one worker; it is not migrated" in out.details
     assert {a for a, _, _ in out.deltas} == {0}  # nothing was delivered from another worker
 
 
@@ -101,7 +83,7 @@ async def register_ghosts(mesh: ScheduledMesh, prompt: list[int], num: int) -> l
         wid = f"both@127.0.0.1:{sock_port}"
         await index.register(WorkerRecord(worker_id=wid, address=f"127.0.0.1:{sock_port}", role="both",
                                           model=mesh.model_dir.name, incarnation="g", block_size=BLOCK_SIZE,
-                                          hash_name=HASH_NAME))
+                                          hash_name=HASH_NAME, max_model_len=4096, max_n=16))
         await index.heartbeat(wid, "g", Load(num_free_blocks=256, num_blocks=256))
         await index.apply(wid, "g", [BlockStored(1, hashes, None, [], BLOCK_SIZE)])
         ghosts.append(f"127.0.0.1:{sock_port}")

@@ -21,7 +21,7 @@ H = [bytes([i]) * 32 for i in range(6)]
 
 def record(wid, inc="i1"):
     return WorkerRecord(worker_id=wid, address=f"127.0.0.1:{1000 + len(wid)}", role="decode", model="m",
-                        incarnation=inc, block_size=16, hash_name="sha256")
+                        incarnation=inc, block_size=16, hash_name="sha256", max_model_len=4096, max_n=16)
 
 
 async def test_prefix_match_counts_leading_blocks_per_worker(redis_client):

@@ -5,6 +5,7 @@ restart) gets them back from a full dump."""
 import asyncio
 
 import grpc
+import pytest
 
 from services.kv_registry.index import PrefixIndex
 from services.proto import kv_registry_pb2_grpc
@@ -46,6 +47,9 @@ async def test_blocks_reach_the_index_and_gaps_and_restarts_are_healed_by_dumps(
             owned = await redis_client.hkeys(f"kervan:own:{wid}")
             return not unknown and len(cached) == n and sorted(owned) == sorted(h.hex().encode() for h in cached)
 
+        await until(lambda: index.live_workers())
+        [(record, _)] = await index.live_workers()  # registered with the engine's own limits
+        assert (record.max_model_len, record.max_n) == (engine.limits.max_model_len, engine.limits.max_n) != (0, 0)
         await run("r1", make_prompts([12], seed=40)[0])  # 3 full blocks of 4 tokens
         await until(lambda: index_has(3))
         hashes = await engine.call(lambda e: list(e.kv.pool.cached))
@@ -72,7 +76,8 @@ async def test_a_worker_hashing_differently_is_refused_at_registration(redis_cli
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}") as channel:
             stub = kv_registry_pb2_grpc.KvRegistryServiceStub(channel)
-            info = dict(worker_id="w", address="127.0.0.1:1", role="decode", model="m", incarnation="i")
+            info = dict(worker_id="w", address="127.0.0.1:1", role="decode", model="m", incarnation="i",
+                        max_model_len=640, max_n=4)
             for block_size, hash_name in ((8, HASH_NAME), (16, "xxhash64")):
                 try:
                     await stub.Register(kv_registry_pb2.RegisterRequest(worker=kv_registry_pb2.WorkerInfo(
@@ -83,8 +88,15 @@ async def test_a_worker_hashing_differently_is_refused_at_registration(redis_cli
                     assert f"16 tokens with {HASH_NAME!r}" in err.details()
                 else:
                     raise AssertionError("registered a worker that hashes blocks differently")
+            for missing in ("max_model_len", "max_n"):  # the scheduler places by them: required
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Register(kv_registry_pb2.RegisterRequest(worker=kv_registry_pb2.WorkerInfo(
+                        **{**info, missing: 0}, block_size=16, hash_name=HASH_NAME)))
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and missing in refused.value.details()
             await stub.Register(kv_registry_pb2.RegisterRequest(worker=kv_registry_pb2.WorkerInfo(
                 **info, block_size=16, hash_name=HASH_NAME)))
             assert await redis_client.sismember("kervan:workers", "w")
+            listed = (await stub.ListWorkers(kv_registry_pb2.ListWorkersRequest())).workers
+            assert [(w.info.max_model_len, w.info.max_n) for w in listed] == [(640, 4)]
     finally:
         await registry.stop(0)

@@ -4,14 +4,26 @@ import random
 
 import pytest
 
-from services.scheduler.placement import PREFILL_QUEUE_FULL, AllBusy, Candidate, PlacementConfig, place
+from services.scheduler.placement import (
+    FORKED,
+    PREFILL_QUEUE_FULL,
+    REMOTE,
+    AllBusy,
+    Candidate,
+    PlacementConfig,
+    Size,
+    place,
+)
+from worker.engine.sampling_params import InvalidRequest, RequestLimits
 
 CFG = PlacementConfig(overlap_weight=1.0, min_remote_prefill_blocks=2)
 
 
-def cand(wid, role="decode", matched=0, active=0, queued=0, free=100, model="m", evictable=0, full=False):
+def cand(wid, role="decode", matched=0, active=0, queued=0, free=100, model="m", evictable=0, full=False,
+         max_model_len=4096, max_n=16):
     return Candidate(worker_id=wid, address=f"{wid}:1", role=role, matched_blocks=matched, active_blocks=active,
-                     prefill_tokens=queued, free_blocks=free, evictable_blocks=evictable, model=model, full=full)
+                     prefill_tokens=queued, free_blocks=free, evictable_blocks=evictable, model=model, full=full,
+                     limits=RequestLimits(max_model_len=max_model_len, max_n=max_n))
 
 
 def test_prefers_the_worker_holding_the_prefix_unless_it_is_busier():
@@ -99,3 +111,32 @@ def test_a_worker_at_its_request_limit_gets_nothing_and_all_at_it_refuses():
     assert d.prefill is None and d.reason == PREFILL_QUEUE_FULL  # the prefill pool is full: prefill locally
     d = place([cand("d"), cand("p1", "prefill", full=True), cand("p2", "prefill", active=50)], 8, CFG)
     assert d.prefill.worker_id == "p2"
+
+
+def test_only_workers_whose_registered_limits_hold_the_request_are_chosen():
+    short, long = cand("short", max_model_len=512), cand("long", matched=0, active=50, max_model_len=4096)
+    assert place([short, long], 8, CFG, size=Size(num_prompt_tokens=128, max_tokens=64)).decode is short
+    # the less loaded worker cannot hold prompt + max_tokens: the other takes it
+    assert place([short, long], 8, CFG, size=Size(num_prompt_tokens=128, max_tokens=900)).decode is long
+    # a prefill worker needs room for the prompt and its first token only
+    small_prefill = cand("p", "prefill", max_model_len=200)
+    d = place([long, small_prefill], 8, CFG, size=Size(num_prompt_tokens=128, max_tokens=900))
+    assert (d.prefill, d.reason) == (small_prefill, REMOTE)
+    d = place([long, small_prefill], 16, CFG, size=Size(num_prompt_tokens=256, max_tokens=900))
+    assert d.prefill is None  # the prompt alone exceeds it
+
+
+def test_a_request_no_worker_holds_is_the_clients_mistake_named_by_the_largest_limit():
+    workers = [cand("a", max_model_len=512, max_n=4), cand("b", max_model_len=1024, max_n=2)]
+    with pytest.raises(InvalidRequest, match=r"prompt \(1000 tokens\) \+ max_tokens \(100\) exceeds the maximum model "
+                                       r"length 1024"):
+        place(workers, 8, CFG, size=Size(num_prompt_tokens=1000, max_tokens=100))
+    with pytest.raises(InvalidRequest, match="n must be <= 4, got 5"):
+        place(workers, 8, CFG, size=Size(num_prompt_tokens=10, max_tokens=10, n=5))
+    with pytest.raises(InvalidRequest, match="no worker serves both n=3 and prompt"):  # each limit alone fits a worker
+        place(workers, 8, CFG, size=Size(num_prompt_tokens=600, max_tokens=100, n=3))
+
+
+def test_forked_samples_are_prefilled_by_their_decode_worker():
+    d = place([cand("d"), cand("p", "prefill")], 8, CFG, size=Size(num_prompt_tokens=128, max_tokens=8, n=3))
+    assert (d.prefill, d.reason) == (None, FORKED)

@@ -89,7 +89,8 @@ async def test_text_prompt_streams_text(text_mesh, default_model_dir):
     assert fin.finished.usage.prompt_tokens == len(Tokenizer.from_dir(default_model_dir).encode("Once upon a time"))
 
 
-BAD_INPUT = [  # (request fields, words the message must contain); the router refuses before any worker
+BAD_INPUT = [  # (request fields, words the message must contain): the router refuses, or for n and
+    # the length (the limits a worker registers) the worker refuses before it admits the request
     ({"text": b"\xff\xfe bad"}, "UTF-8"),
     ({"token_ids": common_pb2.TokenIds(ids=[])}, "prompt is empty"),
     ({}, "prompt is missing"),
@@ -105,7 +106,7 @@ BAD_INPUT = [  # (request fields, words the message must contain); the router re
 
 
 async def test_bad_input_is_invalid_argument_naming_the_field(llama):
-    mesh, stop = await start_mesh(llama[1])  # one mesh shape: none of these reaches a worker
+    mesh, stop = await start_mesh(llama[1])  # one mesh shape: none of these reaches an engine
     try:
         for request_kwargs, field in BAD_INPUT:
             with pytest.raises(grpc.aio.AioRpcError) as err:

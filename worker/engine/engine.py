@@ -16,7 +16,7 @@ import torch
 from worker.config import EngineConfig, ModelConfig
 from worker.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from worker.engine.request import Request
-from worker.engine.sampling_params import InvalidRequest, SamplingParams
+from worker.engine.sampling_params import InvalidRequest, RequestLimits, SamplingParams
 from worker.engine.scheduler import StepScheduler
 from worker.kv.events import KVEvent
 from worker.kv.kv_cache_manager import KVCacheManager
@@ -179,15 +179,8 @@ class Engine:
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        params.validate_for(vocab, self.config.max_n)
-        limit = self.config.max_model_len
-        if len(token_ids) + params.max_tokens > limit:
-            raise InvalidRequest(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                                 f"exceeds the maximum model length {limit}")
-        blocks = -(-(len(token_ids) + params.max_tokens) // self.config.block_size)
-        if blocks > self.config.num_kv_blocks:  # it could never be scheduled here
-            raise InvalidRequest(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) needs "
-                                 f"{blocks} KV blocks; this worker has {self.config.num_kv_blocks}")
+        params.check_vocabulary(vocab)
+        self.limits.check(len(token_ids), params.max_tokens, params.n)
         return token_ids
 
     def _output(self, request_id: str) -> RequestOutput:
@@ -222,6 +215,11 @@ class Engine:
         """Every cached block's hash, as of the last KV event's sequence number (a full
         dump for the registry; events not yet taken are superseded by it)."""
         return self.kv.dump()
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What this engine serves (a worker reports it when it registers)."""
+        return RequestLimits(max_model_len=self.config.max_model_len, max_n=self.config.max_n)
 
     @property
     def uses_native_kernels(self) -> bool:

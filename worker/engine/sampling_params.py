@@ -1,5 +1,8 @@
 """Per-request sampling parameters, validated on construction so a bad request
-fails alone, before anything is scheduled. Rules follow vLLM's."""
+fails alone, before anything is scheduled (rules follow vLLM's), and the limits a
+worker serves requests within (``RequestLimits``): workers report them when they
+register, the scheduler places a request only where it fits, and each engine checks
+its own, all with the same rule and message."""
 
 from __future__ import annotations
 
@@ -12,6 +15,27 @@ class InvalidRequest(ValueError):
 
 
 MAX_STOP_TOKEN_IDS = 64
+
+# Why an n > 1 request is neither prefilled on another worker nor migrated
+FORKED_SAMPLES = "n > 1: the samples fork from one prompt's KV on one worker"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestLimits:
+    """The largest request a worker serves."""
+
+    max_model_len: int  # prompt + max_tokens, in tokens (the model's limit cut to what the KV cache holds)
+    max_n: int  # samples per request
+
+    def check(self, num_prompt_tokens: int, max_tokens: int, n: int) -> None:
+        """Raises InvalidRequest naming the limit a request of this size exceeds."""
+        _check(n <= self.max_n, f"n must be <= {self.max_n}, got {n}")
+        _check(num_prompt_tokens + max_tokens <= self.max_model_len,
+               f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the maximum model "
+               f"length {self.max_model_len}")
+
+    def allows(self, num_prompt_tokens: int, max_tokens: int, n: int) -> bool:
+        return n <= self.max_n and num_prompt_tokens + max_tokens <= self.max_model_len
 
 
 @dataclass(frozen=True)
@@ -49,8 +73,7 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
-    def validate_for(self, vocab_size: int, max_n: int) -> None:
-        _check(self.n <= max_n, f"n must be <= {max_n}, got {self.n}")
+    def check_vocabulary(self, vocab_size: int) -> None:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         _check(not bad, f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
 
