@@ -90,8 +90,8 @@ def test_abort_frees_every_block_wherever_the_request_is(llama):
            for i, p in enumerate(make_prompts([12, 30, 9], seed=12))]
     for _ in range(4):
         engine.step()
-    running = {r.parent_id for r in engine.scheduler.running}
-    waiting = {r.parent_id for r in engine.scheduler.waiting}
+    running = {r.request_id for r in engine.scheduler.running}
+    waiting = {r.request_id for r in engine.scheduler.waiting}
     assert running and waiting  # one aborted while running (forked), one mid-prefill or waiting
     for rid in ids:
         assert engine.abort(rid)
@@ -108,7 +108,7 @@ def test_n_samples_share_the_prompt_blocks(llama):
     engine.step()  # prefill + first token of each sample
     seqs = engine.groups[rid]
     assert len(seqs) == 3
-    tables = [engine.kv.get_block_ids(s.request_id) for s in seqs]
+    tables = [engine.kv.get_block_ids(s.seq_id) for s in seqs]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2]
     assert [b.ref_cnt for b in engine.kv.tables[rid][:2]] == [3, 3]
     outs = []

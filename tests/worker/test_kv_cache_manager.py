@@ -1,7 +1,7 @@
 """KVCacheManager: block tables, prefix hits, copy-on-write, exact ids and counts."""
 
 from worker import SamplingParams
-from worker.engine.request import Request
+from worker.engine.sequence import Sequence
 from worker.kv.events import BlockStored
 from worker.kv.kv_cache_manager import BlockCopy, KVCacheManager
 
@@ -9,15 +9,15 @@ BS = 4
 
 
 def make_request(rid, tokens, n=1):
-    return Request(rid, list(tokens), SamplingParams(n=n), BS)
+    return Sequence(rid, list(tokens), SamplingParams(n=n), BS)
 
 
 def table(kv, req):
-    return kv.get_block_ids(req.request_id)
+    return kv.get_block_ids(req.seq_id)
 
 
 def refs(kv, req):
-    return [b.ref_cnt for b in kv.tables[req.request_id]]
+    return [b.ref_cnt for b in kv.tables[req.seq_id]]
 
 
 def admit(kv, req):

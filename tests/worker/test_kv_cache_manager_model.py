@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker import SamplingParams
-from worker.engine.request import Request
+from worker.engine.sequence import Sequence
 from worker.kv.kv_cache_manager import KVCacheManager
 
 BS = 4
@@ -26,7 +26,7 @@ ops = st.lists(st.one_of(
 ), max_size=30)
 
 
-def check(kv: KVCacheManager, live: dict[str, Request]) -> None:
+def check(kv: KVCacheManager, live: dict[str, Sequence]) -> None:
     kv.pool.check_integrity()
     assert set(kv.tables) == set(live)
     held = Counter(b.block_id for table in kv.tables.values() for b in table)
@@ -39,40 +39,40 @@ def check(kv: KVCacheManager, live: dict[str, Request]) -> None:
 @given(ops)
 def test_the_manager_keeps_its_invariants(sequence):
     kv = KVCacheManager(NUM_BLOCKS, BS)
-    live: dict[str, Request] = {}
+    live: dict[str, Sequence] = {}
     for k, op in enumerate(sequence):
         kv.take_copies()
         free_before = kv.num_free_blocks
         if op[0] == "admit":
-            req = Request(f"r{k}", op[1], SamplingParams(), BS)
+            req = Sequence(f"r{k}", op[1], SamplingParams(), BS)
             hit = kv.get_computed_blocks(req)
             assert hit.num_tokens < req.num_tokens and hit.num_tokens % BS == 0
             assert [b.block_hash for b in hit.blocks] == req.block_hashes[:len(hit.blocks)]  # its own prefix
             if kv.allocate_slots(req, req.num_tokens - hit.num_tokens, hit.blocks) is None:
-                assert kv.num_free_blocks == free_before and req.request_id not in kv.tables  # nothing taken
+                assert kv.num_free_blocks == free_before and req.seq_id not in kv.tables  # nothing taken
             else:
                 req.num_computed_tokens = req.num_tokens
-                live[req.request_id] = req
+                live[req.seq_id] = req
         elif op[0] in ("grow", "fork", "free") and live:
             req = live[sorted(live)[op[1] % len(live)]]
             if op[0] == "grow":
-                table_before = kv.get_block_ids(req.request_id)
+                table_before = kv.get_block_ids(req.seq_id)
                 req.append_output(op[2], None)
                 if kv.allocate_slots(req, 1) is None:
-                    assert kv.get_block_ids(req.request_id) == table_before and kv.num_free_blocks == free_before
+                    assert kv.get_block_ids(req.seq_id) == table_before and kv.num_free_blocks == free_before
                     req.token_ids.pop()
                     req.block_hashes = req.block_hashes[:req.num_tokens // BS]
                 else:
                     req.num_computed_tokens += 1
-                    last = kv.tables[req.request_id][(req.num_computed_tokens - 1) // BS]
+                    last = kv.tables[req.seq_id][(req.num_computed_tokens - 1) // BS]
                     assert last.ref_cnt == 1  # the block written now is this request's alone
             elif op[0] == "fork":
                 child = req.fork(len(live))
-                child.request_id = f"{req.request_id}.{k}"
+                child.seq_id = f"{req.seq_id}.{k}"
                 kv.fork(req, child)
-                live[child.request_id] = child
+                live[child.seq_id] = child
             else:
-                kv.free(live.pop(req.request_id))
+                kv.free(live.pop(req.seq_id))
         check(kv, live)
     for req in list(live.values()):
         kv.free(req)

@@ -15,9 +15,9 @@ import torch
 
 from worker.config import EngineConfig, ModelConfig
 from worker.engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from worker.engine.request import Request
 from worker.engine.sampling_params import InvalidRequest, RequestLimits, SamplingParams
 from worker.engine.scheduler import StepScheduler
+from worker.engine.sequence import Sequence
 from worker.kv.events import KVEvent
 from worker.kv.kv_cache_manager import KVCacheManager
 from worker.loader import load_model
@@ -47,7 +47,7 @@ class Engine:
         self.scheduler = StepScheduler(self.config, self.kv)
         self.runner = ModelRunner(model, self.config)
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.groups: dict[str, list[Request]] = {}  # request id -> its sequences (n of them once forked)
+        self.groups: dict[str, list[Sequence]] = {}  # request id -> its sequences (n of them once forked)
         self._ids = itertools.count()
 
     @classmethod
@@ -68,7 +68,7 @@ class Engine:
         if request_id in self.groups or request_id in self.scheduler.held:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
         token_ids = self.validate(prompt, params)
-        req = Request(request_id, token_ids, params, self.config.block_size,
+        req = Sequence(request_id, token_ids, params, self.config.block_size,
                       self.model_config.eos_token_ids, cache_salt)
         req.hold_kv = hold_kv
         if imported is not None:
@@ -127,10 +127,10 @@ class Engine:
         progressed = self.scheduler.update(batch, result.samples)
         touched: dict[str, None] = {}
         for req in progressed:
-            group = self.groups[req.parent_id]
+            group = self.groups[req.request_id]
             if req not in group:
                 group.append(req)
-            touched[req.parent_id] = None
+            touched[req.request_id] = None
         return [self._output(rid) for rid in touched]
 
     def has_unfinished_requests(self) -> bool:
@@ -208,7 +208,7 @@ class Engine:
                            num_evictable_blocks=self.kv.pool.num_evictable,
                            num_preemptions=self.scheduler.num_preemptions,
                            num_kv_slots_allocated=self.config.block_size * sum(
-                               len(self.kv.tables.get(req.request_id, ())) for req in running),
+                               len(self.kv.tables.get(req.seq_id, ())) for req in running),
                            num_kv_slots_used=sum(req.num_computed_tokens for req in running))
 
     def cached_blocks(self) -> tuple[int, list[bytes]]:

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.config import EngineConfig
-from worker.engine.request import Request, RequestStatus
+from worker.engine.sequence import Sequence, SequenceStatus
 from worker.kv.kv_cache_manager import BlockCopy, KVCacheManager
 
 
 @dataclass
 class ScheduledSequence:
-    request: Request
+    sequence: Sequence
     num_computed: int  # tokens with KV before this step
     num_new_tokens: int
     block_ids: list[int]
@@ -53,13 +53,13 @@ class StepScheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager):
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.held: dict[str, Request] = {}  # finished, blocks kept for a KV handoff
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.held: dict[str, Sequence] = {}  # finished, blocks kept for a KV handoff
         self.num_preemptions = 0
 
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
 
     @property
     def num_unfinished(self) -> int:  # held requests are finished: they only pin blocks
@@ -99,7 +99,7 @@ class StepScheduler:
                 if self.kv.allocate_slots(req, req.num_tokens - hit.num_tokens, hit.blocks) is None:
                     break
                 first = len(hit.blocks)
-                blocks = self.kv.get_block_ids(req.request_id)[first:req.imported_kv.shape[2]]
+                blocks = self.kv.get_block_ids(req.seq_id)[first:req.imported_kv.shape[2]]
                 writes.append(KVWrite(blocks, req.imported_kv[:, :, first:]))
                 req.imported_kv = None
                 start = req.num_prompt_tokens
@@ -109,7 +109,7 @@ class StepScheduler:
                     break
             n = min(req.num_tokens - start, budget)
             self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
+            req.status = SequenceStatus.RUNNING
             req.num_computed_tokens = start
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
@@ -118,29 +118,29 @@ class StepScheduler:
             budget -= n
         return ScheduledBatch(scheduled, self.kv.take_copies(), writes)
 
-    def _scheduled(self, req: Request, num_computed: int, n: int) -> ScheduledSequence:
+    def _scheduled(self, req: Sequence, num_computed: int, n: int) -> ScheduledSequence:
         reaches_end = num_computed + n == req.num_tokens
         first_of_many = req.num_output_tokens == 0 and req.params.n > 1 and req.sample_index == 0
         samples = (req.params.n if first_of_many else 1) if reaches_end else 0
-        return ScheduledSequence(req, num_computed, n, self.kv.get_block_ids(req.request_id), samples)
+        return ScheduledSequence(req, num_computed, n, self.kv.get_block_ids(req.seq_id), samples)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Sequence) -> None:
         self.kv.free(req)
         req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
+        req.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def update(self, batch: ScheduledBatch, samples: dict[str, list[tuple[int, float | None]]]) -> list[Request]:
+    def update(self, batch: ScheduledBatch, samples: dict[str, list[tuple[int, float | None]]]) -> list[Sequence]:
         """Apply a step's results; returns the sequences that gained a token (forked
         samples included). Finished sequences leave the running set and free their blocks."""
         progressed = []
         for seq in batch.sequences:
-            req = seq.request
+            req = seq.sequence
             req.num_computed_tokens = seq.num_computed + seq.num_new_tokens
             if seq.num_samples == 0:
                 continue
-            drawn = samples[req.request_id]
+            drawn = samples[req.seq_id]
             for k in range(1, seq.num_samples):
                 child = req.fork(k)
                 self.kv.fork(req, child)
@@ -153,15 +153,15 @@ class StepScheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return progressed
 
-    def _append(self, req: Request, token: int, logprob: float | None) -> None:
+    def _append(self, req: Sequence, token: int, logprob: float | None) -> None:
         req.append_output(token, logprob)
         if token in req.stop_ids:
-            req.status = RequestStatus.FINISHED_STOPPED
+            req.status = SequenceStatus.FINISHED_STOPPED
         elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.config.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH
+            req.status = SequenceStatus.FINISHED_LENGTH
         if req.is_finished:
             if req.hold_kv:
-                self.held[req.request_id] = req
+                self.held[req.seq_id] = req
             else:
                 self.kv.free(req)
 
@@ -172,11 +172,11 @@ class StepScheduler:
             self.kv.free(req)
         return req is not None
 
-    def abort(self, requests: list[Request]) -> None:
-        for req in requests:
+    def abort(self, seqs: list[Sequence]) -> None:
+        for req in seqs:
             if req.is_finished:
                 continue
-            req.status = RequestStatus.FINISHED_ABORTED
+            req.status = SequenceStatus.FINISHED_ABORTED
             self.kv.free(req)
         self.waiting = deque(r for r in self.waiting if not r.is_finished)
         self.running = [r for r in self.running if not r.is_finished]

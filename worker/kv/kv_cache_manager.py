@@ -1,6 +1,6 @@
-"""Per-request block tables on top of the ``BlockPool``.
+"""Per-sequence block tables on top of the ``BlockPool``.
 
-A request's table covers its tokens in order; block ``i`` holds tokens
+A sequence's table covers its tokens in order; block ``i`` holds tokens
 ``[i * block_size, (i + 1) * block_size)``:
 
     tokens    |0 ......... 15|16 ........ 31|32 .. 37        |
@@ -11,14 +11,14 @@ Only full blocks get a hash, so only a partial last block is ever written again;
 when that block is shared (a forked ``n > 1`` sample), the writer first copies it
 to a private block (copy-on-write; the copy is queued for the runner).
 
-``allocate_slots`` returns None when the pool cannot cover the request: the
+``allocate_slots`` returns None when the pool cannot cover the seq: the
 caller preempts or waits, nothing is half-allocated."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from worker.engine.request import Request
+from worker.engine.sequence import Sequence
 from worker.kv.block_hash import BlockHash
 from worker.kv.block_pool import BlockPool, KVBlock
 from worker.kv.events import KVEvent
@@ -39,7 +39,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size, enable_caching)
         self.tables: dict[str, list[KVBlock]] = {}
-        self.num_hashed: dict[str, int] = {}  # leading blocks of a request already in the cache map
+        self.num_hashed: dict[str, int] = {}  # leading blocks of a sequence already in the cache map
         self._copies: list[BlockCopy] = []
 
     @property
@@ -49,27 +49,27 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.tables.get(request_id, ())]
+    def get_block_ids(self, seq_id: str) -> list[int]:
+        return [b.block_id for b in self.tables.get(seq_id, ())]
 
-    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+    def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
         """The longest cached prefix of full blocks; at least one token is always left
         to compute, since the last prompt token's logits are needed."""
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = (seq.num_tokens - 1) // self.block_size
         hits = []
-        for h in request.block_hashes[:max_blocks]:
+        for h in seq.block_hashes[:max_blocks]:
             block = self.pool.get_cached_block(h)
             if block is None:
                 break
             hits.append(block)
         return ComputedBlocks(hits, len(hits) * self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
                        computed: list[KVBlock] = ()) -> list[KVBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens after the request's computed
+        """Make room for ``num_new_tokens`` more tokens after the sequence's computed
         ones (plus ``computed`` prefix-hit blocks when admitting it)."""
-        table = self.tables.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        table = self.tables.setdefault(seq.seq_id, [])
+        num_computed = seq.num_computed_tokens + len(computed) * self.block_size
         total = num_computed + num_new_tokens
         num_needed = -(-total // self.block_size) - len(table) - len(computed)
         cow = self._shared_partial_block(table, num_computed)
@@ -77,12 +77,12 @@ class KVCacheManager:
         num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
         if max(num_needed, 0) + (cow is not None) > self.pool.num_free_blocks - num_evictable_hits:
             if not table:
-                del self.tables[request.request_id]
+                del self.tables[seq.seq_id]
             return None
         if computed:
             self.pool.touch(list(computed))
             table.extend(computed)
-            self.num_hashed[request.request_id] = len(table)
+            self.num_hashed[seq.seq_id] = len(table)
         if cow is not None:
             [fresh] = self.pool.get_new_blocks(1)
             self._copies.append(BlockCopy(table[cow].block_id, fresh.block_id))
@@ -90,7 +90,7 @@ class KVCacheManager:
             table[cow] = fresh
         new_blocks = self.pool.get_new_blocks(num_needed) if num_needed > 0 else []
         table.extend(new_blocks)
-        self._cache_full_blocks(request, table, total)
+        self._cache_full_blocks(seq, table, total)
         return new_blocks
 
     def _shared_partial_block(self, table: list[KVBlock], num_computed: int) -> int | None:
@@ -99,27 +99,27 @@ class KVCacheManager:
             return index
         return None
 
-    def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_tokens: int) -> None:
-        rid = request.request_id
+    def _cache_full_blocks(self, seq: Sequence, table: list[KVBlock], num_tokens: int) -> None:
+        rid = seq.seq_id
         start = self.num_hashed.get(rid, 0)
-        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        end = min(num_tokens // self.block_size, len(seq.block_hashes))
         if end <= start:
             return
-        parent = request.block_hashes[start - 1] if start else None
-        tokens = request.token_ids[start * self.block_size:end * self.block_size]
-        self.pool.cache_blocks(table[start:end], request.block_hashes[start:end], parent, tokens)
+        parent = seq.block_hashes[start - 1] if start else None
+        tokens = seq.token_ids[start * self.block_size:end * self.block_size]
+        self.pool.cache_blocks(table[start:end], seq.block_hashes[start:end], parent, tokens)
         self.num_hashed[rid] = end
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares all of the parent's blocks (one more reference each)."""
-        blocks = list(self.tables[parent.request_id])
+        blocks = list(self.tables[parent.seq_id])
         self.pool.touch(blocks)
-        self.tables[child.request_id] = blocks
-        self.num_hashed[child.request_id] = self.num_hashed.get(parent.request_id, 0)
+        self.tables[child.seq_id] = blocks
+        self.num_hashed[child.seq_id] = self.num_hashed.get(parent.seq_id, 0)
 
-    def free(self, request: Request) -> None:
-        table = self.tables.pop(request.request_id, [])
-        self.num_hashed.pop(request.request_id, None)
+    def free(self, seq: Sequence) -> None:
+        table = self.tables.pop(seq.seq_id, [])
+        self.num_hashed.pop(seq.seq_id, None)
         # tail first: a request's last blocks are the least likely to be shared, evict them first
         self.pool.free_blocks(list(reversed(table)))
 

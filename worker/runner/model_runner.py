@@ -52,7 +52,7 @@ class ModelRunner:
         rows, row_index = [], []
         for seq, last in zip(seqs, last_rows):
             for k in range(seq.num_samples):
-                req = seq.request
+                req = seq.sequence
                 rows.append(SamplingRow(req.params, req.sample_generators[req.sample_index + k]))
                 row_index.append(last)
         if not rows:
@@ -63,8 +63,8 @@ class ModelRunner:
         i = 0
         for seq in seqs:
             for _ in range(seq.num_samples):
-                out.setdefault(seq.request.request_id, []).append(
-                    (tokens[i], logprobs[i] if logprobs is not None and seq.request.params.logprobs else None))
+                out.setdefault(seq.sequence.seq_id, []).append(
+                    (tokens[i], logprobs[i] if logprobs is not None and seq.sequence.params.logprobs else None))
                 i += 1
         return RunnerOutput(out)
 
@@ -86,7 +86,7 @@ class ModelRunner:
         decode_tables, decode_lens, prefills, last_rows = [], [], [], []
         for seq in seqs:
             start, end = seq.num_computed, seq.num_computed + seq.num_new_tokens
-            ids += seq.request.token_ids[start:end]
+            ids += seq.sequence.token_ids[start:end]
             pos += range(start, end)
             slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
             if seq.num_new_tokens == 1:

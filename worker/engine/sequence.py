@@ -1,10 +1,12 @@
-"""A request inside the engine: its tokens, how many have KV in the cache, its
-status, and the hashes of its full blocks (kept current as tokens are appended).
+"""A sequence inside the engine: one sample of a request — its tokens, how many
+have KV in the cache, its status, and the hashes of its full blocks (kept current
+as tokens are appended).
 
-``n > 1`` requests run as one *sequence* per sample: the first sequence carries
-the request id, the rest are forked from it after the prompt is computed and
-share its blocks (copy-on-write). ``parent_id`` names the request a sequence
-belongs to; ``sample_index`` is its place among the request's samples."""
+A request runs as one sequence per sample: the first one's ``seq_id`` is the
+request id; for ``n > 1`` the rest are forked from it after the prompt is computed
+(``seq_id`` ``{request_id}#{k}``) and share its blocks (copy-on-write).
+``request_id`` names the request a sequence belongs to; ``sample_index`` is its
+place among the request's samples."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from worker.engine.sampling_params import SamplingParams
 from worker.kv.block_hash import ROOT_HASH, BlockHash, hash_blocks
 
 
-class RequestStatus(enum.IntEnum):
+class SequenceStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -27,28 +29,27 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self >= SequenceStatus.FINISHED_STOPPED
 
     @property
     def finish_reason(self) -> str | None:
-        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+        return {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
+                SequenceStatus.FINISHED_ABORTED: "abort"}.get(self)
 
 
-class Request:
+class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 block_size: int, eos_token_ids: tuple[int, ...] = (), cache_salt: bytes = b"",
-                 parent_id: str | None = None, sample_index: int = 0):
+                 block_size: int, eos_token_ids: tuple[int, ...] = (), cache_salt: bytes = b""):
+        self.seq_id = request_id  # the first sample's; forks get their own
         self.request_id = request_id
-        self.parent_id = parent_id or request_id
-        self.sample_index = sample_index
+        self.sample_index = 0
         self.params = params
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt, then outputs
         self.logprobs: list[float] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
-        self.status = RequestStatus.WAITING
+        self.status = SequenceStatus.WAITING
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                               else frozenset(eos_token_ids))
         self.block_size = block_size
@@ -96,11 +97,11 @@ class Request:
             parent = self.block_hashes[-1] if done else ROOT_HASH
             self.block_hashes += hash_blocks(self.token_ids, self.block_size, self.cache_salt, parent, done)
 
-    def fork(self, sample_index: int) -> Request:
+    def fork(self, sample_index: int) -> Sequence:
         """A sibling sample sharing everything computed so far (the prompt)."""
-        child = Request.__new__(Request)
+        child = Sequence.__new__(Sequence)
         child.__dict__.update(self.__dict__)
-        child.request_id = f"{self.parent_id}#{sample_index}"
+        child.seq_id = f"{self.request_id}#{sample_index}"
         child.sample_index = sample_index
         child.token_ids = list(self.token_ids)
         child.logprobs = list(self.logprobs)
