@@ -15,8 +15,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from kervan.envs import cache_dir
 from worker.default_model import CONFIG, SEED, random_weights
-from worker.envs import cache_dir
 
 
 def ensure_random_llama(vocab_size: int) -> Path:

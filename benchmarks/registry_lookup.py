@@ -35,13 +35,13 @@ import uvloop
 from benchmarks import plots
 from benchmarks.machine import machine
 from control_plane.redis_server import running_redis
+from kervan.block_hash import HASH_NAME
+from kervan.kv_events import BlockStored
 from services.common.server import Service, start_server
 from services.kv_registry.__main__ import SERVICE_NAME
 from services.kv_registry.index import PrefixIndex, WorkerRecord
 from services.kv_registry.servicer import KvRegistryServicer
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
-from worker.kv.block_hash import HASH_NAME
-from worker.kv.events import BlockStored
 
 SETS = "baseline:blk:"
 

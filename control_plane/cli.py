@@ -183,7 +183,7 @@ def info(as_json: bool) -> None:
     """What Kervan detects here: device, CPU instruction sets, dtype auto, packing, kernels."""
     import torch
 
-    from worker.envs import attention_backend, cache_dir, weight_packing
+    from kervan.envs import attention_backend, cache_dir, weight_packing
     from worker.kernels.build import KernelBuildError, compiler_id, find_built, library_path
     from worker.platform import current_platform
 
@@ -209,7 +209,7 @@ def info(as_json: bool) -> None:
               help="ISA level to build for (avx2, avx512, baseline; repeatable); default: this machine's")
 def build_kernels(levels: tuple[str, ...]) -> None:
     """Build the native CPU kernels now, into KERVAN_CACHE_DIR (e.g. while building an image)."""
-    from worker.envs import cache_dir
+    from kervan.envs import cache_dir
     from worker.kernels.build import BUILD_TIMEOUT_S, KernelBuildError, ensure_built
     from worker.platform import current_platform
 

@@ -197,7 +197,7 @@ def free_port() -> int:
 
 
 def new_log_dir() -> Path:
-    from worker.envs import cache_dir
+    from kervan.envs import cache_dir
     base = cache_dir() / "runs"
     base.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=base))

@@ -32,7 +32,7 @@ async def scheduler_stats(cluster) -> scheduler_pb2.GetStatsResponse:
 
 async def scheduler_dry_run(cluster, prompt, block_size: int = 16) -> scheduler_pb2.PlaceResponse:
     """Where the scheduler would place ``prompt`` now, and why (counted nowhere)."""
-    from worker.kv.block_hash import hash_blocks
+    from kervan.block_hash import hash_blocks
     async with grpc.aio.insecure_channel(cluster.addresses["scheduler"]) as ch:
         return await scheduler_pb2_grpc.SchedulerServiceStub(ch).Place(scheduler_pb2.PlaceRequest(
             request_id="dry", block_hashes=hash_blocks(prompt, block_size), num_prompt_tokens=len(prompt),
@@ -42,7 +42,7 @@ async def scheduler_dry_run(cluster, prompt, block_size: int = 16) -> scheduler_
 async def wait_cached(cluster, prompt, num_blocks, worker_id: str | None = None):
     """KV events reach the registry asynchronously: wait until it sees the blocks (on
     ``worker_id``, or on any worker)."""
-    from worker.kv.block_hash import hash_blocks
+    from kervan.block_hash import hash_blocks
     async with grpc.aio.insecure_channel(cluster.addresses["kv-registry"]) as ch:
         stub = kv_registry_pb2_grpc.KvRegistryServiceStub(ch)
         for _ in range(100):

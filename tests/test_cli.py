@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.envs import cache_dir
+from kervan.envs import cache_dir
 from worker.platform import current_platform, dtype_name
 
 
@@ -135,8 +135,8 @@ def test_kervan_up_serves_kervan_generate_text_token_ids_stop_strings_and_json_u
         stopped = json.loads(res.stdout)
         assert stopped["text"] == full["text"][:full["text"].index(stop)] and stopped["finish_reason"] == "stop"
         # the prompt as token ids: the same answer as the text it encodes
+        from kervan.tokenizer import Tokenizer
         from worker.default_model import ensure_default_model
-        from worker.tokenizer import Tokenizer
         ids = Tokenizer.from_dir(ensure_default_model()).encode("Once upon a time")
         res = kervan("generate", "--addr", addr, "--token-ids", ",".join(map(str, ids)), *greedy, "--json")
         assert json.loads(res.stdout)["token_ids"] == full["token_ids"]

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from worker.envs import cache_dir
+from kervan.envs import cache_dir
 
 NAME = "kervan-tiny-llama-v1"
 SEED = 1234

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.envs import onednn_max_cpu_isa
+from kervan.envs import onednn_max_cpu_isa
 
 log = logging.getLogger(__name__)
 

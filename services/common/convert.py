@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, fields
 
+from kervan.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kervan.sampling import InvalidRequest, SamplingParams
 from services.common.load import Load
 from services.proto import common_pb2, kv_registry_pb2
-from worker.engine.sampling_params import InvalidRequest, SamplingParams
-from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
            "abort": common_pb2.FINISH_REASON_ABORT}

@@ -29,7 +29,7 @@ from grpc_status import rpc_status
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from worker.engine.sampling_params import InvalidRequest
+from kervan.sampling import InvalidRequest
 
 log = logging.getLogger(__name__)
 

@@ -103,7 +103,7 @@ async def serve_until_signal(handle: Server, on_stop: Callable[[], Awaitable[Non
 
 
 def configure_logging() -> None:
-    from worker.envs import log_level
+    from kervan.envs import log_level
     logging.basicConfig(level=log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 

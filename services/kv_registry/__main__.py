@@ -6,12 +6,12 @@ import argparse
 
 import redis.asyncio as redis
 
+from kervan.block_hash import HASH_NAME
 from services.common.config import parse_args as parse_args_with_env
 from services.common.server import Service, run, serve_until_signal, start_server
 from services.kv_registry.index import PrefixIndex
 from services.kv_registry.servicer import KvRegistryServicer
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
-from worker.kv.block_hash import HASH_NAME
 
 SERVICE_NAME = kv_registry_pb2.DESCRIPTOR.services_by_name["KvRegistryService"].full_name
 

@@ -29,11 +29,11 @@ from dataclasses import asdict, dataclass, fields
 
 import redis.asyncio as redis
 
+from kervan.kv_events import BlockRemoved, BlockStored, KVEvent
 from services.common.errors import FailedPrecondition
 from services.common.load import Load
 from services.kv_registry import scripts
 from services.kv_registry.block_owners import BlockOwners
-from worker.kv.events import BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
 P = "kervan:"

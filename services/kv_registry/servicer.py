@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, fields
 
+from kervan.sampling import InvalidRequest
 from services.common.convert import event_from_proto, load_from_proto, load_to_proto, tier_from_proto
 from services.common.errors import FailedPrecondition
 from services.kv_registry.generation import Generations
 from services.kv_registry.index import PrefixIndex, WorkerRecord
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
-from worker.engine.sampling_params import InvalidRequest
 
 
 class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):

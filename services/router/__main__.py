@@ -13,13 +13,13 @@ from pathlib import Path
 
 import grpc
 
+from kervan.tokenizer import Tokenizer
 from services.common.config import parse_args as parse_args_with_env
 from services.common.server import Service, run, serve_until_signal, start_server
 from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2_grpc
 from services.router.routes import Channels, Placement, ScheduledRoutes, StaticRoutes
 from services.router.runner import MigrationPolicy
 from services.router.servicer import ModelLimits, RouterServicer
-from worker.tokenizer import Tokenizer
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 

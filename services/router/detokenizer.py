@@ -6,7 +6,7 @@ streamed and then taken back."""
 
 from __future__ import annotations
 
-from worker.tokenizer import Tokenizer
+from kervan.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from kervan.block_hash import hash_blocks
 from services.proto import scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
-from worker.kv.block_hash import hash_blocks
 
 
 @dataclass(frozen=True)

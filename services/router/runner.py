@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kervan.sampling import FORKED_SAMPLES
 from services.common.convert import max_tokens_of
 from services.common.errors import Overloaded, Unavailable, retry_after_s
 from services.proto import common_pb2, worker_pb2
 from services.router.routes import ScheduledRoutes, StaticRoutes
-from worker.engine.sampling_params import FORKED_SAMPLES
 
 log = logging.getLogger(__name__)
 MAX_PLACEMENTS = 3

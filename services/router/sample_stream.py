@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import time
 
+from kervan.tokenizer import Tokenizer
 from services.proto import common_pb2, router_pb2, worker_pb2
 from services.router.detokenizer import Detokenizer
 from services.router.stop_strings import StopWatch
-from worker.tokenizer import Tokenizer
 
 
 class SampleStream:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from kervan.sampling import InvalidRequest, SamplingParams
+from kervan.tokenizer import Tokenizer
 from services.common.convert import sampling_from_proto
 from services.common.errors import AlreadyExists, NotFound, Overloaded, retry_after_s
 from services.proto import router_pb2, router_pb2_grpc
@@ -22,8 +24,6 @@ from services.router.routes import ScheduledRoutes, StaticRoutes
 from services.router.runner import MigrationPolicy, RequestRunner
 from services.router.sample_stream import SampleStream
 from services.router.stop_strings import validate_stop
-from worker.engine.sampling_params import InvalidRequest, SamplingParams
-from worker.tokenizer import Tokenizer
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 

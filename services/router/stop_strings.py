@@ -6,7 +6,7 @@ ends): nothing is ever streamed that would have to be taken back."""
 
 from __future__ import annotations
 
-from worker.engine.sampling_params import InvalidRequest
+from kervan.sampling import InvalidRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256

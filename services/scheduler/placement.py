@@ -38,7 +38,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from worker.engine.sampling_params import InvalidRequest, RequestLimits
+from kervan.sampling import InvalidRequest, RequestLimits
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,11 +12,11 @@ from collections import Counter
 
 import grpc
 
+from kervan.sampling import RequestLimits
 from services.common.errors import Overloaded, Unavailable
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.placement import AllBusy, Candidate, PlacementConfig, Size, place
 from services.scheduler.recent import RecentPlacements
-from worker.engine.sampling_params import RequestLimits
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 import torch
 
+from kervan.sampling import InvalidRequest
 from services.proto import worker_pb2
-from worker.engine.sampling_params import InvalidRequest
 
 CHUNK_BYTES = 1 << 20
 SHM_PREFIX = "kervan-kv-"  # the receiver opens (and unlinks) only segments named so

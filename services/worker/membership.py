@@ -15,11 +15,11 @@ import uuid
 
 import grpc
 
+from kervan.block_hash import HASH_NAME
+from kervan.kv_events import MEDIUM_DEVICE, KVEvent
 from services.common.convert import event_to_proto, load_to_proto, tier_to_proto
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from services.worker.async_engine import AsyncEngine
-from worker.kv.block_hash import HASH_NAME
-from worker.kv.events import MEDIUM_DEVICE, KVEvent
 
 log = logging.getLogger(__name__)
 

@@ -14,13 +14,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kervan.sampling import FORKED_SAMPLES
 from services.common.convert import finish_to_proto, load_to_proto, sampling_from_proto
 from services.common.errors import FailedPrecondition, Unavailable
 from services.proto import worker_pb2, worker_pb2_grpc
 from services.worker import kv_transfer
 from services.worker.async_engine import AsyncEngine
 from worker import ImportedKV, InvalidRequest, RequestOutput
-from worker.engine.sampling_params import FORKED_SAMPLES
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]", socket.gethostname()}
 

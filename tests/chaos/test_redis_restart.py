@@ -9,10 +9,10 @@ import grpc
 import redis.asyncio as redis
 
 from control_plane.launcher import Cluster, ClusterSpec
+from kervan.block_hash import hash_blocks
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from tests.chaos.checker import check, record, restart_redis, stream, wait_baseline
 from tests.conftest import greedy_tokens, make_prompts
-from worker.kv.block_hash import hash_blocks
 
 
 def test_redis_restarting_empty_starts_a_generation_and_requests_keep_flowing(llama, tmp_path):

@@ -12,10 +12,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.launcher import Cluster, ClusterSpec
+from kervan.block_hash import hash_blocks
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.chaos.checker import check, process_gone, record, stream, wait_baseline
 from tests.conftest import greedy_tokens, make_prompts
-from worker.kv.block_hash import hash_blocks
 
 MAX_TOKENS = 300
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kervan.tokenizer import Tokenizer
 from services.common.server import Service, start_server
 from services.proto import router_pb2_grpc, worker_pb2_grpc
 from services.router.__main__ import SERVICE_NAME as ROUTER_NAME
@@ -22,7 +23,6 @@ from services.worker.async_engine import AsyncEngine
 from services.worker.servicer import WorkerServicer
 from tests.conftest import make_engine
 from tests.services.scheduled_mesh import ScheduledMesh
-from worker.tokenizer import Tokenizer
 
 
 @dataclass
@@ -130,10 +130,10 @@ async def mesh(llama, redis_client, request):
 
 async def start_registry(index, block_size: int = 16):
     """A kv-registry server over ``index`` (a ``PrefixIndex``) on 127.0.0.1:0."""
+    from kervan.block_hash import HASH_NAME
     from services.kv_registry.__main__ import SERVICE_NAME as REGISTRY_NAME
     from services.kv_registry.servicer import KvRegistryServicer
     from services.proto import kv_registry_pb2_grpc
-    from worker.kv.block_hash import HASH_NAME
     servicer = KvRegistryServicer(index, block_size, HASH_NAME)
     return await start_server([Service(REGISTRY_NAME, lambda s: (
         kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(servicer, s)))])

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 
+from kervan.block_hash import HASH_NAME
 from services.common.server import Server, Service, start_server
 from services.kv_registry.__main__ import SERVICE_NAME as REGISTRY_NAME
 from services.kv_registry.index import PrefixIndex
@@ -30,7 +31,6 @@ from services.worker.async_engine import AsyncEngine
 from services.worker.membership import Membership
 from services.worker.servicer import WorkerServicer
 from tests.conftest import make_engine
-from worker.kv.block_hash import HASH_NAME
 
 BLOCK_SIZE = 16
 

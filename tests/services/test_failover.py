@@ -12,6 +12,8 @@ import grpc
 import pytest
 
 from control_plane.client import build_request
+from kervan.block_hash import HASH_NAME, hash_blocks
+from kervan.kv_events import BlockStored
 from services.common.errors import retry_after_s
 from services.common.load import Load
 from services.kv_registry.index import PrefixIndex, WorkerRecord
@@ -20,8 +22,6 @@ from tests.chaos.checker import check, stream
 from tests.conftest import greedy_tokens, make_prompts
 from tests.services.mesh_helpers import engine_paused
 from tests.services.scheduled_mesh import BLOCK_SIZE, ScheduledMesh, address
-from worker.kv.block_hash import HASH_NAME, hash_blocks
-from worker.kv.events import BlockStored
 
 MAX_TOKENS = 400
 

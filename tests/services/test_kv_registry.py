@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
+from kervan.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from services.common.load import Load
 from services.kv_registry.index import PrefixIndex, StaleIncarnation, WorkerRecord
-from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def Stored(hashes, seq):

@@ -9,11 +9,11 @@ from contextlib import asynccontextmanager
 import grpc
 
 from control_plane.lease_watch import LeaseWatcher
+from kervan.block_hash import HASH_NAME
+from kervan.kv_events import BlockStored
 from services.kv_registry.index import PrefixIndex, WorkerRecord
 from services.proto import kv_registry_pb2_grpc
 from tests.services.conftest import start_registry
-from worker.kv.block_hash import HASH_NAME
-from worker.kv.events import BlockStored
 
 
 @asynccontextmanager

@@ -7,6 +7,7 @@ import asyncio
 import grpc
 import pytest
 
+from kervan.block_hash import HASH_NAME
 from services.kv_registry.index import PrefixIndex
 from services.proto import kv_registry_pb2_grpc
 from services.worker.async_engine import AsyncEngine
@@ -14,7 +15,6 @@ from services.worker.membership import Membership
 from tests.conftest import make_engine, make_prompts
 from tests.services.conftest import start_registry
 from worker import SamplingParams
-from worker.kv.block_hash import HASH_NAME
 
 
 async def until(predicate, timeout=10.0):

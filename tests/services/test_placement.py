@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from kervan.sampling import InvalidRequest, RequestLimits
 from services.scheduler.placement import (
     FORKED,
     PREFILL_QUEUE_FULL,
@@ -14,7 +15,6 @@ from services.scheduler.placement import (
     Size,
     place,
 )
-from worker.engine.sampling_params import InvalidRequest, RequestLimits
 
 CFG = PlacementConfig(overlap_weight=1.0, min_remote_prefill_blocks=2)
 

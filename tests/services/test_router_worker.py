@@ -81,7 +81,7 @@ async def test_cancel_mid_stream_aborts_on_the_worker_and_frees_every_block(llam
 
 
 async def test_text_prompt_streams_text(text_mesh, default_model_dir):
-    from worker.tokenizer import Tokenizer
+    from kervan.tokenizer import Tokenizer
     deltas, [fin] = await collect(text_mesh.router, router_pb2.GenerateRequest(
         text=b"Once upon a time", sampling=common_pb2.SamplingParams(max_tokens=20, seed=5)))
     ids = token_ids(deltas)

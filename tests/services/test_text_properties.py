@@ -7,9 +7,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kervan.tokenizer import Tokenizer
 from services.router.detokenizer import Detokenizer
 from services.router.stop_strings import StopWatch
-from worker.tokenizer import Tokenizer
 
 ALPHABET = "abcE \u00e9\u4e16"  # a few letters, a space and multi-byte characters
 

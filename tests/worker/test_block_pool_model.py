@@ -7,8 +7,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kervan.kv_events import BlockRemoved, BlockStored
 from worker.kv.block_pool import BlockPool
-from worker.kv.events import BlockRemoved, BlockStored
 
 NUM_BLOCKS = 6
 

@@ -191,7 +191,7 @@ def test_step_streams_new_tokens_incrementally(llama):
 
 
 def test_kv_events_announce_stored_and_evicted_blocks_in_sequence(llama):
-    from worker.kv.events import BlockRemoved, BlockStored
+    from kervan.kv_events import BlockRemoved, BlockStored
     _, path = llama
     engine = make_engine(path, num_kv_blocks=8)
     first, second = make_prompts([17, 17], seed=15)
@@ -211,7 +211,7 @@ def test_kv_events_announce_stored_and_evicted_blocks_in_sequence(llama):
 
 
 def engine_hashes(tokens, block_size):
-    from worker.kv.block_hash import hash_blocks
+    from kervan.block_hash import hash_blocks
     return hash_blocks(tokens, block_size)
 
 
@@ -237,7 +237,7 @@ def test_stats_and_cached_blocks_are_the_engines_public_view(llama):
 
 
 def engine_block_hashes(tokens):
-    from worker.kv.block_hash import hash_blocks
+    from kervan.block_hash import hash_blocks
     return hash_blocks(tokens, 4)
 
 

@@ -1,8 +1,8 @@
 """KVCacheManager: block tables, prefix hits, copy-on-write, exact ids and counts."""
 
+from kervan.kv_events import BlockStored
 from worker import SamplingParams
 from worker.engine.sequence import Sequence
-from worker.kv.events import BlockStored
 from worker.kv.kv_cache_manager import BlockCopy, KVCacheManager
 
 BS = 4

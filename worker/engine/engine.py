@@ -13,18 +13,18 @@ from pathlib import Path
 
 import torch
 
+from kervan.kv_events import KVEvent
+from kervan.sampling import InvalidRequest, RequestLimits, SamplingParams
+from kervan.tokenizer import Tokenizer
 from worker.config import EngineConfig, ModelConfig
 from worker.engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from worker.engine.sampling_params import InvalidRequest, RequestLimits, SamplingParams
 from worker.engine.scheduler import StepScheduler
 from worker.engine.sequence import Sequence
-from worker.kv.events import KVEvent
 from worker.kv.kv_cache_manager import KVCacheManager
 from worker.loader import load_model
 from worker.platform import current_platform
 from worker.runner.model_runner import ModelRunner
 from worker.runner.sampler import skip_draw
-from worker.tokenizer import Tokenizer
 
 Prompt = list[int] | str
 

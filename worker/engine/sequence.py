@@ -14,8 +14,8 @@ import enum
 
 import torch
 
-from worker.engine.sampling_params import SamplingParams
-from worker.kv.block_hash import ROOT_HASH, BlockHash, hash_blocks
+from kervan.block_hash import ROOT_HASH, BlockHash, hash_blocks
+from kervan.sampling import SamplingParams
 
 
 class SequenceStatus(enum.IntEnum):

@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from worker.envs import attention_backend, cache_dir, kernel_build_wait_s
+from kervan.envs import attention_backend, cache_dir, kernel_build_wait_s
 from worker.kernels.build import KernelBuildError, ensure_built
 from worker.platform import current_platform
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from worker import envs
+from kervan import envs
 
 LIBRARY = "kervan_kernels.so"
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))

@@ -1,1 +1,2 @@
-"""The paged KV cache: block hashing, the block pool, per-request block tables, KV events."""
+"""The paged KV cache: the block pool and per-sequence block tables (the block hashes and
+KV events they produce are the shared vocabulary in ``kervan``)."""

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from worker.kv.block_hash import BlockHash
-from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kervan.block_hash import BlockHash
+from kervan.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(eq=False)

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from kervan.block_hash import BlockHash
+from kervan.kv_events import KVEvent
 from worker.engine.sequence import Sequence
-from worker.kv.block_hash import BlockHash
 from worker.kv.block_pool import BlockPool, KVBlock
-from worker.kv.events import KVEvent
 
 
 class BlockCopy(NamedTuple):

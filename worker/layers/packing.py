@@ -18,7 +18,7 @@ import logging
 import torch
 from torch import nn
 
-from worker.envs import weight_packing
+from kervan.envs import weight_packing
 from worker.platform import current_platform, dtype_name
 
 log = logging.getLogger(__name__)

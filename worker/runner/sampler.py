@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.sampling_params import SamplingParams
+from kervan.sampling import SamplingParams
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.kv.block_hash import BlockHash
+from kervan.block_hash import BlockHash
 
 MEDIUM_DEVICE = "device"
 

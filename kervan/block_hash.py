@@ -1,12 +1,11 @@
-"""Chained block hashes for prefix caching, shared by worker, kv-registry and router.
+"""Chained block hashes for prefix caching, shared by the engine, the kv-registry and the router.
 
 ``h_i = sha256(h_{i-1} || tokens_i || extra)`` over *full* blocks only, starting
 from a fixed root, so two processes (or two machines) hashing the same tokens
 agree; never Python's ``hash()``, which is seeded per process. ``extra`` carries
 what must separate otherwise equal prefixes (a LoRA id, a tenant's cache salt);
 it enters the first block only, and the chain carries it onward.
-
-This module must stay free of torch: the router and the kv-registry import it."""
+"""
 
 from __future__ import annotations
 
