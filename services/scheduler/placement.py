@@ -11,11 +11,12 @@ the prefix keeps winning until it is really busier. A last term,
 push out where the worker has too few empty blocks: a new prefix goes where it
 destroys no other (it is the same everywhere once every cache is full).
 
-Filters first (role, model, the request's size: only workers whose registered
-limits hold it — none at all is the client's mistake, ``InvalidRequest``; admission: a
-worker at its request limit gets no more; room for the prompt's blocks — when no worker has room the request queues
-on the cheapest rather than fail here), then the lowest cost wins (or a softmax
-draw when a temperature is set). The ``round_robin`` and ``random`` policies
+Filters first (role; model; the request's size: only workers whose registered
+limits hold it, and none at all is the client's mistake, ``InvalidRequest``;
+admission: a worker at its request limit gets no more; room for the prompt's
+blocks: when no worker has room the request queues on the cheapest rather than
+fail here), then the lowest cost wins (or a softmax draw when a temperature is
+set). The ``round_robin`` and ``random`` policies
 ignore the cost: they are the baselines the placement benchmark measures
 KV-aware placement against. The decode worker is chosen first; a separate
 prefill worker only when the uncached part of the prompt is long enough to be
@@ -149,7 +150,7 @@ def place(candidates: list[Candidate], num_prompt_blocks: int, cfg: PlacementCon
                                 max_n=max(c.limits.max_n for c in decoders))
         largest.check(size.num_prompt_tokens, size.max_tokens, size.n)  # names the limit it exceeds
         raise InvalidRequest(f"no worker serves both n={size.n} and prompt ({size.num_prompt_tokens} tokens) + "
-                       f"max_tokens ({size.max_tokens}) at once")  # each alone fits some worker
+                             f"max_tokens ({size.max_tokens}) at once")  # each alone fits some worker
     if all(c.full for c in fitting):
         raise AllBusy(len(fitting))
     decode, scores = choose([c for c in fitting if not c.full], num_prompt_blocks, cfg, rng, turn)

@@ -128,8 +128,8 @@ def test_only_workers_whose_registered_limits_hold_the_request_are_chosen():
 
 def test_a_request_no_worker_holds_is_the_clients_mistake_named_by_the_largest_limit():
     workers = [cand("a", max_model_len=512, max_n=4), cand("b", max_model_len=1024, max_n=2)]
-    with pytest.raises(InvalidRequest, match=r"prompt \(1000 tokens\) \+ max_tokens \(100\) exceeds the maximum model "
-                                       r"length 1024"):
+    with pytest.raises(InvalidRequest, match=r"prompt \(1000 tokens\) \+ max_tokens \(100\) exceeds the "
+                                             r"maximum model length 1024"):
         place(workers, 8, CFG, size=Size(num_prompt_tokens=1000, max_tokens=100))
     with pytest.raises(InvalidRequest, match="n must be <= 4, got 5"):
         place(workers, 8, CFG, size=Size(num_prompt_tokens=10, max_tokens=10, n=5))
