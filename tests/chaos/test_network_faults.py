@@ -35,6 +35,9 @@ class ProxyThread:
         self.thread.join(5)
 
 
+MAX_TOKENS = 400  # long enough that every stream still runs when the fault comes
+
+
 # a reset is seen at once; a blackhole only by HTTP/2 keepalive pings going unanswered
 # (about 4 s): the stall watchdog is set far beyond the clients' 30 s deadline, so a
 # keepalive that is off or slow (gRPC's default ping timeout is 60 s) leaves the streams
@@ -54,7 +57,7 @@ def test_a_worker_cut_off_by_the_network_is_migrated_away_from(llama, tmp_path, 
                        "--advertise-address", f"127.0.0.1:{proxy.port}", port=port)
         cluster._wait_serving(["both-1"], 240)
         prompts = make_prompts([20, 21, 22, 23], seed=100)
-        expected = greedy_tokens(llama[1], prompts, 300)
+        expected = greedy_tokens(llama[1], prompts, MAX_TOKENS)
 
         async def run():
             started = [asyncio.Event() for _ in prompts]
@@ -63,10 +66,11 @@ def test_a_worker_cut_off_by_the_network_is_migrated_away_from(llama, tmp_path, 
                 async def on_delta(out):
                     started[k].set()
                 return on_delta
-            tasks = [asyncio.create_task(stream(cluster.router_address, p, 300, on_delta=first_token(k), timeout=30))
-                     for k, p in enumerate(prompts)]
-            # the fault must hit streams on both-1 that already delivered tokens: wait until it runs
-            # requests that are all past their prefill (each has sampled its first token)
+            tasks = [asyncio.create_task(stream(cluster.router_address, p, MAX_TOKENS, on_delta=first_token(k),
+                                                timeout=30)) for k, p in enumerate(prompts)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)  # every client has tokens
+            # the fault must hit streams on both-1 that already delivered tokens: checked right before it,
+            # so that a stream finished early (a slow first token elsewhere) cannot leave both-1 idle
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:  # straight to both-1, not via the proxy
                 stub = worker_pb2_grpc.WorkerServiceStub(ch)
                 for _ in range(6000):
@@ -76,7 +80,6 @@ def test_a_worker_cut_off_by_the_network_is_migrated_away_from(llama, tmp_path, 
                     await asyncio.sleep(0.01)
                 else:
                     raise AssertionError("no stream was placed on the proxied worker")
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)  # every client has tokens
             at = time.monotonic()
             if fault == "reset":
                 proxies.call(proxy.reset)
