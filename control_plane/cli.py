@@ -131,7 +131,10 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
 @click.option("--request", "request_text", default=None,
               help="send this prompt once the cluster is up, print the answer, then stop")
 @click.option("--max-tokens", default=32, show_default=True, help="with --request")
-def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens) -> None:
+@click.option("--tensor-parallel", default=1, show_default=True,
+              help="ranks per aggregated worker (a worker group the mesh sees as one); needs --prefill 0 --decode 0")
+def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens,
+       tensor_parallel) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C."""
     import asyncio
     from pathlib import Path
@@ -146,8 +149,12 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
     except DtypeError as exc:
         raise click.BadParameter(str(exc), param_hint="--dtype") from None
     model = Path(model_dir) if model_dir else ensure_default_model()
-    cluster = Cluster(ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, dtype=dtype),
-                      new_log_dir())
+    try:
+        spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, dtype=dtype,
+                           tensor_parallel=tensor_parallel)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    cluster = Cluster(spec, new_log_dir())
     click.echo(f"starting {num_prefill} prefill, {num_decode} decode, {num_both} aggregated worker(s) "
                f"on {model}; logs in {cluster.log_dir}", err=True)
     start = time.perf_counter()

@@ -45,6 +45,15 @@ class ClusterSpec:
     router_args: tuple[str, ...] = ()  # extra flags for the router, e.g. ("--max-migrations", "0")
     registry_args: tuple[str, ...] = ()  # extra flags for the kv-registry, e.g. ("--ttl", "2")
     worker_args: tuple[str, ...] = ()  # extra flags for every worker, e.g. ("--max-waiting", "8")
+    tensor_parallel: int = 1  # ranks per aggregated worker (a worker group); > 1 needs aggregated workers only
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1 and (self.num_prefill or self.num_decode):
+            raise ValueError(f"tensor parallel {self.tensor_parallel} needs aggregated workers only (a worker "
+                             f"group's KV is sharded and not handed between workers); got {self.num_prefill} "
+                             f"prefill and {self.num_decode} decode")
 
     @property
     def num_workers(self) -> int:
@@ -53,7 +62,9 @@ class ClusterSpec:
     def worker_threads(self) -> int:
         # engines that share cores must not oversubscribe them: OpenMP teams spinning in
         # two processes on the same cores cost far more than they save
-        return self.threads_per_worker or max(1, len(usable_cores()) // max(1, self.num_workers))
+        # (per rank: a worker group's ranks share what one worker gets)
+        per_worker = self.threads_per_worker or max(1, len(usable_cores()) // max(1, self.num_workers))
+        return max(1, per_worker // self.tensor_parallel)
 
 
 @dataclass
@@ -105,6 +116,8 @@ class Cluster:
             cores = {usable[(slot * threads + k) % len(usable)] for k in range(threads)}
         self.spawned[role] += 1
         extra = ["--num-kv-blocks", str(self.spec.num_kv_blocks)] if self.spec.num_kv_blocks else []
+        if role == "both" and self.spec.tensor_parallel > 1:
+            extra += ["--tensor-parallel", str(self.spec.tensor_parallel)]
         self._start(name, "services.worker", "--role", role, "--model", str(self.spec.model_dir),
                     "--registry", self.addresses["kv-registry"], "--dtype", self.spec.dtype,
                     "--block-size", str(self.spec.block_size), *extra,

@@ -35,6 +35,15 @@ KERVAN_KERNEL_BUILD_WAIT_S = "KERVAN_KERNEL_BUILD_WAIT_S"
 def kernel_build_wait_s() -> float:
     return float(os.environ.get(KERVAN_KERNEL_BUILD_WAIT_S, "120"))
 
+# seconds a collective of a worker group may take before its ranks take the group for
+# broken: a rank that dies or hangs takes the whole group down
+KERVAN_GROUP_TIMEOUT_S = "KERVAN_GROUP_TIMEOUT_S"
+
+
+def group_timeout_s() -> float:
+    return float(os.environ.get(KERVAN_GROUP_TIMEOUT_S, "30"))
+
+
 # "auto" (pack linear weights for oneDNN where the platform says it pays) or "off"
 KERVAN_WEIGHT_PACKING = "KERVAN_WEIGHT_PACKING"
 

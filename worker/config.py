@@ -197,6 +197,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_n: int = 16  # bound on SamplingParams.n (a client must not fan out unboundedly)
     seed: int = 0  # for requests without a seed of their own
+    tensor_parallel_size: int = 1  # ranks of one worker group, each holding 1/N of every layer
 
     def __post_init__(self) -> None:
         try:
@@ -205,7 +206,7 @@ class EngineConfig:
             raise ConfigError(str(exc)) from None
         if self.device != "auto" and _device_type(self.device) not in ("cpu", "cuda"):
             raise ConfigError(f"device {self.device!r} unknown; choose auto, cpu, cuda or cuda:N")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_n"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_n", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -221,6 +222,7 @@ class EngineConfig:
         if device.startswith("cuda") and platform.cuda is None:
             raise ConfigError(f"device {self.device!r} requested but CUDA is not available")
         concrete = replace(self, device=device, dtype=platform.resolve_dtype(self.dtype, device))
+        check_tensor_parallel(model, self.tensor_parallel_size, platform.num_ranks(device))
         num_blocks = self.num_kv_blocks or max(2, self.kv_cache_memory_bytes // concrete.bytes_per_block(model))
         if self.max_model_len and self.max_model_len > model.max_position:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
@@ -232,6 +234,24 @@ class EngineConfig:
         # unset: the model's limit, cut to what the KV cache holds (one sequence must always fit)
         max_len = self.max_model_len or min(model.max_position, capacity)
         return replace(concrete, num_kv_blocks=num_blocks, max_model_len=max_len)
+
+
+def check_tensor_parallel(model: ModelConfig, size: int, max_ranks: int) -> None:
+    """Refuse, naming the numbers, a tensor-parallel size this model or machine cannot take."""
+    if size == 1:
+        return
+    if size > max_ranks:
+        raise ConfigError(f"tensor_parallel_size {size} exceeds the {max_ranks} ranks this machine can run "
+                          f"(one per core on the CPU, one per GPU on CUDA)")
+    parts = {"num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
+             "intermediate_size": model.intermediate_size, "vocab_size": model.vocab_size}
+    if model.moe is not None:
+        parts["num_experts"] = model.moe.num_experts  # whole experts per rank
+        if model.moe.shared_intermediate_size:
+            parts["shared_expert_intermediate_size"] = model.moe.shared_intermediate_size
+    bad = [f"{name} ({value})" for name, value in parts.items() if value % size]
+    if bad:
+        raise ConfigError(f"tensor_parallel_size {size} does not divide {', '.join(bad)}")
 
 
 def _device_type(name: str) -> str | None:

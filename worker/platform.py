@@ -159,6 +159,11 @@ class Platform:
     def resolve_device(self, requested: str) -> str:
         return self.device if requested == "auto" else requested
 
+    def num_ranks(self, device: str) -> int:
+        """How many ranks of a worker group this machine runs: one per usable core on
+        the CPU, one per GPU on CUDA."""
+        return torch.cuda.device_count() if device.startswith("cuda") else len(usable_cores())
+
     def auto_dtype(self, device: str) -> torch.dtype:
         if device.startswith("cuda"):
             return torch.bfloat16 if self.cuda is None or self.cuda.has_bf16 else torch.float16

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -20,6 +21,7 @@ from services.proto import kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.worker.async_engine import AsyncEngine
 from services.worker.membership import Membership
 from services.worker.servicer import WorkerServicer
+from worker.config import ConfigError
 from worker.platform import DTYPE_CHOICES, dtype_name
 
 log = logging.getLogger("services.worker")
@@ -46,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="tokens per KV block; every process of a mesh takes the same (the kv-registry refuses others)")
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--tensor-parallel", type=int, default=1,
+                    help="ranks of this worker (processes on the CPU, GPUs on CUDA), each holding 1/N of every "
+                         "layer; the mesh sees one worker. Aggregated (--role both) only: its KV is sharded")
     ap.add_argument("--max-waiting", type=int, default=256,
                     help="requests queued beyond a full batch before new ones get RESOURCE_EXHAUSTED")
     return parse_args_with_env(ap, "worker", argv)
@@ -90,12 +95,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging()
     log.info("platform: %s", current_platform().summary())
+    if args.tensor_parallel > 1 and args.role != "both":
+        raise SystemExit(f"--tensor-parallel {args.tensor_parallel} needs --role both: a worker group's KV is "
+                         f"sharded across its ranks and is not handed between workers (got --role {args.role})")
     model_dir = Path(args.model) if args.model else ensure_default_model()
-    engine = Engine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                                    num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs)
+    try:
+        engine = Engine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                                        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                                        tensor_parallel_size=args.tensor_parallel)
+    except ConfigError as exc:
+        raise SystemExit(f"worker: {exc}") from None
     log.info("engine: %s on %s, native CPU kernels %s", dtype_name(engine.config.dtype), engine.config.device,
              "on" if engine.uses_native_kernels else "off")
-    async_engine = AsyncEngine(engine, args.max_waiting)
+    # a worker group that lost a rank exits at once: the mesh sees one dead worker, its requests move
+    async_engine = AsyncEngine(engine, args.max_waiting, on_group_failed=lambda exc: os._exit(70))
     loop_ready = threading.Event()
     holder: dict = {}
 
@@ -118,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     loop_ready.wait()
     async_engine.run()  # returns once the server has drained
     thread.join()
+    engine.close()  # a worker group's other ranks stop with it
 
 
 if __name__ == "__main__":

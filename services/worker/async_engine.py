@@ -21,9 +21,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from services.common.errors import Overloaded
+from services.common.errors import Overloaded, Unavailable
 from services.common.load import Load
 from worker import Engine, InvalidRequest, RequestLimits, RequestOutput, SamplingParams
+from worker.parallel.group import GroupFailed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -85,10 +86,15 @@ _Command = _Add | _Abort | _Call
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_waiting: int | None = None):
+    def __init__(self, engine: Engine, max_waiting: int | None = None,
+                 on_group_failed: Callable[[GroupFailed], None] | None = None):
         """``max_waiting``: requests admitted beyond a full batch (``max_num_seqs``)
-        before new ones are refused with ``Overloaded``; None: no limit."""
+        before new ones are refused with ``Overloaded``; None: no limit.
+        ``on_group_failed``: called on the engine thread when a rank of the engine's
+        worker group died or hangs, after every request in flight failed (a worker
+        process exits: the mesh then sees one dead worker); None: the engine thread ends."""
         self.engine = engine
+        self.on_group_failed = on_group_failed
         self.max_requests = 0 if max_waiting is None else engine.config.max_num_seqs + max_waiting  # 0: no limit
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -188,9 +194,17 @@ class AsyncEngine:
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
+                try:
+                    self.engine.keepalive()  # a worker group's peers hear from rank 0 at least every second
+                except GroupFailed as exc:
+                    self._group_failed(exc)
+                    return
                 continue
             try:
                 outputs = self.engine.step()
+            except GroupFailed as exc:
+                self._group_failed(exc)
+                return
             except Exception as exc:  # a bug, not a bad request: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 for rid in list(self._streams):
@@ -198,6 +212,14 @@ class AsyncEngine:
                     self.engine.abort(rid)
                 continue
             self._deliver_all([(out.request_id, out) for out in outputs])
+
+    def _group_failed(self, exc: GroupFailed) -> None:
+        log.critical("%s", exc)
+        for rid in list(self._streams):
+            self._deliver(rid, Unavailable(f"this worker is lost: {exc}"))
+        self._stopped = True
+        if self.on_group_failed is not None:
+            self.on_group_failed(exc)
 
     def _drain_inbox(self) -> None:
         while True:

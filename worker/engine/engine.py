@@ -22,6 +22,7 @@ from worker.engine.scheduler import StepScheduler
 from worker.engine.sequence import Sequence
 from worker.kv.kv_cache_manager import KVCacheManager
 from worker.loader import load_model
+from worker.parallel.group import GroupLeader
 from worker.platform import current_platform
 from worker.runner.model_runner import ModelRunner
 from worker.runner.sampler import skip_draw
@@ -42,10 +43,16 @@ class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig):
         self.model_config = ModelConfig.from_dir(model_dir)
         self.config = config.resolve(self.model_config, current_platform())
-        model = load_model(model_dir, self.config.dtype, self.config.max_model_len, self.config.device)
+        # a worker group: the other ranks start now and load their shards while this one loads its own
+        self.group = GroupLeader.start(model_dir, self.config) if self.config.tensor_parallel_size > 1 else None
+        try:
+            model = load_model(model_dir, self.config.dtype, self.config.max_model_len, self.config.device)
+            self.runner = ModelRunner(model, self.config, self.group)
+        except BaseException:
+            self.close()
+            raise
         self.kv = KVCacheManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = StepScheduler(self.config, self.kv)
-        self.runner = ModelRunner(model, self.config)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.groups: dict[str, list[Sequence]] = {}  # request id -> its sequences (n of them once forked)
         self._ids = itertools.count()
@@ -71,6 +78,9 @@ class Engine:
         req = Sequence(request_id, token_ids, params, self.config.block_size,
                       self.model_config.eos_token_ids, cache_salt)
         req.hold_kv = hold_kv
+        if (hold_kv or imported is not None) and self.group is not None:
+            raise InvalidRequest(f"this worker is a group of {self.config.tensor_parallel_size} ranks with its KV "
+                                 f"sharded: it neither hands KV to another worker nor takes it from one")
         if imported is not None:
             self._check_import(imported, len(token_ids), params)
             req.append_output(imported.first_token, imported.first_logprob if params.logprobs else None)
@@ -215,6 +225,18 @@ class Engine:
         """Every cached block's hash, as of the last KV event's sequence number (a full
         dump for the registry; events not yet taken are superseded by it)."""
         return self.kv.dump()
+
+    def keepalive(self) -> None:
+        """Call while idle, at least every second: the peers of a worker group wait for
+        rank 0 only so long (``KERVAN_GROUP_TIMEOUT_S``) before they take it for lost."""
+        if self.group is not None:
+            self.group.ping()
+
+    def close(self) -> None:
+        """Stop a worker group's other ranks (nothing to do for one process)."""
+        if self.group is not None:
+            self.group.stop()
+            self.group = None
 
     @property
     def limits(self) -> RequestLimits:

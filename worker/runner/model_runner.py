@@ -10,15 +10,18 @@ end this step (repeated ``n`` times for the first sample of an ``n > 1`` request
 from __future__ import annotations
 
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from worker.config import EngineConfig
-from worker.engine.scheduler import ScheduledBatch, ScheduledSequence
+from worker.engine.scheduler import KVWrite, ScheduledBatch, ScheduledSequence
 from worker.kernels import has_native_kernels
 from worker.layers.paged_attention import AttentionMetadata
 from worker.models.decoder import DecoderModel
+from worker.parallel.group import GroupLeader
+from worker.parallel.step_inputs import StepInputs
 from worker.runner.sampler import Sampler, SamplingRow
 
 
@@ -29,8 +32,11 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, config: EngineConfig):
+    def __init__(self, model: DecoderModel, config: EngineConfig, group: GroupLeader | None = None):
+        """``group``: the peers of a worker group, sent each step's inputs before this
+        rank runs it (None: one process)."""
         self.model = model
+        self.group = group
         self.config = config
         self.device = torch.device(config.device)
         cfg = model.cfg
@@ -41,23 +47,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        for copy in batch.block_copies:
-            for cache in self.kv_caches:
-                cache[:, copy.dst].copy_(cache[:, copy.src])
-        for write in batch.kv_writes:
-            self.write_blocks(write.block_ids, write.data)
         seqs = sorted(batch.sequences, key=lambda s: s.num_new_tokens > 1)  # decodes first (stable)
-        input_ids, positions, meta, last_rows = self._prepare(seqs)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        rows, row_index = [], []
-        for seq, last in zip(seqs, last_rows):
-            for k in range(seq.num_samples):
-                req = seq.sequence
-                rows.append(SamplingRow(req.params, req.sample_generators[req.sample_index + k]))
-                row_index.append(last)
-        if not rows:
+        step = self._prepare(seqs, batch.block_copies)
+        if self.group is not None:
+            if batch.kv_writes:
+                raise RuntimeError("imported KV reached a worker group (its KV is sharded); the worker refuses that")
+            self.group.send(step)
+        try:
+            logits = self.forward(step, batch.kv_writes)
+        except RuntimeError as exc:  # in a group: a collective failed, a rank died or hangs
+            if self.group is None:
+                raise
+            raise self.group.fail(exc) from exc
+        if logits is None:
             return RunnerOutput({})
-        logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=self.device)])
+        rows = [SamplingRow(seq.sequence.params, seq.sequence.sample_generators[seq.sequence.sample_index + k])
+                for seq in seqs for k in range(seq.num_samples)]
         tokens, logprobs = self.sampler(logits.cpu(), rows)
         out: dict[str, list[tuple[int, float | None]]] = {}
         i = 0
@@ -67,6 +72,23 @@ class ModelRunner:
                     (tokens[i], logprobs[i] if logprobs is not None and seq.sequence.params.logprobs else None))
                 i += 1
         return RunnerOutput(out)
+
+    @torch.inference_mode()
+    def forward(self, step: StepInputs, kv_writes: Sequence[KVWrite] = ()) -> torch.Tensor | None:
+        """The model on one step's inputs: the logits of its sampling rows (None when no
+        row samples). Every rank of a worker group runs it on the same ``step``."""
+        for src, dst in step.block_copies:
+            for cache in self.kv_caches:
+                cache[:, dst].copy_(cache[:, src])
+        for write in kv_writes:
+            self.write_blocks(write.block_ids, write.data)
+        meta = AttentionMetadata.build(step.slots, step.decode_tables, step.decode_lens, step.prefills,
+                                       self.config.block_size, self.device, self.native_kernels)
+        hidden = self.model(torch.tensor(step.token_ids, device=self.device),
+                            torch.tensor(step.positions, device=self.device), self.kv_caches, meta)
+        if not step.logit_rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(step.logit_rows, device=self.device)])
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of blocks' KV: [layers, 2, len(block_ids), kv_heads, block_size * head_dim]."""
@@ -78,26 +100,23 @@ class ModelRunner:
         for cache, layer in zip(self.kv_caches, data.to(self.device)):
             cache.index_copy_(1, index, layer)
 
-    def _prepare(self, seqs: list[ScheduledSequence]):
+    def _prepare(self, seqs: list[ScheduledSequence], block_copies) -> StepInputs:
         bs = self.config.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        decode_tables, decode_lens, prefills, last_rows = [], [], [], []
+        step = StepInputs(block_copies=[(c.src, c.dst) for c in block_copies])
         for seq in seqs:
             start, end = seq.num_computed, seq.num_computed + seq.num_new_tokens
-            ids += seq.sequence.token_ids[start:end]
-            pos += range(start, end)
-            slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            step.token_ids += seq.sequence.token_ids[start:end]
+            step.positions += range(start, end)
+            step.slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
             if seq.num_new_tokens == 1:
-                decode_tables.append(seq.block_ids)
-                decode_lens.append(end)
+                step.decode_tables.append(seq.block_ids)
+                step.decode_lens.append(end)
             else:
-                prefills.append((len(ids) - seq.num_new_tokens, seq.num_new_tokens, start, seq.block_ids))
-            last_rows.append(len(ids) - 1)
-        meta = AttentionMetadata.build(slots, decode_tables, decode_lens, prefills, bs, self.device,
-                                       self.native_kernels)
-        return (torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta, last_rows)
+                step.prefills.append((len(step.token_ids) - seq.num_new_tokens, seq.num_new_tokens, start,
+                                      seq.block_ids))
+            # the last row samples, once per sample drawn (n for the first sample of an n > 1 request)
+            step.logit_rows += [len(step.token_ids) - 1] * seq.num_samples
+        return step
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,

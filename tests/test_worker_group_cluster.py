@@ -1,0 +1,79 @@
+"""A tensor-parallel worker group in a real cluster: `kervan up --tensor-parallel`
+refuses what cannot work before anything starts; the group registers as one worker
+and serves exactly what one process does; when its rank 1 is killed mid-stream the
+whole group leaves the mesh at once and its requests move to the other worker."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from control_plane.launcher import Cluster, ClusterSpec
+from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.chaos.checker import check, stream
+from tests.conftest import greedy_tokens, make_prompts
+
+MAX_TOKENS = 300
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_worker_groups_need_aggregated_workers_and_say_so(llama):
+    with pytest.raises(ValueError, match="needs aggregated workers only"):
+        ClusterSpec(llama[1], num_prefill=1, num_decode=1, tensor_parallel=2)
+    out = subprocess.run([sys.executable, "-m", "services.worker", "--model", str(llama[1]), "--role", "decode",
+                          "--tensor-parallel", "2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--tensor-parallel 2 needs --role both" in out.stderr
+
+
+def test_a_group_is_one_worker_and_a_killed_rank_moves_its_requests(llama, tmp_path):
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, tensor_parallel=2,
+                                  dtype="float32", num_kv_blocks=256), tmp_path)
+    cluster.start(timeout=240)
+    try:
+        cluster.add_worker("both", "--tensor-parallel", "1", timeout=240)
+        group = cluster.procs["both-0"]
+        [peer] = children(group.pid)
+        prompts = make_prompts([20, 21, 22, 23], seed=101)
+        expected = greedy_tokens(llama[1], prompts, MAX_TOKENS)
+
+        async def run():
+            async with grpc.aio.insecure_channel(cluster.addresses["kv-registry"]) as ch:
+                listed = await kv_registry_pb2_grpc.KvRegistryServiceStub(ch).ListWorkers(
+                    kv_registry_pb2.ListWorkersRequest())
+            assert sorted(w.info.address for w in listed.workers) == sorted(
+                cluster.addresses[n] for n in ("both-0", "both-1"))  # the group registered once
+            started = [asyncio.Event() for _ in prompts]
+
+            def first_token(k):
+                async def on_delta(out):
+                    started[k].set()
+                return on_delta
+            tasks = [asyncio.create_task(stream(cluster.router_address, p, MAX_TOKENS, on_delta=first_token(k),
+                                                timeout=60)) for k, p in enumerate(prompts)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            async with grpc.aio.insecure_channel(cluster.addresses["both-0"]) as ch:
+                stub = worker_pb2_grpc.WorkerServiceStub(ch)
+                for _ in range(3000):
+                    load = (await stub.GetLoad(worker_pb2.GetLoadRequest())).load
+                    if load.num_running and not load.num_prefill_tokens:
+                        break
+                    await asyncio.sleep(0.01)
+                else:
+                    raise AssertionError("no stream was placed on the worker group")
+            subprocess.run(["kill", "-9", str(peer)], check=True)
+            return await asyncio.gather(*tasks)
+
+        outs = asyncio.run(run())
+        counts = check(outs, expected)  # every stream completes with one process's greedy tokens
+        assert counts["completed"] == 4 and counts["migrated"] >= 1, counts
+        assert group.wait(timeout=30) == 70  # rank 0 left at once with its group
+    finally:
+        cluster.stop()

@@ -1,0 +1,104 @@
+"""A worker group of two tensor-parallel ranks (real processes, gloo on loopback): it
+generates exactly what one process does, for every model family and through chunked
+prefill, prefix hits and n > 1 forks; a rank that dies fails the group at once instead
+of hanging it; the peers die with rank 0 and live through idle time on its pings."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import MODEL_KINDS, make_engine, make_prompts
+from worker import SamplingParams
+from worker.config import ConfigError, ModelConfig, check_tensor_parallel
+from worker.parallel.group import GroupFailed
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def outputs(engine, prompts, params):
+    return [[c.token_ids for c in out.outputs] for out in engine.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_two_ranks_generate_what_one_process_does(hf_models, kind):
+    path = hf_models(kind)[1]
+    shared = make_prompts([12], seed=60)[0]
+    prompts = [shared + p for p in make_prompts([5, 9, 23], seed=61)] + make_prompts([30], seed=62)
+    options = dict(max_num_batched_tokens=16)  # the 35-token prompt prefills in chunks
+    expected = outputs(make_engine(path, **options), prompts, GREEDY)
+    forked = SamplingParams(max_tokens=6, temperature=0.9, seed=4, n=2)
+    expected_forked = outputs(make_engine(path, **options), prompts[:2], forked)
+    group = make_engine(path, tensor_parallel_size=2, **options)
+    try:
+        assert outputs(group, prompts, GREEDY) == expected
+        assert outputs(group, prompts, GREEDY) == expected  # again: the shared prefix now hits the cache
+        assert outputs(group, prompts[:2], forked) == expected_forked  # samples fork with copy-on-write blocks
+    finally:
+        group.close()
+
+
+def test_a_rank_that_dies_fails_the_group_at_once(llama):
+    group = make_engine(llama[1], tensor_parallel_size=2)
+    try:
+        group.add_request(make_prompts([20], seed=63)[0], SamplingParams(max_tokens=50, temperature=0))
+        group.step()
+        [peer] = group.group.peers
+        peer.kill()
+        peer.wait()
+        start = time.monotonic()
+        with pytest.raises(GroupFailed, match=r"rank 1 \(exit -9\)"):
+            for _ in range(50):
+                group.step()
+        assert time.monotonic() - start < 10  # a dead peer is seen at once, not after the group timeout
+        with pytest.raises(GroupFailed):  # and for good
+            group.step()
+    finally:
+        group.close()
+
+
+PEER_SCRIPT = """
+import json, sys, time
+from tests.conftest import make_engine
+from worker import SamplingParams
+engine = make_engine(sys.argv[1], tensor_parallel_size=2)
+for _ in range(8):  # 4 s idle, twice the group timeout: the pings keep the peer waiting
+    time.sleep(0.5)
+    engine.keepalive()
+out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
+print(json.dumps({"peer": engine.group.peers[0].pid, "tokens": out}), flush=True)
+time.sleep(60)  # killed here, without closing the group
+"""
+
+
+def test_peers_live_through_idle_time_and_die_with_rank_0(llama):
+    proc = subprocess.Popen([sys.executable, "-c", PEER_SCRIPT, str(llama[1])], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "KERVAN_GROUP_TIMEOUT_S": "2"})
+    try:
+        line = proc.stdout.readline()
+        assert line, f"rank 0 exited with {proc.wait()}"
+        report = json.loads(line)
+        assert len(report["tokens"]) == 3
+    finally:
+        proc.kill()
+        proc.wait()
+    for _ in range(100):
+        if not os.path.exists(f"/proc/{report['peer']}"):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"rank 1 (pid {report['peer']}) outlived rank 0")
+
+
+def test_sizes_that_cannot_work_are_refused_naming_the_numbers(llama):
+    model = ModelConfig.from_dir(llama[1])  # 4 heads, 2 KV heads, intermediate 96, vocabulary 128
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 3 does not divide num_attention_heads \(4\), "
+                                          r"num_key_value_heads \(2\), vocab_size \(128\)"):
+        check_tensor_parallel(model, 3, max_ranks=8)
+    with pytest.raises(ConfigError, match="tensor_parallel_size 4 exceeds the 2 ranks"):
+        check_tensor_parallel(model, 4, max_ranks=2)
+    with pytest.raises(ConfigError, match=f"tensor_parallel_size {len(os.sched_getaffinity(0)) + 1} exceeds"):
+        make_engine(llama[1], tensor_parallel_size=len(os.sched_getaffinity(0)) + 1)

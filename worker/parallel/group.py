@@ -1,0 +1,154 @@
+"""A worker group: the ranks of one tensor-parallel worker, which the mesh sees as one.
+
+Rank 0 is the engine: it owns the scheduler, the KV block tables and (in a service)
+the gRPC server. It starts the other ranks (``python -m worker.parallel.peer``) on
+loopback, and before each step it broadcasts that step's inputs (``StepInputs``, one
+int64 tensor) over a gloo group of its own; every rank then runs the same forward on
+its shard, and the model's collectives (all-reduce of row-parallel outputs, all-gather
+of the vocabulary-parallel logits) run on the default group (gloo on the CPU, NCCL on
+CUDA). Peers keep no scheduler state: they hold their shard of the weights and of
+the KV cache, and what each step needs comes in the step.
+
+Failure is all or nothing. A collective that fails (a rank died) or outlasts
+``group_timeout_s`` (a rank hangs) raises ``GroupFailed`` on rank 0, whose worker
+then exits so the mesh sees one dead worker; a peer dies with rank 0 (the kernel's
+parent-death signal) or when a broadcast from it fails. An idle rank 0 pings its
+peers (``ping``) well within the timeout so that an idle group is not taken for a
+hung one."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from kervan.envs import group_timeout_s
+from worker.parallel.state import ParallelState, set_parallel_state
+from worker.parallel.step_inputs import StepInputs
+
+STEP, PING, STOP = 1, 2, 3
+
+
+class GroupFailed(RuntimeError):
+    """A rank of the worker group died or hangs: the group cannot step any more."""
+
+
+def init_rank(rank: int, world: int, port: int, device: str) -> object:
+    """Join the group's default process group; returns the gloo group that carries
+    rank 0's messages (the default one is NCCL on CUDA)."""
+    import torch.distributed as dist
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    timeout = timedelta(seconds=group_timeout_s())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timeout)
+    set_parallel_state(ParallelState(rank, world))
+    return dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+
+
+def config_json(config) -> str:
+    """A resolved EngineConfig for a peer's command line (the dtype by name)."""
+    from worker.platform import dtype_name
+    return json.dumps({**asdict(config), "dtype": dtype_name(config.dtype)})
+
+
+class GroupLeader:
+    """Rank 0's side: the peers it started and the channel to them."""
+
+    def __init__(self, peers: list[subprocess.Popen], control: object):
+        self.peers = peers
+        self.control = control
+        self.failed: GroupFailed | None = None
+
+    @classmethod
+    def start(cls, model_dir: str | Path, config) -> GroupLeader:
+        """Start ranks 1..N-1 of a group of ``config.tensor_parallel_size`` and join it as rank 0."""
+        world = config.tensor_parallel_size
+        port = _free_port()
+        argv = [sys.executable, "-m", "worker.parallel.peer", "--model", str(model_dir), "--world", str(world),
+                "--port", str(port), "--config", config_json(config)]
+        peers = [subprocess.Popen([*argv, "--rank", str(rank)], stdin=subprocess.DEVNULL)
+                 for rank in range(1, world)]
+        try:
+            control = init_rank(0, world, port, config.device)
+        except BaseException:
+            for peer in peers:
+                peer.kill()
+                peer.wait()
+            raise
+        return cls(peers, control)
+
+    def send(self, step: StepInputs) -> None:
+        self._broadcast(STEP, step.encode())
+
+    def ping(self) -> None:
+        """Tell idle peers that rank 0 lives (a broadcast they wait in would otherwise time out)."""
+        self._broadcast(PING)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the peers and leave the group (this process can then serve one rank alone)."""
+        import torch.distributed as dist
+        if self.failed is None:
+            try:
+                self._broadcast(STOP)
+            except GroupFailed:
+                pass
+        for peer in self.peers:
+            try:
+                peer.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                peer.kill()
+                peer.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        set_parallel_state(ParallelState())
+
+    def _broadcast(self, kind: int, payload: torch.Tensor | None = None) -> None:
+        import torch.distributed as dist
+        if self.failed is not None:
+            raise self.failed
+        header = torch.tensor([kind, 0 if payload is None else payload.numel()], dtype=torch.int64)
+        try:
+            dist.broadcast(header, src=0, group=self.control)
+            if payload is not None:
+                dist.broadcast(payload, src=0, group=self.control)
+        except RuntimeError as exc:
+            raise self.fail(exc) from exc
+
+    def fail(self, exc: BaseException) -> GroupFailed:
+        """The group is broken for good: every later call raises this."""
+        dead = [f"rank {k + 1} (exit {p.poll()})" for k, p in enumerate(self.peers) if p.poll() is not None]
+        self.failed = GroupFailed(f"worker group failed ({', '.join(dead) or 'no rank exited: one hangs'}): {exc}")
+        return self.failed
+
+
+def receive(control: object) -> tuple[int, StepInputs | None]:
+    """A peer's next message from rank 0."""
+    import torch.distributed as dist
+    header = torch.empty(2, dtype=torch.int64)
+    dist.broadcast(header, src=0, group=control)
+    kind, size = header.tolist()
+    if kind != STEP:
+        return kind, None
+    payload = torch.empty(size, dtype=torch.int64)
+    dist.broadcast(payload, src=0, group=control)
+    return kind, StepInputs.decode(payload)
+
+
+def peer_config(text: str):
+    from worker.config import EngineConfig
+    fields = json.loads(text)
+    return replace(EngineConfig(), **fields)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

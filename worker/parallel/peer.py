@@ -1,0 +1,56 @@
+"""``python -m worker.parallel.peer``: rank 1..N-1 of a worker group (started by rank 0,
+``group.py``). It loads its shard of the model, allocates its shard of the KV cache and
+runs each step rank 0 broadcasts, until rank 0 says stop or goes away."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import signal
+import sys
+
+import torch
+import torch.distributed
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the process that started it (rank 0) dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m worker.parallel.peer")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--config", required=True, help="rank 0's resolved EngineConfig, as JSON")
+    args = ap.parse_args(argv)
+    _die_with_parent()
+
+    from worker.loader import load_model
+    from worker.parallel.group import STEP, STOP, init_rank, peer_config, receive
+    from worker.runner.model_runner import ModelRunner
+
+    config = peer_config(args.config)
+    control = init_rank(args.rank, args.world, args.port, config.device)
+    runner = ModelRunner(load_model(args.model, config.dtype, config.max_model_len, config.device), config)
+    with torch.inference_mode():
+        while True:
+            try:
+                kind, step = receive(control)
+                if kind == STOP:
+                    torch.distributed.destroy_process_group()
+                    return 0
+                if kind == STEP:
+                    runner.forward(step)
+            except RuntimeError as exc:  # a rank is gone or hangs: so is the group
+                print(f"worker group rank {args.rank}: group lost ({exc})", file=sys.stderr, flush=True)
+                return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
