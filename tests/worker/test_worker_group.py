@@ -5,6 +5,7 @@ of hanging it; the peers die with rank 0 and live through idle time on its pings
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -58,6 +59,23 @@ def test_a_rank_that_dies_fails_the_group_at_once(llama):
             group.step()
     finally:
         group.close()
+
+
+def test_a_rank_that_hangs_fails_the_group_after_the_group_timeout(llama, monkeypatch):
+    monkeypatch.setenv("KERVAN_GROUP_TIMEOUT_S", "3")
+    group = make_engine(llama[1], tensor_parallel_size=2)
+    try:
+        group.add_request(make_prompts([20], seed=64)[0], SamplingParams(max_tokens=50, temperature=0))
+        group.step()
+        [peer] = group.group.peers
+        os.kill(peer.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(GroupFailed, match="no rank exited: one hangs"):
+            for _ in range(50):
+                group.step()
+        assert 2.5 < time.monotonic() - start < 30
+    finally:
+        group.close()  # kills the stopped rank
 
 
 PEER_SCRIPT = """

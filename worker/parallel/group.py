@@ -101,6 +101,8 @@ class GroupLeader:
             except GroupFailed:
                 pass
         for peer in self.peers:
+            if self.failed is not None:
+                peer.kill()  # a broken group's ranks are not waited for (one may hang)
             try:
                 peer.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
