@@ -243,13 +243,15 @@ def check_tensor_parallel(model: ModelConfig, size: int, max_ranks: int) -> None
     if size > max_ranks:
         raise ConfigError(f"tensor_parallel_size {size} exceeds the {max_ranks} ranks this machine can run "
                           f"(one per core on the CPU, one per GPU on CUDA)")
-    parts = {"num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
-             "intermediate_size": model.intermediate_size, "vocab_size": model.vocab_size}
+    parts = {"num_attention_heads": model.num_heads, "intermediate_size": model.intermediate_size,
+             "vocab_size": model.vocab_size}
     if model.moe is not None:
         parts["num_experts"] = model.moe.num_experts  # whole experts per rank
         if model.moe.shared_intermediate_size:
             parts["shared_expert_intermediate_size"] = model.moe.shared_intermediate_size
     bad = [f"{name} ({value})" for name, value in parts.items() if value % size]
+    if model.num_kv_heads % size and size % model.num_kv_heads:  # fewer KV heads than ranks are replicated
+        bad.append(f"num_key_value_heads ({model.num_kv_heads}) and is no multiple of it")
     if bad:
         raise ConfigError(f"tensor_parallel_size {size} does not divide {', '.join(bad)}")
 

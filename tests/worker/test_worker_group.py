@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests.conftest import MODEL_KINDS, make_engine, make_prompts
 from worker import SamplingParams
@@ -38,6 +39,22 @@ def test_two_ranks_generate_what_one_process_does(hf_models, kind):
         assert outputs(group, prompts, GREEDY) == expected
         assert outputs(group, prompts, GREEDY) == expected  # again: the shared prefix now hits the cache
         assert outputs(group, prompts[:2], forked) == expected_forked  # samples fork with copy-on-write blocks
+    finally:
+        group.close()
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import TINY
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**TINY, "num_key_value_heads": 1})).save_pretrained(tmp_path)  # one KV head
+    prompts = make_prompts([7, 19], seed=65)
+    expected = outputs(make_engine(tmp_path), prompts, GREEDY)
+    group = make_engine(tmp_path, tensor_parallel_size=2)
+    try:
+        assert group.runner.model.layers[0].attn.num_kv_heads == 1
+        assert outputs(group, prompts, GREEDY) == expected
     finally:
         group.close()
 
@@ -114,7 +131,7 @@ def test_peers_live_through_idle_time_and_die_with_rank_0(llama):
 def test_sizes_that_cannot_work_are_refused_naming_the_numbers(llama):
     model = ModelConfig.from_dir(llama[1])  # 4 heads, 2 KV heads, intermediate 96, vocabulary 128
     with pytest.raises(ConfigError, match=r"tensor_parallel_size 3 does not divide num_attention_heads \(4\), "
-                                          r"num_key_value_heads \(2\), vocab_size \(128\)"):
+                                          r"vocab_size \(128\), num_key_value_heads \(2\) and is no multiple of it"):
         check_tensor_parallel(model, 3, max_ranks=8)
     with pytest.raises(ConfigError, match="tensor_parallel_size 4 exceeds the 2 ranks"):
         check_tensor_parallel(model, 4, max_ranks=2)

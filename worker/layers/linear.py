@@ -4,9 +4,11 @@ Column-parallel: the output dimension is split across ranks, no communication.
 Row-parallel: the input dimension is split, partial products are all-reduced.
 A merged column-parallel linear stacks several logical outputs (q/k/v, or gate/up)
 in one matmul; each logical part is sharded on its own, so rank r holds
-``[q_r; k_r; v_r]``. Weights arrive whole from the checkpoint and each layer keeps
-its rank's slice in ``load``. On the CPU the loader may replace ``weight`` by a
-oneDNN-packed ``packed_weight`` (``worker/layers/packing.py``)."""
+``[q_r; k_r; v_r]``; parts made of heads (``head_dim``) are split by whole heads,
+and KV heads fewer than the ranks are replicated (``ParallelState.shard_heads``).
+Weights arrive whole from the checkpoint and each layer keeps its rank's slice in
+``load``. On the CPU the loader may replace ``weight`` by a oneDNN-packed
+``packed_weight`` (``worker/layers/packing.py``)."""
 
 from __future__ import annotations
 
@@ -18,12 +20,12 @@ from worker.parallel import all_reduce, get_parallel_state
 
 
 class MergedColumnParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype, head_dim: int = 0):
+        """``head_dim``: the parts are heads of this size (0: plain features)."""
         super().__init__()
-        ps = get_parallel_state()
         self.out_sizes = list(out_sizes)
-        self.local_sizes = [ps.shard(n, "output features")[1] - ps.shard(n, "output features")[0]
-                            for n in out_sizes]
+        self.head_dim = head_dim
+        self.local_sizes = [end - start for start, end in map(self._shard, out_sizes)]
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features, dtype=dtype),
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.zeros(sum(self.local_sizes), dtype=dtype), requires_grad=False)
@@ -31,7 +33,7 @@ class MergedColumnParallelLinear(nn.Module):
 
     def load(self, part: int, tensor: torch.Tensor) -> None:
         """Copy this rank's slice of logical output ``part`` from a whole tensor."""
-        start, end = get_parallel_state().shard(self.out_sizes[part], "output features")
+        start, end = self._shard(self.out_sizes[part])
         offset = sum(self.local_sizes[:part])
         target = self.bias if tensor.dim() == 1 else self.weight
         if target is None:
@@ -42,6 +44,12 @@ class MergedColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self, self.bias)
+
+    def _shard(self, size: int) -> tuple[int, int]:
+        ps = get_parallel_state()
+        if self.head_dim:
+            return ps.shard_heads(size // self.head_dim, self.head_dim, "heads")
+        return ps.shard(size, "output features")
 
 
 class RowParallelLinear(nn.Module):

@@ -37,11 +37,11 @@ class Attention(nn.Module):
         super().__init__()
         ps = get_parallel_state()
         self.num_heads = cfg.num_heads // ps.tp_size
-        self.num_kv_heads = max(1, cfg.num_kv_heads // ps.tp_size)
+        self.num_kv_heads = max(1, cfg.num_kv_heads // ps.tp_size)  # fewer KV heads than ranks: one, replicated
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv = MergedColumnParallelLinear(cfg.hidden_size, [q, kv, kv], cfg.attention_bias, dtype)
+        self.qkv = MergedColumnParallelLinear(cfg.hidden_size, [q, kv, kv], cfg.attention_bias, dtype, cfg.head_dim)
         self.o_proj = RowParallelLinear(q, cfg.hidden_size, False, dtype)
         self.rotary = rotary
 

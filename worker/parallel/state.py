@@ -29,6 +29,18 @@ class ParallelState:
         part = size // self.tp_size
         return self.tp_rank * part, (self.tp_rank + 1) * part
 
+    def shard_heads(self, num_heads: int, head_dim: int, what: str) -> tuple[int, int]:
+        """[start, end) in features of this rank's heads. With fewer heads than ranks
+        (grouped-query KV heads) each head is replicated on ``tp_size / num_heads`` ranks:
+        rank r holds head ``r * num_heads // tp_size``, the one its query heads read."""
+        if num_heads % self.tp_size == 0:
+            return self.shard(num_heads * head_dim, what)
+        if self.tp_size % num_heads:
+            raise ValueError(f"{what} ({num_heads}) neither divides nor is divisible by tensor-parallel size "
+                             f"{self.tp_size}")
+        head = self.tp_rank * num_heads // self.tp_size
+        return head * head_dim, (head + 1) * head_dim
+
 
 _STATE = ParallelState()
 
