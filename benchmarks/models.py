@@ -18,15 +18,24 @@ from safetensors.torch import save_file
 from kervan.envs import cache_dir
 from worker.default_model import CONFIG, SEED, random_weights
 
+# a GPT-2-small-sized Llama (about 125M parameters with 32,000 ids): the decode roofline
+# is measured on a model of 100M+ parameters
+SHAPES = {
+    "default": {},
+    "125m": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
+             "num_key_value_heads": 4, "head_dim": 64},
+}
 
-def ensure_random_llama(vocab_size: int) -> Path:
-    target = cache_dir() / f"kervan-bench-llama-v{vocab_size}"
+
+def ensure_random_llama(vocab_size: int, shape: str = "default") -> Path:
+    suffix = "" if shape == "default" else f"-{shape}"
+    target = cache_dir() / f"kervan-bench-llama-v{vocab_size}{suffix}"
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
-        cfg = dict(CONFIG, vocab_size=vocab_size)
+        cfg = dict(CONFIG, vocab_size=vocab_size, **SHAPES[shape])
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         save_file(random_weights(cfg, SEED), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         os.rename(tmp, target)

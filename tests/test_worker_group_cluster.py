@@ -21,8 +21,10 @@ from tests.conftest import greedy_tokens, make_prompts
 MAX_TOKENS = 300
 
 
-def children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+def peers(pid: int) -> list[int]:
+    """The worker group ranks a worker process started."""
+    kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return [k for k in kids if b"worker.parallel.peer" in Path(f"/proc/{k}/cmdline").read_bytes()]
 
 
 def test_worker_groups_need_aggregated_workers_and_say_so(llama):
@@ -40,7 +42,7 @@ def test_a_group_is_one_worker_and_a_killed_rank_moves_its_requests(llama, tmp_p
     try:
         cluster.add_worker("both", "--tensor-parallel", "1", timeout=240)
         group = cluster.procs["both-0"]
-        [peer] = children(group.pid)
+        [peer] = peers(group.pid)
         prompts = make_prompts([20, 21, 22, 23], seed=101)
         expected = greedy_tokens(llama[1], prompts, MAX_TOKENS)
 

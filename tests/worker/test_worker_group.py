@@ -128,6 +128,18 @@ def test_peers_live_through_idle_time_and_die_with_rank_0(llama):
         raise AssertionError(f"rank 1 (pid {report['peer']}) outlived rank 0")
 
 
+def test_a_step_message_is_integers_and_a_broken_one_is_refused():
+    from worker.parallel.step_inputs import StepInputs
+    step = StepInputs(block_copies=[(3, 9)], token_ids=[5, 6, 7], positions=[10, 0, 1], slots=[42, 64, 65],
+                      decode_tables=[[10, 2]], decode_lens=[11], prefills=[(1, 2, 0, [16])], logit_rows=[0, 2, 2])
+    wire = step.encode()
+    assert wire.dtype == torch.int64 and StepInputs.decode(wire) == step
+    with pytest.raises(ValueError, match="truncated"):
+        StepInputs.decode(wire[:-2])
+    with pytest.raises(ValueError, match="past its end"):
+        StepInputs.decode(torch.cat([wire, torch.tensor([7])]))
+
+
 def test_sizes_that_cannot_work_are_refused_naming_the_numbers(llama):
     model = ModelConfig.from_dir(llama[1])  # 4 heads, 2 KV heads, intermediate 96, vocabulary 128
     with pytest.raises(ConfigError, match=r"tensor_parallel_size 3 does not divide num_attention_heads \(4\), "

@@ -3,11 +3,12 @@
 Rank 0 is the engine: it owns the scheduler, the KV block tables and (in a service)
 the gRPC server. It starts the other ranks (``python -m worker.parallel.peer``) on
 loopback, and before each step it broadcasts that step's inputs (``StepInputs``, one
-int64 tensor) over a gloo group of its own; every rank then runs the same forward on
-its shard, and the model's collectives (all-reduce of row-parallel outputs, all-gather
-of the vocabulary-parallel logits) run on the default group (gloo on the CPU, NCCL on
-CUDA). Peers keep no scheduler state: they hold their shard of the weights and of
-the KV cache, and what each step needs comes in the step.
+int64 tensor) through shared memory on the CPU (a gloo group on CUDA); every rank
+then runs the same forward on its shard. The model's collectives (all-reduce of row-parallel outputs, all-gather of
+the vocabulary-parallel logits) go through shared memory on the CPU (``shm_comm.py``:
+gloo takes milliseconds per call here), NCCL on CUDA, gloo for what does not fit.
+Peers keep no scheduler state: they hold their shard of the weights and of the KV
+cache, and what each step needs comes in the step.
 
 Failure is all or nothing. A collective that fails (a rank died) or outlasts
 ``group_timeout_s`` (a rank hangs) raises ``GroupFailed`` on rank 0, whose worker
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 from kervan.envs import group_timeout_s
+from worker.parallel.shm_comm import SLOT_BYTES, ShmComm
 from worker.parallel.state import ParallelState, set_parallel_state
 from worker.parallel.step_inputs import StepInputs
 
@@ -40,17 +42,22 @@ class GroupFailed(RuntimeError):
     """A rank of the worker group died or hangs: the group cannot step any more."""
 
 
-def init_rank(rank: int, world: int, port: int, device: str) -> object:
-    """Join the group's default process group; returns the gloo group that carries
-    rank 0's messages (the default one is NCCL on CUDA)."""
+def init_rank(rank: int, world: int, port: int, device: str, shm: ShmComm | None = None) -> object:
+    """Join the group's default process group (a rendezvous of all ranks); returns the
+    gloo group that carries rank 0's messages (the default one is NCCL on CUDA).
+    ``shm``: this rank's shared-memory collectives (CPU groups), used where they fit."""
     import torch.distributed as dist
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     backend = "nccl" if device.startswith("cuda") else "gloo"
     timeout = timedelta(seconds=group_timeout_s())
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timeout)
-    set_parallel_state(ParallelState(rank, world))
+    set_parallel_state(ParallelState(rank, world), shm)
     return dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+
+
+def shm_name(port: int) -> str:
+    return f"kervan-tp-{os.getpid()}-{port}"
 
 
 def config_json(config) -> str:
@@ -62,9 +69,10 @@ def config_json(config) -> str:
 class GroupLeader:
     """Rank 0's side: the peers it started and the channel to them."""
 
-    def __init__(self, peers: list[subprocess.Popen], control: object):
+    def __init__(self, peers: list[subprocess.Popen], control: object, shm: ShmComm | None):
         self.peers = peers
         self.control = control
+        self.shm = shm
         self.failed: GroupFailed | None = None
 
     @classmethod
@@ -72,18 +80,26 @@ class GroupLeader:
         """Start ranks 1..N-1 of a group of ``config.tensor_parallel_size`` and join it as rank 0."""
         world = config.tensor_parallel_size
         port = _free_port()
+        peers: list[subprocess.Popen] = []
+        shm = None
+        if not config.device.startswith("cuda"):
+            shm = ShmComm(shm_name(port), 0, world, SLOT_BYTES, group_timeout_s(), create=True,
+                          alive=lambda: all(p.poll() is None for p in peers))
         argv = [sys.executable, "-m", "worker.parallel.peer", "--model", str(model_dir), "--world", str(world),
-                "--port", str(port), "--config", config_json(config)]
-        peers = [subprocess.Popen([*argv, "--rank", str(rank)], stdin=subprocess.DEVNULL)
-                 for rank in range(1, world)]
+                "--port", str(port), "--config", config_json(config), "--shm", shm.shm.name if shm else ""]
         try:
-            control = init_rank(0, world, port, config.device)
+            peers += [subprocess.Popen([*argv, "--rank", str(rank)], stdin=subprocess.DEVNULL)
+                      for rank in range(1, world)]
+            control = init_rank(0, world, port, config.device, shm)
         except BaseException:
             for peer in peers:
                 peer.kill()
                 peer.wait()
             raise
-        return cls(peers, control)
+        finally:
+            if shm is not None:
+                shm.unlink()  # every rank has mapped it (or the group never formed): no name outlives it
+        return cls(peers, control, shm)
 
     def send(self, step: StepInputs) -> None:
         self._broadcast(STEP, step.encode())
@@ -111,6 +127,8 @@ class GroupLeader:
         if dist.is_initialized():
             dist.destroy_process_group()
         set_parallel_state(ParallelState())
+        if self.shm is not None:
+            self.shm.close()
 
     def _broadcast(self, kind: int, payload: torch.Tensor | None = None) -> None:
         import torch.distributed as dist
@@ -118,10 +136,13 @@ class GroupLeader:
             raise self.failed
         header = torch.tensor([kind, 0 if payload is None else payload.numel()], dtype=torch.int64)
         try:
+            if self.shm is not None:
+                self.shm.send(header if payload is None else torch.cat([header, payload]))
+                return
             dist.broadcast(header, src=0, group=self.control)
             if payload is not None:
                 dist.broadcast(payload, src=0, group=self.control)
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             raise self.fail(exc) from exc
 
     def fail(self, exc: BaseException) -> GroupFailed:
@@ -131,9 +152,13 @@ class GroupLeader:
         return self.failed
 
 
-def receive(control: object) -> tuple[int, StepInputs | None]:
+def receive(control: object, shm: ShmComm | None) -> tuple[int, StepInputs | None]:
     """A peer's next message from rank 0."""
     import torch.distributed as dist
+    if shm is not None:
+        message = shm.receive()
+        kind = int(message[0])
+        return kind, StepInputs.decode(message[2:]) if kind == STEP else None
     header = torch.empty(2, dtype=torch.int64)
     dist.broadcast(header, src=0, group=control)
     kind, size = header.tolist()

@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--config", required=True, help="rank 0's resolved EngineConfig, as JSON")
+    ap.add_argument("--shm", default="", help="the group's shared-memory segment (CPU groups)")
     args = ap.parse_args(argv)
     _die_with_parent()
 
@@ -36,12 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     from worker.runner.model_runner import ModelRunner
 
     config = peer_config(args.config)
-    control = init_rank(args.rank, args.world, args.port, config.device)
+    shm = None
+    if args.shm:  # mapped before the rendezvous, after which rank 0 removes its name
+        from kervan.envs import group_timeout_s
+        from worker.parallel.shm_comm import SLOT_BYTES, ShmComm
+        shm = ShmComm(args.shm, args.rank, args.world, SLOT_BYTES, group_timeout_s(), create=False)
+    control = init_rank(args.rank, args.world, args.port, config.device, shm)
     runner = ModelRunner(load_model(args.model, config.dtype, config.max_model_len, config.device), config)
     with torch.inference_mode():
         while True:
             try:
-                kind, step = receive(control)
+                kind, step = receive(control, shm)
                 if kind == STOP:
                     torch.distributed.destroy_process_group()
                     return 0

@@ -43,20 +43,23 @@ class ParallelState:
 
 
 _STATE = ParallelState()
+_SHM = None  # a ShmComm (shm_comm.py) when the group's ranks share a CPU host
 
 
 def get_parallel_state() -> ParallelState:
     return _STATE
 
 
-def set_parallel_state(state: ParallelState) -> None:
-    global _STATE
-    _STATE = state
+def set_parallel_state(state: ParallelState, shm=None) -> None:
+    global _STATE, _SHM
+    _STATE, _SHM = state, shm
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _STATE.tp_size == 1:
         return x
+    if _SHM is not None and _SHM.fits(x):
+        return _SHM.all_reduce(x)
     import torch.distributed as dist
     dist.all_reduce(x)
     return x
@@ -65,6 +68,8 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if _STATE.tp_size == 1:
         return x
+    if _SHM is not None and _SHM.fits(x):
+        return _SHM.all_gather_last_dim(x)
     import torch.distributed as dist
     parts = [torch.empty_like(x) for _ in range(_STATE.tp_size)]
     dist.all_gather(parts, x.contiguous())
