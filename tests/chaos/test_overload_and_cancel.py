@@ -82,17 +82,25 @@ def test_clients_leaving_mid_stream_and_mid_handoff_free_every_block(cluster):
 
     async def leave(prompt, mid_stream):
         if mid_stream:
-            task = asyncio.create_task(stream(cluster.router_address, prompt, 150, on_delta=leave_after_a_token))
+            # 200 tokens: a loaded machine must not let the worker finish before the client's cancel reaches it
+            task = asyncio.create_task(stream(cluster.router_address, prompt, 200, on_delta=leave_after_a_token))
         else:  # leave once the prefill worker holds the request (a 480-token prompt keeps it busy)
-            task = asyncio.create_task(stream(cluster.router_address, prompt + prompt[:180], 16))
+            answered = asyncio.Event()
+
+            async def first_token(out):
+                answered.set()
             async with grpc.aio.insecure_channel(cluster.addresses["prefill-0"]) as ch:
                 stub = worker_pb2_grpc.WorkerServiceStub(ch)
+                await stub.GetLoad(worker_pb2.GetLoadRequest())  # connected before the request starts
+                task = asyncio.create_task(stream(cluster.router_address, prompt + prompt[:180], 16,
+                                                  on_delta=first_token))
+                # the tiny model prefills in milliseconds: a poll can miss that window, and then the
+                # client leaves at its first token instead (still before the decode worker streams)
                 for _ in range(20000):
-                    if (await stub.GetLoad(worker_pb2.GetLoadRequest())).load.num_requests:
+                    if answered.is_set() or (await stub.GetLoad(worker_pb2.GetLoadRequest())).load.num_requests:
                         break
-                    await asyncio.sleep(0.0005)
                 else:
-                    raise AssertionError("the request never reached the prefill worker")
+                    raise AssertionError("the request reached neither the prefill worker nor a first token")
             task.cancel()
         try:
             return await task
