@@ -6,11 +6,11 @@ everything else is validated by the domain constructors, whose errors name the f
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 from kervan.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kervan.sampling import InvalidRequest, SamplingParams
-from services.common.load import Load
+from services.common.load import SCALARS, Load
 from services.proto import common_pb2, kv_registry_pb2
 
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
@@ -48,7 +48,8 @@ def load_to_proto(load: Load) -> common_pb2.WorkerLoad:
 
 
 def load_from_proto(msg: common_pb2.WorkerLoad) -> Load:
-    return Load(**{f.name: getattr(msg, f.name) for f in fields(Load)})
+    return Load(**{name: getattr(msg, name) for name in SCALARS},
+                expert_tokens_per_rank=tuple(msg.expert_tokens_per_rank))
 
 
 _TIERS = {"device": kv_registry_pb2.KV_TIER_DEVICE, "host": kv_registry_pb2.KV_TIER_HOST,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,7 +16,13 @@ class Load:
     num_requests: int = 0  # requests admitted and not finished (the count admission control limits)
     max_requests: int = 0  # past this many new requests are refused; 0: no limit
     num_aborted: int = 0  # requests aborted before they finished, since the worker started
+    # MoE: (token, expert) pairs each rank of the worker group computed, since the start (load balance);
+    # the worker reports it, the registry keeps only the counts above (SCALARS)
+    expert_tokens_per_rank: tuple[int, ...] = ()
 
     @property
     def full(self) -> bool:
         return 0 < self.max_requests <= self.num_requests
+
+
+SCALARS = tuple(f.name for f in fields(Load) if f.type == "int")  # what a registry stores per worker

@@ -31,7 +31,7 @@ import redis.asyncio as redis
 
 from kervan.kv_events import BlockRemoved, BlockStored, KVEvent
 from services.common.errors import FailedPrecondition
-from services.common.load import Load
+from services.common.load import SCALARS, Load
 from services.kv_registry import scripts
 from services.kv_registry.block_owners import BlockOwners
 
@@ -92,7 +92,8 @@ class PrefixIndex:
         slot = await self.owners.allocate_slot(worker.worker_id)
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.delete(key, f"{P}seq:{worker.worker_id}")
-            pipe.hset(key, mapping={k: str(v) for k, v in {**asdict(worker), **asdict(Load()), "slot": slot}.items()})
+            pipe.hset(key, mapping={k: str(v) for k, v in {**asdict(worker), **{k: 0 for k in SCALARS},
+                                                            "slot": slot}.items()})
             pipe.expire(key, self.ttl_s)
             pipe.sadd(f"{P}workers", worker.worker_id)
             pipe.srem(f"{P}unknown", worker.worker_id)  # a fresh process: known to be empty
@@ -104,7 +105,7 @@ class PrefixIndex:
 
     async def heartbeat(self, worker_id: str, incarnation: str, load: Load) -> bool:
         """Renew and record load; True when the registry needs the worker's full dump."""
-        fields = [x for k, v in asdict(load).items() for x in (k, str(v))]
+        fields = [x for k in SCALARS for x in (k, str(getattr(load, k)))]
         answer = await self._renew(keys=[f"{LEASE_PREFIX}{worker_id}", f"{P}unknown"],
                                    args=[incarnation, worker_id, self.ttl_s, *fields])
         if answer < 0:
@@ -158,7 +159,7 @@ class PrefixIndex:
                 continue
             f = {k.decode(): v.decode() for k, v in record.items()}
             worker = WorkerRecord.from_hash(f)
-            live.append((worker, Load(**{k.name: int(f.get(k.name, 0)) for k in fields(Load)})))
+            live.append((worker, Load(**{k: int(f.get(k, 0)) for k in SCALARS})))
         return live
 
     async def purge(self, worker_id: str) -> None:

@@ -65,7 +65,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefill_tokens", "num_evictable_blocks", "num_requests", "max_requests", "num_aborted")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefill_tokens", "num_evictable_blocks", "num_requests", "max_requests", "num_aborted", "expert_tokens_per_rank")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class WorkerLoad(_message.Message):
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_TOKENS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -84,4 +85,5 @@ class WorkerLoad(_message.Message):
     num_requests: int
     max_requests: int
     num_aborted: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., max_requests: _Optional[int] = ..., num_aborted: _Optional[int] = ...) -> None: ...
+    expert_tokens_per_rank: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., max_requests: _Optional[int] = ..., num_aborted: _Optional[int] = ..., expert_tokens_per_rank: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -181,7 +181,8 @@ class AsyncEngine:
         return Load(num_running=stats.num_running, num_waiting=stats.num_waiting,
                     num_free_blocks=stats.num_free_blocks, num_blocks=stats.num_blocks,
                     num_prefill_tokens=stats.num_prefill_tokens, num_evictable_blocks=stats.num_evictable_blocks,
-                    num_requests=len(self._active), max_requests=self.max_requests, num_aborted=self.num_aborted)
+                    num_requests=len(self._active), max_requests=self.max_requests, num_aborted=self.num_aborted,
+                    expert_tokens_per_rank=stats.expert_tokens_per_rank)
 
     def _post(self, command: _Command) -> None:
         self._inbox.put(command)

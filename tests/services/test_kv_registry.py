@@ -72,6 +72,17 @@ async def test_expired_worker_is_dead_and_purged(redis_client):
     assert await redis_client.exists("kervan:own:a") == 0
 
 
+async def test_the_registry_keeps_a_loads_counts_and_the_wire_carries_the_expert_balance(redis_client):
+    from services.common.convert import load_from_proto, load_to_proto
+    load = Load(num_running=2, num_blocks=10, num_aborted=1, expert_tokens_per_rank=(30, 12))
+    assert load_from_proto(load_to_proto(load)) == load  # GetLoad carries the MoE balance per rank
+    index = PrefixIndex(redis_client)
+    await index.register(record("a"))
+    await index.heartbeat("a", "i1", load)
+    [(_, kept)] = await index.live_workers()  # the registry keeps the counts placement reads, not the balance
+    assert kept == Load(num_running=2, num_blocks=10, num_aborted=1)
+
+
 async def test_a_gap_makes_the_worker_unknown_until_its_dump_replaces_its_blocks(redis_client):
     index = PrefixIndex(redis_client)
     await index.register(record("a"))

@@ -31,12 +31,18 @@ def test_two_ranks_generate_what_one_process_does(hf_models, kind):
     shared = make_prompts([12], seed=60)[0]
     prompts = [shared + p for p in make_prompts([5, 9, 23], seed=61)] + make_prompts([30], seed=62)
     options = dict(max_num_batched_tokens=16)  # the 35-token prompt prefills in chunks
-    expected = outputs(make_engine(path, **options), prompts, GREEDY)
+    single = make_engine(path, **options)
+    expected = outputs(single, prompts, GREEDY)
     forked = SamplingParams(max_tokens=6, temperature=0.9, seed=4, n=2)
     expected_forked = outputs(make_engine(path, **options), prompts[:2], forked)
     group = make_engine(path, tensor_parallel_size=2, **options)
     try:
         assert outputs(group, prompts, GREEDY) == expected
+        routed = group.stats().expert_tokens_per_rank  # MoE: the (token, expert) pairs each rank computed
+        if "moe" in kind or kind == "mixtral":
+            assert len(routed) == 2 and min(routed) > 0 and sum(routed) == sum(single.stats().expert_tokens_per_rank)
+        else:
+            assert routed == () == single.stats().expert_tokens_per_rank
         assert outputs(group, prompts, GREEDY) == expected  # again: the shared prefix now hits the cache
         assert outputs(group, prompts[:2], forked) == expected_forked  # samples fork with copy-on-write blocks
     finally:

@@ -219,7 +219,8 @@ class Engine:
                            num_preemptions=self.scheduler.num_preemptions,
                            num_kv_slots_allocated=self.config.block_size * sum(
                                len(self.kv.tables.get(req.seq_id, ())) for req in running),
-                           num_kv_slots_used=sum(req.num_computed_tokens for req in running))
+                           num_kv_slots_used=sum(req.num_computed_tokens for req in running),
+                           expert_tokens_per_rank=self.runner.model.routed_tokens_per_rank())
 
     def cached_blocks(self) -> tuple[int, list[bytes]]:
         """Every cached block's hash, as of the last KV event's sequence number (a full

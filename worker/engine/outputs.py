@@ -59,3 +59,5 @@ class EngineStats:
     # KV; the difference is the cache's internal waste (a block shared by two sequences counts twice)
     num_kv_slots_allocated: int
     num_kv_slots_used: int
+    # MoE: (token, expert) pairs each rank of the worker group computed since the start; () if dense
+    expert_tokens_per_rank: tuple[int, ...] = ()

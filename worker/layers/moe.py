@@ -9,9 +9,11 @@ Routing (``select_experts``, a pure function):
   *choose* the experts (within the best ``topk_groups`` groups), the unbiased
   scores *weight* them, renormalised and scaled by ``routed_scaling_factor``.
 
-Expert parallel: the layer owns the experts ``[first_expert, first_expert +
-num_local_experts)`` of its rank; tokens routed elsewhere contribute zero here and
-the ranks' partial sums are all-reduced."""
+Expert parallel: the layer owns the experts its rank holds in the group's
+``ExpertMap`` (``worker/parallel/expert_map.py``); tokens routed elsewhere contribute
+zero here and the ranks' partial sums are all-reduced. Every layer counts the
+(token, expert) pairs routed to each expert (``routed_tokens``, cumulative) for the
+worker's load report."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from worker.layers.fused import silu_and_mul
 from worker.layers.linear import copy_checked
 from worker.layers.mlp import Loader, SwiGLU
 from worker.parallel import all_reduce, get_parallel_state
+from worker.parallel.expert_map import ExpertMap
 
 # checkpoint names of an expert's three matrices, per family: (gate, up, down)
 EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "default": ("gate_proj", "up_proj", "down_proj")}
@@ -56,8 +59,16 @@ class SparseMoe(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.names = EXPERT_NAMES.get(family, EXPERT_NAMES["default"])
-        start, end = get_parallel_state().shard(cfg.num_experts, "num_experts")
-        self.first_expert, self.num_local_experts = start, end - start
+        ps = get_parallel_state()
+        self.expert_map = ExpertMap.contiguous(cfg.num_experts, ps.tp_size)
+        local = self.expert_map.local(ps.tp_rank)
+        self.num_local_experts = len(local)
+        self.local_slot = {e: k for k, e in enumerate(local)}
+        # expert id -> its local slot here; another rank's experts get the slot past the last
+        # (made on the model's device: the model is built under torch.device)
+        self.slot_of = torch.full((cfg.num_experts,), self.num_local_experts, dtype=torch.long)
+        self.slot_of[local] = torch.arange(self.num_local_experts)
+        self.routed_tokens = torch.zeros(cfg.num_experts, dtype=torch.long)
         inter = cfg.intermediate_size
         self.gate = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=dtype), requires_grad=False)
         self.correction_bias = (nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
@@ -78,8 +89,8 @@ class SparseMoe(nn.Module):
         inter = self.cfg.intermediate_size
         for e in range(self.cfg.num_experts):
             gate, up, down = (f"{prefix}experts.{e}.{n}.weight" for n in self.names)
-            local = e - self.first_expert
-            if not 0 <= local < self.num_local_experts:  # another rank's expert
+            local = self.local_slot.get(e)
+            if local is None:  # another rank's expert
                 out.update({gate: _skip, up: _skip, down: _skip})
                 continue
             out[gate] = self._copier(self.w13, local, slice(0, inter))
@@ -101,9 +112,9 @@ class SparseMoe(nn.Module):
         logits = nn.functional.linear(x.float(), self.gate.float())
         weights, ids = select_experts(logits, self.cfg, self.correction_bias)
         out = torch.zeros_like(x)
-        flat = ids.flatten() - self.first_expert  # [num_tokens * top_k]
         nl = self.num_local_experts
-        flat = torch.where((flat >= 0) & (flat < nl), flat, nl)  # other ranks' experts sort last
+        self.routed_tokens += torch.bincount(ids.flatten(), minlength=self.cfg.num_experts)  # no sync on CUDA
+        flat = self.slot_of[ids.flatten()]  # [num_tokens * top_k]; other ranks' experts sort last
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=nl + 1).tolist()
         starts = [0]

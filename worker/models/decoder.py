@@ -124,6 +124,15 @@ class DecoderModel(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, (MergedColumnParallelLinear, RowParallelLinear))]
         return linears + [self.lm_head]
 
+    def routed_tokens_per_rank(self) -> tuple[int, ...]:
+        """(token, expert) pairs each rank of the group computed in the MoE layers since
+        the start (the group's load balance); () for a dense model."""
+        moes = [m for m in self.modules() if isinstance(m, SparseMoe)]
+        if not moes:
+            return ()
+        per_expert = torch.stack([m.routed_tokens for m in moes]).sum(0).tolist()
+        return tuple(moes[0].expert_map.tokens_per_rank(per_expert))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [rows, vocab]
 
