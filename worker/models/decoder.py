@@ -127,7 +127,7 @@ class DecoderModel(nn.Module):
     def routed_tokens_per_rank(self) -> tuple[int, ...]:
         """(token, expert) pairs each rank of the group computed in the MoE layers since
         the start (the group's load balance); () for a dense model."""
-        moes = [m for m in self.modules() if isinstance(m, SparseMoe)]
+        moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoe)]
         if not moes:
             return ()
         per_expert = torch.stack([m.routed_tokens for m in moes]).sum(0).tolist()
