@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from control_plane.launcher import Cluster, ClusterSpec
-from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.chaos.checker import check, stream
+from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
+from tests.chaos.checker import check, streams_decoding_on
 from tests.conftest import greedy_tokens, make_prompts
 
 MAX_TOKENS = 300
@@ -52,24 +52,8 @@ def test_a_group_is_one_worker_and_a_killed_rank_moves_its_requests(llama, tmp_p
                     kv_registry_pb2.ListWorkersRequest())
             assert sorted(w.info.address for w in listed.workers) == sorted(
                 cluster.addresses[n] for n in ("both-0", "both-1"))  # the group registered once
-            started = [asyncio.Event() for _ in prompts]
-
-            def first_token(k):
-                async def on_delta(out):
-                    started[k].set()
-                return on_delta
-            tasks = [asyncio.create_task(stream(cluster.router_address, p, MAX_TOKENS, on_delta=first_token(k),
-                                                timeout=60)) for k, p in enumerate(prompts)]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-            async with grpc.aio.insecure_channel(cluster.addresses["both-0"]) as ch:
-                stub = worker_pb2_grpc.WorkerServiceStub(ch)
-                for _ in range(3000):
-                    load = (await stub.GetLoad(worker_pb2.GetLoadRequest())).load
-                    if load.num_running and not load.num_prefill_tokens:
-                        break
-                    await asyncio.sleep(0.01)
-                else:
-                    raise AssertionError("no stream was placed on the worker group")
+            tasks = await streams_decoding_on(cluster.router_address, cluster.addresses["both-0"], prompts,
+                                              MAX_TOKENS, 60)
             subprocess.run(["kill", "-9", str(peer)], check=True)
             return await asyncio.gather(*tasks)
 

@@ -94,6 +94,30 @@ def process_gone(proc, timeout: float = 10.0) -> None:
     assert proc.poll() is not None and not Path(f"/proc/{proc.pid}").exists()
 
 
+async def streams_decoding_on(router: str, worker: str, prompts: list[list[int]], max_tokens: int,
+                              timeout: float) -> list[asyncio.Task]:
+    """Start one stream per prompt and return once every client holds a token and
+    ``worker`` (HOST:PORT, asked directly) runs a stream past its prefill: the moment a
+    fault on that worker hits streams that already delivered tokens."""
+    started = [asyncio.Event() for _ in prompts]
+
+    def first_token(k):
+        async def on_delta(out):
+            started[k].set()
+        return on_delta
+    tasks = [asyncio.create_task(stream(router, p, max_tokens, on_delta=first_token(k), timeout=timeout))
+             for k, p in enumerate(prompts)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    async with grpc.aio.insecure_channel(worker) as ch:
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+        for _ in range(3000):
+            load = (await stub.GetLoad(worker_pb2.GetLoadRequest())).load
+            if load.num_running and not load.num_prefill_tokens:
+                return tasks
+            await asyncio.sleep(0.01)
+    raise AssertionError(f"no stream was placed on {worker}")
+
+
 def restart_redis(cluster) -> None:
     """Kill the cluster's private Redis and start an empty one on the same port; it keeps its
     place among the cluster's processes (Redis is stopped last)."""

@@ -7,12 +7,10 @@ import asyncio
 import threading
 import time
 
-import grpc
 import pytest
 
 from control_plane.launcher import Cluster, ClusterSpec, free_port
-from services.proto import worker_pb2, worker_pb2_grpc
-from tests.chaos.checker import check, record, stream, wait_baseline
+from tests.chaos.checker import check, record, streams_decoding_on, wait_baseline
 from tests.chaos.fault_proxy import FaultProxy
 from tests.conftest import greedy_tokens, make_prompts
 
@@ -60,26 +58,9 @@ def test_a_worker_cut_off_by_the_network_is_migrated_away_from(llama, tmp_path, 
         expected = greedy_tokens(llama[1], prompts, MAX_TOKENS)
 
         async def run():
-            started = [asyncio.Event() for _ in prompts]
-
-            def first_token(k):
-                async def on_delta(out):
-                    started[k].set()
-                return on_delta
-            tasks = [asyncio.create_task(stream(cluster.router_address, p, MAX_TOKENS, on_delta=first_token(k),
-                                                timeout=30)) for k, p in enumerate(prompts)]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)  # every client has tokens
-            # the fault must hit streams on both-1 that already delivered tokens: checked right before it,
-            # so that a stream finished early (a slow first token elsewhere) cannot leave both-1 idle
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:  # straight to both-1, not via the proxy
-                stub = worker_pb2_grpc.WorkerServiceStub(ch)
-                for _ in range(6000):
-                    load = (await stub.GetLoad(worker_pb2.GetLoadRequest())).load
-                    if load.num_running and not load.num_prefill_tokens:
-                        break
-                    await asyncio.sleep(0.01)
-                else:
-                    raise AssertionError("no stream was placed on the proxied worker")
+            # checked right before the fault, after every client has tokens: a stream finished early
+            # (a slow first token elsewhere) cannot leave both-1 idle
+            tasks = await streams_decoding_on(cluster.router_address, f"127.0.0.1:{port}", prompts, MAX_TOKENS, 30)
             at = time.monotonic()
             if fault == "reset":
                 proxies.call(proxy.reset)
