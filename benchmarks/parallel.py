@@ -10,6 +10,7 @@
 - ``roofline``: at batch 1, the bytes a decode step must read (every weight matrix
   but the embedding, which is one row per token, plus the KV of the context) over the
   measured bandwidth, and the fraction of it the measured step reaches.
+- ``results/parallel.png``: step time per bucket for both, and the batch-1 roofline.
 - ``tensor_parallel``: the same buckets on a worker group of ``--tensor-parallel``
   ranks, one thread each, against one process with as many threads on the same
   cores. On a 2-core machine this shows what the group's communication costs (a
@@ -27,6 +28,7 @@ import time
 
 import torch
 
+from benchmarks import plots
 from benchmarks.machine import add_dtype_argument, machine
 from benchmarks.models import SHAPES, ensure_random_llama
 from worker import Engine, SamplingParams
@@ -129,6 +131,12 @@ def main() -> None:
             "group_vs_one_process": {b: round(one["decode_step_ms"][b] / ms, 3)
                                      for b, ms in group["decode_step_ms"].items()}}
     print(json.dumps(report, indent=2))
+    series = {"one process": list(one["decode_step_ms"].values())}
+    if "tensor_parallel" in report:
+        series[f"{args.tensor_parallel} ranks"] = list(report["tensor_parallel"]["decode_step_ms"].values())
+    plots.lines("parallel", f"Decode step, {report['parameters'] / 1e6:.0f}M-parameter model "
+                f"({report['machine']['dtype']}, {cores} cores)", buckets, series, "sequences in the batch",
+                "step time (ms)", {"batch-1 roofline": round(roofline_ms, 2)})
 
 
 if __name__ == "__main__":

@@ -67,3 +67,26 @@ def grouped_bars(name: str, title: str, groups: list[str], series: dict[str, lis
     fig.suptitle(title)
     save(fig, name)
     plt.close(fig)
+
+
+def lines(name: str, title: str, x: list[float], series: dict[str, list[float]], xlabel: str, ylabel: str,
+          marks: dict[str, float] | None = None) -> None:
+    """One line per series over ``x`` (log2-scaled), with horizontal reference ``marks``."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for label, values in series.items():
+        ax.plot(x, values, marker="o", label=label)
+    for label, value in (marks or {}).items():
+        ax.axhline(value, color="grey", lw=0.8, ls="--")
+        ax.annotate(label, (x[0], value), textcoords="offset points", xytext=(2, 3), fontsize=8, color="grey")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(x, [str(v) for v in x])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    save(fig, name)
+    plt.close(fig)
