@@ -49,6 +49,19 @@ def test_two_ranks_generate_what_one_process_does(hf_models, kind):
         group.close()
 
 
+def test_a_step_message_too_large_for_shared_memory_goes_over_gloo(llama):
+    prompts = make_prompts([9, 14], seed=66)
+    expected = outputs(make_engine(llama[1]), prompts, GREEDY)
+    group = make_engine(llama[1], tensor_parallel_size=2)
+    try:
+        group.group.max_inline = 10  # every step's payload is larger: only its header goes through shared memory
+        assert outputs(group, prompts, GREEDY) == expected
+        with pytest.raises(ConfigError, match="one engine per process"):  # its layers would join the group's
+            make_engine(llama[1])
+    finally:
+        group.close()
+
+
 def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

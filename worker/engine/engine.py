@@ -16,12 +16,13 @@ import torch
 from kervan.kv_events import KVEvent
 from kervan.sampling import InvalidRequest, RequestLimits, SamplingParams
 from kervan.tokenizer import Tokenizer
-from worker.config import EngineConfig, ModelConfig
+from worker.config import ConfigError, EngineConfig, ModelConfig
 from worker.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from worker.engine.scheduler import StepScheduler
 from worker.engine.sequence import Sequence
 from worker.kv.kv_cache_manager import KVCacheManager
 from worker.loader import load_model
+from worker.parallel import get_parallel_state
 from worker.parallel.group import GroupLeader
 from worker.platform import current_platform
 from worker.runner.model_runner import ModelRunner
@@ -43,6 +44,9 @@ class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig):
         self.model_config = ModelConfig.from_dir(model_dir)
         self.config = config.resolve(self.model_config, current_platform())
+        if get_parallel_state().tp_size > 1:  # the layers read the process's parallel state when built
+            raise ConfigError("this process is rank 0 of a running worker group: one engine per process "
+                              "(close the group's engine first)")
         # a worker group: the other ranks start now and load their shards while this one loads its own
         self.group = GroupLeader.start(model_dir, self.config) if self.config.tensor_parallel_size > 1 else None
         try:

@@ -73,6 +73,8 @@ class GroupLeader:
         self.peers = peers
         self.control = control
         self.shm = shm
+        # int64 values of a message the shared-memory slot carries; a larger one's payload goes over gloo
+        self.max_inline = shm.slot_bytes // 8 - 2 if shm is not None else 0
         self.failed: GroupFailed | None = None
 
     @classmethod
@@ -134,12 +136,16 @@ class GroupLeader:
         import torch.distributed as dist
         if self.failed is not None:
             raise self.failed
-        header = torch.tensor([kind, 0 if payload is None else payload.numel()], dtype=torch.int64)
+        size = 0 if payload is None else payload.numel()
+        header = torch.tensor([kind, size], dtype=torch.int64)
         try:
             if self.shm is not None:
-                self.shm.send(header if payload is None else torch.cat([header, payload]))
-                return
-            dist.broadcast(header, src=0, group=self.control)
+                inline = size <= self.max_inline
+                self.shm.send(torch.cat([header, payload]) if size and inline else header)
+                if not size or inline:
+                    return  # else the header alone said: the payload follows over gloo
+            else:
+                dist.broadcast(header, src=0, group=self.control)
             if payload is not None:
                 dist.broadcast(payload, src=0, group=self.control)
         except (RuntimeError, ValueError) as exc:
@@ -157,13 +163,15 @@ def receive(control: object, shm: ShmComm | None) -> tuple[int, StepInputs | Non
     import torch.distributed as dist
     if shm is not None:
         message = shm.receive()
-        kind = int(message[0])
-        return kind, StepInputs.decode(message[2:]) if kind == STEP else None
-    header = torch.empty(2, dtype=torch.int64)
-    dist.broadcast(header, src=0, group=control)
-    kind, size = header.tolist()
-    if kind != STEP:
-        return kind, None
+        kind, size = message[:2].tolist()
+        if kind != STEP or len(message) == size + 2:
+            return kind, StepInputs.decode(message[2:]) if kind == STEP else None
+    else:  # a payload too large for the shared-memory slot comes over gloo, as without one
+        header = torch.empty(2, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=control)
+        kind, size = header.tolist()
+        if kind != STEP:
+            return kind, None
     payload = torch.empty(size, dtype=torch.int64)
     dist.broadcast(payload, src=0, group=control)
     return kind, StepInputs.decode(payload)
