@@ -11,9 +11,9 @@ Routing (``select_experts``, a pure function):
 
 Expert parallel: the layer owns the experts its rank holds in the group's
 ``ExpertMap`` (``worker/parallel/expert_map.py``); tokens routed elsewhere contribute
-zero here and the ranks' partial sums are all-reduced. Every layer counts the
-(token, expert) pairs routed to each expert (``routed_tokens``, cumulative) for the
-worker's load report."""
+zero here and the ranks' partial sums are all-reduced. Every layer adds the
+(token, expert) pairs routed to each expert to ``routed_tokens`` (cumulative; the
+model gives all its MoE layers one such tensor) for the worker's load report."""
 
 from __future__ import annotations
 

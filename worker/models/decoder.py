@@ -111,6 +111,11 @@ class DecoderModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
             self.lm_head.keep_weight = True
+        self.moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoe)]
+        if self.moes:  # one count for all MoE layers: the load report reads it once per step
+            self.routed_tokens = self.moes[0].routed_tokens
+            for moe in self.moes[1:]:
+                moe.routed_tokens = self.routed_tokens
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -127,11 +132,9 @@ class DecoderModel(nn.Module):
     def routed_tokens_per_rank(self) -> tuple[int, ...]:
         """(token, expert) pairs each rank of the group computed in the MoE layers since
         the start (the group's load balance); () for a dense model."""
-        moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoe)]
-        if not moes:
+        if not self.moes:
             return ()
-        per_expert = torch.stack([m.routed_tokens for m in moes]).sum(0).tolist()
-        return tuple(moes[0].expert_map.tokens_per_rank(per_expert))
+        return tuple(self.moes[0].expert_map.tokens_per_rank(self.routed_tokens.tolist()))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [rows, vocab]

@@ -24,7 +24,7 @@ import os
 import socket
 import subprocess
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
@@ -178,9 +178,9 @@ def receive(control: object, shm: ShmComm | None) -> tuple[int, StepInputs | Non
 
 
 def peer_config(text: str):
+    """Rank 0's resolved EngineConfig, from ``config_json``."""
     from worker.config import EngineConfig
-    fields = json.loads(text)
-    return replace(EngineConfig(), **fields)
+    return EngineConfig(**json.loads(text))
 
 
 def _free_port() -> int:
