@@ -37,6 +37,8 @@ def test_two_ranks_generate_what_one_process_does(hf_models, kind):
     expected_forked = outputs(make_engine(path, **options), prompts[:2], forked)
     group = make_engine(path, tensor_parallel_size=2, **options)
     try:
+        # the ranks share one memory segment whose name is gone once all mapped it: none can outlive the group
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith("kervan-tp-")]
         assert outputs(group, prompts, GREEDY) == expected
         routed = group.stats().expert_tokens_per_rank  # MoE: the (token, expert) pairs each rank computed
         if "moe" in kind or kind == "mixtral":
