@@ -132,9 +132,14 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
               help="send this prompt once the cluster is up, print the answer, then stop")
 @click.option("--max-tokens", default=32, show_default=True, help="with --request")
 @click.option("--tensor-parallel", default=1, show_default=True,
-              help="ranks per aggregated worker (a worker group the mesh sees as one); needs --prefill 0 --decode 0")
+              help="each aggregated worker a group of N ranks each holding 1/N of every layer (the mesh sees one "
+                   "worker); worker groups need --prefill 0 --decode 0")
+@click.option("--expert-parallel", default=1, show_default=True,
+              help="each aggregated worker a group of N ranks each holding 1/N of the experts")
+@click.option("--pipeline-parallel", default=1, show_default=True,
+              help="each aggregated worker a group of N pipeline stages each holding 1/N of the layers")
 def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens,
-       tensor_parallel) -> None:
+       tensor_parallel, expert_parallel, pipeline_parallel) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C."""
     import asyncio
     from pathlib import Path
@@ -151,7 +156,8 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
     model = Path(model_dir) if model_dir else ensure_default_model()
     try:
         spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, dtype=dtype,
-                           tensor_parallel=tensor_parallel)
+                           tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                           pipeline_parallel=pipeline_parallel)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     cluster = Cluster(spec, new_log_dir())

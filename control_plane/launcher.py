@@ -45,15 +45,40 @@ class ClusterSpec:
     router_args: tuple[str, ...] = ()  # extra flags for the router, e.g. ("--max-migrations", "0")
     registry_args: tuple[str, ...] = ()  # extra flags for the kv-registry, e.g. ("--ttl", "2")
     worker_args: tuple[str, ...] = ()  # extra flags for every worker, e.g. ("--max-waiting", "8")
-    tensor_parallel: int = 1  # ranks per aggregated worker (a worker group); > 1 needs aggregated workers only
+    # each aggregated worker a worker group of these sizes (> 1 needs aggregated workers only)
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    pipeline_parallel: int = 1
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel < 1:
-            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
-        if self.tensor_parallel > 1 and (self.num_prefill or self.num_decode):
-            raise ValueError(f"tensor parallel {self.tensor_parallel} needs aggregated workers only (a worker "
-                             f"group's KV is sharded and not handed between workers); got {self.num_prefill} "
-                             f"prefill and {self.num_decode} decode")
+        sizes = self.parallel_sizes()
+        if min(sizes.values()) < 1:
+            raise ValueError(f"parallel sizes must be >= 1, got {sizes}")
+        if self.group_size == 1:
+            return
+        if self.num_prefill or self.num_decode:
+            raise ValueError(f"a worker group ({self.describe_group()}) needs aggregated workers only (its KV is "
+                             f"sharded and not handed between workers); got {self.num_prefill} prefill and "
+                             f"{self.num_decode} decode")
+        from worker.config import ConfigError, ModelConfig, check_parallel
+        from worker.platform import current_platform
+        platform = current_platform()
+        try:  # refused here, before any process starts, naming the numbers
+            check_parallel(ModelConfig.from_dir(self.model_dir), self.tensor_parallel, self.expert_parallel,
+                           self.pipeline_parallel, platform.num_ranks(platform.resolve_device("auto")))
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    def parallel_sizes(self) -> dict[str, int]:
+        return {"tensor": self.tensor_parallel, "expert": self.expert_parallel, "pipeline": self.pipeline_parallel}
+
+    @property
+    def group_size(self) -> int:
+        """Ranks per aggregated worker."""
+        return max(self.tensor_parallel, self.expert_parallel) * self.pipeline_parallel
+
+    def describe_group(self) -> str:
+        return ", ".join(f"{name} parallel {n}" for name, n in self.parallel_sizes().items() if n > 1)
 
     @property
     def num_workers(self) -> int:
@@ -64,7 +89,7 @@ class ClusterSpec:
         # two processes on the same cores cost far more than they save
         # (per rank: a worker group's ranks share what one worker gets)
         per_worker = self.threads_per_worker or max(1, len(usable_cores()) // max(1, self.num_workers))
-        return max(1, per_worker // self.tensor_parallel)
+        return max(1, per_worker // self.group_size)
 
 
 @dataclass
@@ -116,8 +141,9 @@ class Cluster:
             cores = {usable[(slot * threads + k) % len(usable)] for k in range(threads)}
         self.spawned[role] += 1
         extra = ["--num-kv-blocks", str(self.spec.num_kv_blocks)] if self.spec.num_kv_blocks else []
-        if role == "both" and self.spec.tensor_parallel > 1:
-            extra += ["--tensor-parallel", str(self.spec.tensor_parallel)]
+        if role == "both":
+            extra += [arg for name, n in self.spec.parallel_sizes().items() if n > 1
+                      for arg in (f"--{name}-parallel", str(n))]
         self._start(name, "services.worker", "--role", role, "--model", str(self.spec.model_dir),
                     "--registry", self.addresses["kv-registry"], "--dtype", self.spec.dtype,
                     "--block-size", str(self.spec.block_size), *extra,

@@ -32,6 +32,7 @@ def _configs():
 
 
 MODEL_KINDS = ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "glm4_moe"]
+MOE_KINDS = ["mixtral", "qwen2_moe", "glm4_moe"]
 
 
 def build_hf_model(kind: str, seed: int = 0):

@@ -1,7 +1,8 @@
-"""A tensor-parallel worker group in a real cluster: `kervan up --tensor-parallel`
-refuses what cannot work before anything starts; the group registers as one worker
-and serves exactly what one process does; when its rank 1 is killed mid-stream the
-whole group leaves the mesh at once and its requests move to the other worker."""
+"""A worker group in a real cluster (`kervan up --tensor-parallel 2`, and two pipeline
+stages): what cannot work is refused before anything starts; the group registers as
+one worker and serves exactly what one process does; when its rank 1 is killed
+mid-stream the whole group leaves the mesh at once and its requests move to the
+other worker."""
 
 from __future__ import annotations
 
@@ -30,17 +31,20 @@ def peers(pid: int) -> list[int]:
 def test_worker_groups_need_aggregated_workers_and_say_so(llama):
     with pytest.raises(ValueError, match="needs aggregated workers only"):
         ClusterSpec(llama[1], num_prefill=1, num_decode=1, tensor_parallel=2)
+    with pytest.raises(ValueError, match="expert_parallel_size 2 needs a mixture-of-experts model"):
+        ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, expert_parallel=2)
     out = subprocess.run([sys.executable, "-m", "services.worker", "--model", str(llama[1]), "--role", "decode",
                           "--tensor-parallel", "2"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "--tensor-parallel 2 needs --role both" in out.stderr
 
 
-def test_a_group_is_one_worker_and_a_killed_rank_moves_its_requests(llama, tmp_path):
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, tensor_parallel=2,
+@pytest.mark.parametrize("layout", ["tensor", "pipeline"])
+def test_a_group_is_one_worker_and_a_killed_rank_moves_its_requests(llama, tmp_path, layout):
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, **{f"{layout}_parallel": 2},
                                   dtype="float32", num_kv_blocks=256), tmp_path)
     cluster.start(timeout=240)
     try:
-        cluster.add_worker("both", "--tensor-parallel", "1", timeout=240)
+        cluster.add_worker("both", f"--{layout}-parallel", "1", timeout=240)  # a worker of one process
         group = cluster.procs["both-0"]
         [peer] = peers(group.pid)
         prompts = make_prompts([20, 21, 22, 23], seed=101)

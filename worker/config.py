@@ -197,7 +197,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_n: int = 16  # bound on SamplingParams.n (a client must not fan out unboundedly)
     seed: int = 0  # for requests without a seed of their own
-    tensor_parallel_size: int = 1  # ranks of one worker group, each holding 1/N of every layer
+    # a worker group (``worker/parallel/``): ranks holding 1/N of every layer, ranks holding
+    # 1/N of the experts, pipeline stages holding 1/N of the layers
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         try:
@@ -206,11 +210,17 @@ class EngineConfig:
             raise ConfigError(str(exc)) from None
         if self.device != "auto" and _device_type(self.device) not in ("cpu", "cuda"):
             raise ConfigError(f"device {self.device!r} unknown; choose auto, cpu, cuda or cuda:N")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_n", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_n", "tensor_parallel_size",
+                     "expert_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the worker group (1: one process)."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size) * self.pipeline_parallel_size
 
     def bytes_per_block(self, model: ModelConfig) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -222,7 +232,8 @@ class EngineConfig:
         if device.startswith("cuda") and platform.cuda is None:
             raise ConfigError(f"device {self.device!r} requested but CUDA is not available")
         concrete = replace(self, device=device, dtype=platform.resolve_dtype(self.dtype, device))
-        check_tensor_parallel(model, self.tensor_parallel_size, platform.num_ranks(device))
+        check_parallel(model, self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size,
+                       platform.num_ranks(device))
         num_blocks = self.num_kv_blocks or max(2, self.kv_cache_memory_bytes // concrete.bytes_per_block(model))
         if self.max_model_len and self.max_model_len > model.max_position:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
@@ -236,13 +247,31 @@ class EngineConfig:
         return replace(concrete, num_kv_blocks=num_blocks, max_model_len=max_len)
 
 
-def check_tensor_parallel(model: ModelConfig, size: int, max_ranks: int) -> None:
-    """Refuse, naming the numbers, a tensor-parallel size this model or machine cannot take."""
-    if size == 1:
-        return
-    if size > max_ranks:
-        raise ConfigError(f"tensor_parallel_size {size} exceeds the {max_ranks} ranks this machine can run "
-                          f"(one per core on the CPU, one per GPU on CUDA)")
+def check_parallel(model: ModelConfig, tp: int, ep: int, pp: int, max_ranks: int) -> None:
+    """Refuse, naming the numbers, a worker group this model or machine cannot take."""
+    if tp > 1 and ep > 1 and tp != ep:
+        raise ConfigError(f"tensor_parallel_size {tp} and expert_parallel_size {ep} span the same ranks of a "
+                          f"stage: make them equal, or one of them 1")
+    if pp > 1 and max(tp, ep) > 1:
+        raise ConfigError(f"pipeline_parallel_size {pp} with tensor/expert parallel size {max(tp, ep)}: a worker "
+                          f"group is one of the three for now (stages of one rank each)")
+    world = max(tp, ep) * pp
+    if world > max_ranks:
+        raise ConfigError(f"a worker group of {world} ranks (tensor {tp} x expert {ep} x pipeline {pp}) exceeds "
+                          f"the {max_ranks} ranks this machine can run (one per core on the CPU, one per GPU on "
+                          f"CUDA)")
+    if pp > model.num_layers:
+        raise ConfigError(f"pipeline_parallel_size {pp} exceeds the model's {model.num_layers} layers")
+    if ep > 1 and model.moe is None:
+        raise ConfigError(f"expert_parallel_size {ep} needs a mixture-of-experts model; "
+                          f"{model.architecture} has no experts")
+    if ep > 1 and model.moe.num_experts % ep:
+        raise ConfigError(f"expert_parallel_size {ep} does not divide num_experts ({model.moe.num_experts})")
+    if tp > 1:
+        _check_tensor_parallel(model, tp)
+
+
+def _check_tensor_parallel(model: ModelConfig, size: int) -> None:
     parts = {"num_attention_heads": model.num_heads, "intermediate_size": model.intermediate_size,
              "vocab_size": model.vocab_size}
     if model.moe is not None:

@@ -48,9 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="tokens per KV block; every process of a mesh takes the same (the kv-registry refuses others)")
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--tensor-parallel", type=int, default=1,
-                    help="ranks of this worker (processes on the CPU, GPUs on CUDA), each holding 1/N of every "
-                         "layer; the mesh sees one worker. Aggregated (--role both) only: its KV is sharded")
+    group = ap.add_argument_group("worker group", "one worker of several ranks (processes on the CPU, GPUs on "
+                                  "CUDA) that the mesh sees as one; aggregated (--role both) only: its KV is sharded")
+    group.add_argument("--tensor-parallel", type=int, default=1, help="ranks each holding 1/N of every layer")
+    group.add_argument("--expert-parallel", type=int, default=1,
+                       help="ranks each holding 1/N of the experts, tokens sent to them (all-to-all); equal to "
+                            "--tensor-parallel, or that 1 (attention then replicated)")
+    group.add_argument("--pipeline-parallel", type=int, default=1, help="stages each holding 1/N of the layers")
     ap.add_argument("--max-waiting", type=int, default=256,
                     help="requests queued beyond a full batch before new ones get RESOURCE_EXHAUSTED")
     return parse_args_with_env(ap, "worker", argv)
@@ -95,14 +99,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging()
     log.info("platform: %s", current_platform().summary())
-    if args.tensor_parallel > 1 and args.role != "both":
-        raise SystemExit(f"--tensor-parallel {args.tensor_parallel} needs --role both: a worker group's KV is "
-                         f"sharded across its ranks and is not handed between workers (got --role {args.role})")
+    sizes = {"tensor": args.tensor_parallel, "expert": args.expert_parallel, "pipeline": args.pipeline_parallel}
+    grouped = ", ".join(f"--{name}-parallel {n}" for name, n in sizes.items() if n > 1)
+    if grouped and args.role != "both":
+        raise SystemExit(f"{grouped} needs --role both: a worker group's KV is sharded across its ranks and is "
+                         f"not handed between workers (got --role {args.role})")
     model_dir = Path(args.model) if args.model else ensure_default_model()
     try:
         engine = Engine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,
                                         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                                        tensor_parallel_size=args.tensor_parallel)
+                                        tensor_parallel_size=args.tensor_parallel,
+                                        expert_parallel_size=args.expert_parallel,
+                                        pipeline_parallel_size=args.pipeline_parallel)
     except ConfigError as exc:
         raise SystemExit(f"worker: {exc}") from None
     log.info("engine: %s on %s, native CPU kernels %s", dtype_name(engine.config.dtype), engine.config.device,

@@ -1,20 +1,23 @@
-"""Two tensor-parallel ranks (gloo on loopback) produce the logits of one.
+"""Two ranks (gloo on loopback, no shared memory) produce the logits of one.
 
-Column/row-parallel linears, the vocabulary-parallel embedding and head, and
-expert sharding (each rank owns half the experts) are exercised for every model
-family against transformers, in two real processes."""
+Tensor parallel: column/row-parallel linears, the vocabulary-parallel embedding and
+head, and expert sharding (each rank owns half the experts), for every model family.
+Expert parallel: tokens sent to their experts' ranks and back with gloo's
+all-to-all (the path CUDA's NCCL takes too), for every mixture-of-experts family.
+Both against transformers, in two real processes."""
 
 import os
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import MODEL_KINDS, make_prompts
+from tests.conftest import MODEL_KINDS, MOE_KINDS, make_prompts
 
 WORLD = 2
 
 
-def _rank_main(rank: int, store: str, paths: dict, prompt: list, results) -> None:
+def _rank_main(rank: int, sizes: tuple[int, int], store: str, paths: dict, prompt: list, results) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
@@ -22,7 +25,7 @@ def _rank_main(rank: int, store: str, paths: dict, prompt: list, results) -> Non
     try:
         from tests.worker.test_model_parity import prompt_logits
         from worker.parallel.state import ParallelState, set_parallel_state
-        set_parallel_state(ParallelState(rank, WORLD))
+        set_parallel_state(ParallelState(rank, *sizes))
         out = {kind: prompt_logits(path, prompt).tolist() for kind, path in paths.items()}
         if rank == 0:
             results.put(out)  # plain lists: no shared-memory tensors outliving this process
@@ -30,12 +33,15 @@ def _rank_main(rank: int, store: str, paths: dict, prompt: list, results) -> Non
         dist.destroy_process_group()
 
 
-def test_two_ranks_match_transformers(hf_models, tmp_path):
-    models = {kind: hf_models(kind) for kind in MODEL_KINDS}
+@pytest.mark.parametrize("layout", ["tensor", "expert"])
+def test_two_ranks_match_transformers(hf_models, tmp_path, layout):
+    sizes = (WORLD, 1) if layout == "tensor" else (1, WORLD)  # (tp_size, ep_size)
+    kinds = MODEL_KINDS if layout == "tensor" else [k for k in MODEL_KINDS if k in MOE_KINDS]
+    models = {kind: hf_models(kind) for kind in kinds}
     prompt = make_prompts([21], seed=3)[0]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, str(tmp_path / "store"),
+    procs = [ctx.Process(target=_rank_main, args=(r, sizes, str(tmp_path / "store"),
                                                   {k: str(p) for k, (_, p) in models.items()}, prompt, results))
              for r in range(WORLD)]
     for p in procs:

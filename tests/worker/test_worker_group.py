@@ -1,7 +1,8 @@
-"""A worker group of two tensor-parallel ranks (real processes, gloo on loopback): it
-generates exactly what one process does, for every model family and through chunked
-prefill, prefix hits and n > 1 forks; a rank that dies fails the group at once instead
-of hanging it; the peers die with rank 0 and live through idle time on its pings."""
+"""A worker group of two ranks (real processes, shared memory and gloo on loopback),
+tensor parallel, expert parallel or two pipeline stages: it generates exactly what one
+process does, for every model family and through chunked prefill, prefix hits and
+n > 1 forks; a rank that dies fails the group at once instead of hanging it; the
+peers die with rank 0 and live through idle time on its pings."""
 
 import json
 import os
@@ -13,10 +14,12 @@ import time
 import pytest
 import torch
 
-from tests.conftest import MODEL_KINDS, make_engine, make_prompts
+from tests.conftest import MODEL_KINDS, MOE_KINDS, make_engine, make_prompts
 from worker import SamplingParams
-from worker.config import ConfigError, ModelConfig, check_tensor_parallel
+from worker.config import ConfigError, ModelConfig, check_parallel
 from worker.parallel.group import GroupFailed
+from worker.parallel.pipeline import split
+from worker.parallel.step_inputs import decode_micro_batches, encode_micro_batches
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -25,8 +28,12 @@ def outputs(engine, prompts, params):
     return [[c.token_ids for c in out.outputs] for out in engine.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("kind", MODEL_KINDS)
-def test_two_ranks_generate_what_one_process_does(hf_models, kind):
+LAYOUTS = [(kind, "tensor_parallel_size") for kind in MODEL_KINDS] + \
+    [(kind, "expert_parallel_size") for kind in MOE_KINDS] + [(kind, "pipeline_parallel_size") for kind in MODEL_KINDS]
+
+
+@pytest.mark.parametrize(("kind", "layout"), LAYOUTS)
+def test_two_ranks_generate_what_one_process_does(hf_models, kind, layout):
     path = hf_models(kind)[1]
     shared = make_prompts([12], seed=60)[0]
     prompts = [shared + p for p in make_prompts([5, 9, 23], seed=61)] + make_prompts([30], seed=62)
@@ -35,16 +42,16 @@ def test_two_ranks_generate_what_one_process_does(hf_models, kind):
     expected = outputs(single, prompts, GREEDY)
     forked = SamplingParams(max_tokens=6, temperature=0.9, seed=4, n=2)
     expected_forked = outputs(make_engine(path, **options), prompts[:2], forked)
-    group = make_engine(path, tensor_parallel_size=2, **options)
+    group = make_engine(path, **{layout: 2}, **options)
     try:
         # the ranks share one memory segment whose name is gone once all mapped it: none can outlive the group
         assert not [n for n in os.listdir("/dev/shm") if n.startswith("kervan-tp-")]
         assert outputs(group, prompts, GREEDY) == expected
         routed = group.stats().expert_tokens_per_rank  # MoE: the (token, expert) pairs each rank computed
-        if "moe" in kind or kind == "mixtral":
+        if kind in MOE_KINDS and layout != "pipeline_parallel_size":
             assert len(routed) == 2 and min(routed) > 0 and sum(routed) == sum(single.stats().expert_tokens_per_rank)
-        else:
-            assert routed == () == single.stats().expert_tokens_per_rank
+        else:  # a dense model; a pipeline's rank 0 sees only its own stage's experts
+            assert routed == ()
         assert outputs(group, prompts, GREEDY) == expected  # again: the shared prefix now hits the cache
         assert outputs(group, prompts[:2], forked) == expected_forked  # samples fork with copy-on-write blocks
     finally:
@@ -80,8 +87,9 @@ def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path):
         group.close()
 
 
-def test_a_rank_that_dies_fails_the_group_at_once(llama):
-    group = make_engine(llama[1], tensor_parallel_size=2)
+@pytest.mark.parametrize("layout", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_a_rank_that_dies_fails_the_group_at_once(llama, layout):
+    group = make_engine(llama[1], **{layout: 2})
     try:
         group.add_request(make_prompts([20], seed=63)[0], SamplingParams(max_tokens=50, temperature=0))
         group.step()
@@ -159,14 +167,43 @@ def test_a_step_message_is_integers_and_a_broken_one_is_refused():
         StepInputs.decode(wire[:-2])
     with pytest.raises(ValueError, match="past its end"):
         StepInputs.decode(torch.cat([wire, torch.tensor([7])]))
+    other = StepInputs(token_ids=[1], positions=[4], slots=[4], decode_tables=[[1]], decode_lens=[5], logit_rows=[0])
+    wire = encode_micro_batches([step, other])  # a pipeline's micro-batches, in one message
+    assert decode_micro_batches(wire) == [step, other]
+    empty = torch.tensor([], dtype=torch.int64)
+    for broken in (wire[:-1], torch.cat([wire, torch.tensor([0])]), torch.tensor([0]), empty):
+        with pytest.raises(ValueError, match="micro-batch message"):
+            decode_micro_batches(broken)
 
 
-def test_sizes_that_cannot_work_are_refused_naming_the_numbers(llama):
-    model = ModelConfig.from_dir(llama[1])  # 4 heads, 2 KV heads, intermediate 96, vocabulary 128
+def test_micro_batches_are_contiguous_runs_of_about_equal_tokens():
+    tokens = {"d1": 1, "d2": 1, "d3": 1, "p1": 30, "p2": 12}
+    cut = lambda items, parts: [[i for i in run] for run in split(items, tokens.get, parts)]  # noqa: E731
+    assert cut(["d1", "d2", "d3", "p1"], 2) == [["d1", "d2", "d3"], ["p1"]]
+    assert cut(["d1", "d2", "d3", "p1", "p2"], 2) == [["d1", "d2", "d3", "p1"], ["p2"]]
+    assert cut(["d1", "d2", "d3"], 4) == [["d1"], ["d2"], ["d3"]]  # never an empty micro-batch
+    assert cut(["d1", "d2", "d3"], 2) == [["d1", "d2"], ["d3"]]
+    assert cut(["p1"], 4) == [["p1"]]
+
+
+def test_sizes_that_cannot_work_are_refused_naming_the_numbers(llama, hf_models):
+    model = ModelConfig.from_dir(llama[1])  # 4 heads, 2 KV heads, intermediate 96, vocabulary 128, 2 layers
     with pytest.raises(ConfigError, match=r"tensor_parallel_size 3 does not divide num_attention_heads \(4\), "
                                           r"vocab_size \(128\), num_key_value_heads \(2\) and is no multiple of it"):
-        check_tensor_parallel(model, 3, max_ranks=8)
-    with pytest.raises(ConfigError, match="tensor_parallel_size 4 exceeds the 2 ranks"):
-        check_tensor_parallel(model, 4, max_ranks=2)
-    with pytest.raises(ConfigError, match=f"tensor_parallel_size {len(os.sched_getaffinity(0)) + 1} exceeds"):
-        make_engine(llama[1], tensor_parallel_size=len(os.sched_getaffinity(0)) + 1)
+        check_parallel(model, 3, 1, 1, max_ranks=8)
+    with pytest.raises(ConfigError, match=r"group of 4 ranks \(tensor 4 x expert 1 x pipeline 1\) exceeds the 2"):
+        check_parallel(model, 4, 1, 1, max_ranks=2)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size 3 exceeds the model's 2 layers"):
+        check_parallel(model, 1, 1, 3, max_ranks=8)
+    with pytest.raises(ConfigError, match="expert_parallel_size 2 needs a mixture-of-experts model"):
+        check_parallel(model, 1, 2, 1, max_ranks=8)
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2 and expert_parallel_size 4"):
+        check_parallel(model, 2, 4, 1, max_ranks=8)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size 2 with tensor/expert parallel size 2"):
+        check_parallel(model, 2, 1, 2, max_ranks=8)
+    mixtral = ModelConfig.from_dir(hf_models("mixtral")[1])  # 4 experts
+    with pytest.raises(ConfigError, match=r"expert_parallel_size 3 does not divide num_experts \(4\)"):
+        check_parallel(mixtral, 1, 3, 1, max_ranks=8)
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(ConfigError, match=f"group of {cores + 1} ranks .* exceeds the {cores} ranks"):
+        make_engine(llama[1], pipeline_parallel_size=cores + 1)

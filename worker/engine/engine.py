@@ -44,11 +44,11 @@ class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig):
         self.model_config = ModelConfig.from_dir(model_dir)
         self.config = config.resolve(self.model_config, current_platform())
-        if get_parallel_state().tp_size > 1:  # the layers read the process's parallel state when built
+        if get_parallel_state().world > 1:  # the layers read the process's parallel state when built
             raise ConfigError("this process is rank 0 of a running worker group: one engine per process "
                               "(close the group's engine first)")
         # a worker group: the other ranks start now and load their shards while this one loads its own
-        self.group = GroupLeader.start(model_dir, self.config) if self.config.tensor_parallel_size > 1 else None
+        self.group = GroupLeader.start(model_dir, self.config) if self.config.world_size > 1 else None
         try:
             model = load_model(model_dir, self.config.dtype, self.config.max_model_len, self.config.device)
             self.runner = ModelRunner(model, self.config, self.group)
@@ -83,7 +83,7 @@ class Engine:
                       self.model_config.eos_token_ids, cache_salt)
         req.hold_kv = hold_kv
         if (hold_kv or imported is not None) and self.group is not None:
-            raise InvalidRequest(f"this worker is a group of {self.config.tensor_parallel_size} ranks with its KV "
+            raise InvalidRequest(f"this worker is a group of {self.config.world_size} ranks with its KV "
                                  f"sharded: it neither hands KV to another worker nor takes it from one")
         if imported is not None:
             self._check_import(imported, len(token_ids), params)

@@ -9,9 +9,15 @@ Routing (``select_experts``, a pure function):
   *choose* the experts (within the best ``topk_groups`` groups), the unbiased
   scores *weight* them, renormalised and scaled by ``routed_scaling_factor``.
 
-Expert parallel: the layer owns the experts its rank holds in the group's
-``ExpertMap`` (``worker/parallel/expert_map.py``); tokens routed elsewhere contribute
-zero here and the ranks' partial sums are all-reduced. Every layer adds the
+In a worker group the layer owns the experts its rank holds in the group's
+``ExpertMap`` (``worker/parallel/expert_map.py``), and every rank holds every token:
+- tensor parallel: each rank runs its experts on the tokens routed to them and the
+  ranks' partial sums are all-reduced (every token is already on every rank);
+- expert parallel: each rank takes its share of the tokens, sends each (token,
+  expert) pair to the rank of the expert (all-to-all), runs what it receives, sends
+  the results back (all-to-all) and weights them, and the ranks' shares are gathered.
+Every rank routes every token (a small matmul), so each one counts the whole
+batch. Every layer adds the
 (token, expert) pairs routed to each expert to ``routed_tokens`` (cumulative; the
 model gives all its MoE layers one such tensor) for the worker's load report."""
 
@@ -26,6 +32,7 @@ from worker.layers.linear import copy_checked
 from worker.layers.mlp import Loader, SwiGLU
 from worker.parallel import all_reduce, get_parallel_state
 from worker.parallel.expert_map import ExpertMap
+from worker.parallel.state import all_gather_rows, all_to_all_rows, split_points
 
 # checkpoint names of an expert's three matrices, per family: (gate, up, down)
 EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "default": ("gate_proj", "up_proj", "down_proj")}
@@ -60,14 +67,16 @@ class SparseMoe(nn.Module):
         self.cfg = cfg
         self.names = EXPERT_NAMES.get(family, EXPERT_NAMES["default"])
         ps = get_parallel_state()
-        self.expert_map = ExpertMap.contiguous(cfg.num_experts, ps.tp_size)
-        local = self.expert_map.local(ps.tp_rank)
+        self.expert_map = ExpertMap.contiguous(cfg.num_experts, ps.width)
+        self.dispatch = ps.ep_size > 1  # tokens travel to their experts' ranks (else: all-reduce)
+        local = self.expert_map.local(ps.stage_rank)
         self.num_local_experts = len(local)
         self.local_slot = {e: k for k, e in enumerate(local)}
         # expert id -> its local slot here; another rank's experts get the slot past the last
         # (made on the model's device: the model is built under torch.device)
         self.slot_of = torch.full((cfg.num_experts,), self.num_local_experts, dtype=torch.long)
         self.slot_of[local] = torch.arange(self.num_local_experts)
+        self.rank_of = torch.tensor(self.expert_map.ranks, dtype=torch.long)
         self.routed_tokens = torch.zeros(cfg.num_experts, dtype=torch.long)
         inter = cfg.intermediate_size
         self.gate = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=dtype), requires_grad=False)
@@ -108,32 +117,58 @@ class SparseMoe(nn.Module):
         return lambda tensor: copy_checked(target, tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, hidden]
+        # x: [num_tokens, hidden], the same on every rank of a group
         logits = nn.functional.linear(x.float(), self.gate.float())
         weights, ids = select_experts(logits, self.cfg, self.correction_bias)
-        out = torch.zeros_like(x)
-        nl = self.num_local_experts
         self.routed_tokens += torch.bincount(ids.flatten(), minlength=self.cfg.num_experts)  # no sync on CUDA
-        flat = self.slot_of[ids.flatten()]  # [num_tokens * top_k]; other ranks' experts sort last
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=nl + 1).tolist()
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
-        for local in range(nl):
-            if counts[local] == 0:
-                continue
-            sel = order[starts[local]:starts[local + 1]]  # flat (token, slot) indices of this expert
-            tokens = sel // self.cfg.top_k
-            y = nn.functional.linear(silu_and_mul(nn.functional.linear(x[tokens], self.w13[local])), self.w2[local])
-            out.index_add_(0, tokens, y * weights.flatten()[sel, None].to(y.dtype))
-        out = all_reduce(out)
+        out = self._dispatched(x, weights, ids) if self.dispatch else self._all_reduced(x, weights, ids)
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(nn.functional.linear(x, self.shared_gate)) * shared
             out = out + shared
         return out
+
+    def _all_reduced(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on the tokens routed to them, summed over the ranks."""
+        out = torch.zeros_like(x)
+        slots = self.slot_of[ids.flatten()]  # [num_tokens * top_k]; other ranks' experts sort last
+        for local, sel in self._by_slot(slots):  # flat (token, k) indices of this expert
+            tokens = sel // self.cfg.top_k
+            y = self._expert(local, x[tokens])
+            out.index_add_(0, tokens, y * weights.flatten()[sel, None].to(y.dtype))
+        return all_reduce(out)
+
+    def _dispatched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the tokens through their experts, wherever those live."""
+        ps, k = get_parallel_state(), self.cfg.top_k
+        points = split_points(len(x), ps.width)
+        lo, hi = points[ps.stage_rank], points[ps.stage_rank + 1]
+        expert = ids[lo:hi].flatten()
+        order = expert.argsort(stable=True)  # by expert, so by its rank (the map is contiguous)
+        send_counts = torch.bincount(self.rank_of[expert], minlength=ps.width).tolist()
+        bound = (points[1] - points[0]) * k * ps.width  # rows a rank can receive at most
+        recv_expert, counts = all_to_all_rows(expert[order], send_counts, bound)
+        recv_x, _ = all_to_all_rows(x[lo:hi][order // k], send_counts, bound)
+        y = torch.empty_like(recv_x)
+        for local, sel in self._by_slot(self.slot_of[recv_expert]):
+            y[sel] = self._expert(local, recv_x[sel])
+        back, _ = all_to_all_rows(y, counts, bound)  # in the order this rank sent them
+        out = torch.zeros_like(x[lo:hi])
+        out.index_add_(0, order // k, back * weights[lo:hi].flatten()[order, None].to(back.dtype))
+        return all_gather_rows(out, points[1] - points[0])
+
+    def _by_slot(self, slots: torch.Tensor):
+        """(local expert, indices of ``slots`` that name it), for each local expert used."""
+        order = slots.argsort(stable=True)
+        start = 0
+        for local, count in enumerate(torch.bincount(slots, minlength=self.num_local_experts + 1).tolist()):
+            if local < self.num_local_experts and count:
+                yield local, order[start:start + count]
+            start += count
+
+    def _expert(self, local: int, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(silu_and_mul(nn.functional.linear(x, self.w13[local])), self.w2[local])
 
 
 def _skip(tensor: torch.Tensor) -> None:

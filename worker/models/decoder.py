@@ -5,7 +5,12 @@ Llama, Mistral, Qwen2 (attention biases, tied embeddings), Mixtral, Qwen2-MoE
 partial rotary) differ only in their config and tensor names, so one module
 serves them all. The model is flat: it takes one step's tokens as a single
 sequence ``[num_tokens]`` with their positions and the paged-attention metadata,
-and returns hidden states; the runner picks which rows become logits."""
+and returns hidden states; the runner picks which rows become logits.
+
+A pipeline stage (``ParallelState.layer_range``) builds only its layers; the first
+stage holds the embedding, the last the final norm and the LM head, and a stage
+takes from the one before it, and hands the one after it, the last layer's output
+and the residual stream (``carried``)."""
 
 from __future__ import annotations
 
@@ -103,14 +108,19 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int):
         super().__init__()
         self.cfg = cfg
-        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        ps = get_parallel_state()
+        self.layer_range = ps.layer_range(cfg.num_layers)
+        self.is_last_stage = ps.is_last_stage
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype) if ps.is_first_stage else None
         rotary = RotaryEmbedding(cfg.rope, max_positions, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, dtype) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
-            self.lm_head.keep_weight = True
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, dtype) for i in self.layer_range)
+        self.norm = self.lm_head = None
+        if ps.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+            if cfg.tie_word_embeddings and self.embed is not None:
+                self.lm_head.weight = self.embed.weight
+                self.lm_head.keep_weight = True
         self.moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoe)]
         if self.moes:  # one count for all MoE layers: the load report reads it once per step
             self.routed_tokens = self.moes[0].routed_tokens
@@ -118,21 +128,27 @@ class DecoderModel(nn.Module):
                 moe.routed_tokens = self.routed_tokens
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed(input_ids), None  # [num_tokens, hidden]
+                meta: AttentionMetadata, carried: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states [num_tokens, hidden]; on a pipeline stage but the last,
+        ``carried`` for the next: [2, num_tokens, hidden], the last layer's output and the
+        residual stream (a stage but the first takes the previous one's instead of ids)."""
+        x, residual = (self.embed(input_ids), None) if carried is None else (carried[0], carried[1])
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, cache, meta)
+        if self.norm is None:
+            return torch.stack((x, residual))
         return self.norm(x, residual)[0]
 
     def dense_linears(self) -> list[nn.Module]:
         """The layers whose weights the loader may pack: every dense linear and the LM head."""
         linears = [m for m in self.modules() if isinstance(m, (MergedColumnParallelLinear, RowParallelLinear))]
-        return linears + [self.lm_head]
+        return linears + ([self.lm_head] if self.lm_head is not None else [])
 
     def routed_tokens_per_rank(self) -> tuple[int, ...]:
         """(token, expert) pairs each rank of the group computed in the MoE layers since
-        the start (the group's load balance); () for a dense model."""
-        if not self.moes:
+        the start (the group's load balance); () for a dense model, and for a pipeline
+        stage (which sees only its own layers' experts)."""
+        if not self.moes or len(self.layer_range) < self.cfg.num_layers:
             return ()
         return tuple(self.moes[0].expert_map.tokens_per_rank(self.routed_tokens.tolist()))
 
@@ -140,20 +156,30 @@ class DecoderModel(nn.Module):
         return self.lm_head(hidden).float()  # [rows, vocab]
 
     def loaders(self) -> dict[str, Loader]:
-        out = {"model.embed_tokens.weight": self.embed.load, "model.norm.weight": _copier(self.norm.weight)}
-        if not self.cfg.tie_word_embeddings:
-            out["lm_head.weight"] = self.lm_head.load
-        for i, layer in enumerate(self.layers):
+        """Checkpoint tensor name -> what keeps this rank's part of it."""
+        out: dict[str, Loader] = {}
+        if self.embed is not None:
+            out["model.embed_tokens.weight"] = self.embed.load
+        if self.lm_head is not None:
+            out["model.norm.weight"] = _copier(self.norm.weight)
+            tied = self.cfg.tie_word_embeddings
+            if not tied or self.embed is None:  # a last stage without the embedding loads the tied head itself
+                out["model.embed_tokens.weight" if tied else "lm_head.weight"] = self.lm_head.load
+        for i, layer in zip(self.layer_range, self.layers):
             out.update(layer.loaders(f"model.layers.{i}.", self.cfg))
         return out
 
     def is_ignored_tensor(self, name: str) -> bool:
-        """Tensors a checkpoint may carry that this model does not use."""
+        """Tensors a checkpoint may carry that this rank does not use: another pipeline
+        stage's, and ones no stage uses."""
         if "rotary_emb.inv_freq" in name or (self.cfg.tie_word_embeddings and name == "lm_head.weight"):
             return True
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            return True  # known names this stage's loaders do not take: another stage's
         parts = name.split(".")
-        # multi-token-prediction layers past the decoder stack (GLM-4.5, DeepSeek-V3)
-        return len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= self.cfg.num_layers
+        # another stage's layers, and multi-token-prediction layers past the decoder
+        # stack (GLM-4.5, DeepSeek-V3)
+        return len(parts) > 2 and parts[1] == "layers" and int(parts[2]) not in self.layer_range
 
 
 def _copier(param: nn.Parameter) -> Loader:

@@ -1,12 +1,16 @@
-"""A worker group: the ranks of one tensor-parallel worker, which the mesh sees as one.
+"""A worker group: the ranks of one tensor-, expert- or pipeline-parallel worker, which
+the mesh sees as one.
 
 Rank 0 is the engine: it owns the scheduler, the KV block tables and (in a service)
 the gRPC server. It starts the other ranks (``python -m worker.parallel.peer``) on
 loopback, and before each step it broadcasts that step's inputs (``StepInputs``, one
 int64 tensor) through shared memory on the CPU (a gloo group on CUDA); every rank
-then runs the same forward on its shard. The model's collectives (all-reduce of row-parallel outputs, all-gather of
-the vocabulary-parallel logits) go through shared memory on the CPU (``shm_comm.py``:
-gloo takes milliseconds per call here), NCCL on CUDA, gloo for what does not fit.
+then runs the same forward on its shard (a pipeline group: the step's micro-batches
+in one message, each rank running its stage of each, ``pipeline.py``). The model's
+collectives (all-reduce of row-parallel outputs, all-gather of the vocabulary-parallel
+logits, the experts' all-to-all) and the pipeline's hand-overs go through shared
+memory on the CPU (``shm_comm.py``: gloo takes milliseconds per call here), NCCL on
+CUDA, gloo for what does not fit.
 Peers keep no scheduler state: they hold their shard of the weights and of the KV
 cache, and what each step needs comes in the step.
 
@@ -33,27 +37,38 @@ import torch
 from kervan.envs import group_timeout_s
 from worker.parallel.shm_comm import SLOT_BYTES, ShmComm
 from worker.parallel.state import ParallelState, set_parallel_state
-from worker.parallel.step_inputs import StepInputs
+from worker.parallel.step_inputs import StepInputs, decode_micro_batches, encode_micro_batches
 
-STEP, PING, STOP = 1, 2, 3
+STEP, PING, STOP, MICRO_BATCHES = 1, 2, 3, 4
 
 
 class GroupFailed(RuntimeError):
     """A rank of the worker group died or hangs: the group cannot step any more."""
 
 
-def init_rank(rank: int, world: int, port: int, device: str, shm: ShmComm | None = None) -> object:
+def init_rank(rank: int, config, port: int, shm: ShmComm | None = None) -> object:
     """Join the group's default process group (a rendezvous of all ranks); returns the
     gloo group that carries rank 0's messages (the default one is NCCL on CUDA).
     ``shm``: this rank's shared-memory collectives (CPU groups), used where they fit."""
     import torch.distributed as dist
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    backend = "nccl" if config.device.startswith("cuda") else "gloo"
     timeout = timedelta(seconds=group_timeout_s())
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timeout)
-    set_parallel_state(ParallelState(rank, world), shm)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=config.world_size, timeout=timeout)
+    set_parallel_state(parallel_state(rank, config), shm)
     return dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+
+
+def parallel_state(rank: int, config) -> ParallelState:
+    return ParallelState(rank, config.tensor_parallel_size, config.expert_parallel_size,
+                         config.pipeline_parallel_size)
+
+
+def shm_comm(name: str, rank: int, config, create: bool, alive=None) -> ShmComm:
+    """The group's shared-memory segment (CPU groups), as rank ``rank`` maps it."""
+    return ShmComm(name, rank, config.world_size, SLOT_BYTES, group_timeout_s(), create=create, alive=alive,
+                   pipeline=config.pipeline_parallel_size > 1)
 
 
 def shm_name(port: int) -> str:
@@ -79,20 +94,19 @@ class GroupLeader:
 
     @classmethod
     def start(cls, model_dir: str | Path, config) -> GroupLeader:
-        """Start ranks 1..N-1 of a group of ``config.tensor_parallel_size`` and join it as rank 0."""
-        world = config.tensor_parallel_size
+        """Start ranks 1..N-1 of a group of ``config.world_size`` and join it as rank 0."""
+        world = config.world_size
         port = _free_port()
         peers: list[subprocess.Popen] = []
         shm = None
         if not config.device.startswith("cuda"):
-            shm = ShmComm(shm_name(port), 0, world, SLOT_BYTES, group_timeout_s(), create=True,
-                          alive=lambda: all(p.poll() is None for p in peers))
+            shm = shm_comm(shm_name(port), 0, config, create=True, alive=lambda: all(p.poll() is None for p in peers))
         argv = [sys.executable, "-m", "worker.parallel.peer", "--model", str(model_dir), "--world", str(world),
                 "--port", str(port), "--config", config_json(config), "--shm", shm.shm.name if shm else ""]
         try:
             peers += [subprocess.Popen([*argv, "--rank", str(rank)], stdin=subprocess.DEVNULL)
                       for rank in range(1, world)]
-            control = init_rank(0, world, port, config.device, shm)
+            control = init_rank(0, config, port, shm)
         except BaseException:
             for peer in peers:
                 peer.kill()
@@ -105,6 +119,9 @@ class GroupLeader:
 
     def send(self, step: StepInputs) -> None:
         self._broadcast(STEP, step.encode())
+
+    def send_micro_batches(self, steps: list[StepInputs]) -> None:
+        self._broadcast(MICRO_BATCHES, encode_micro_batches(steps))
 
     def ping(self) -> None:
         """Tell idle peers that rank 0 lives (a broadcast they wait in would otherwise time out)."""
@@ -158,23 +175,28 @@ class GroupLeader:
         return self.failed
 
 
-def receive(control: object, shm: ShmComm | None) -> tuple[int, StepInputs | None]:
-    """A peer's next message from rank 0."""
+def receive(control: object, shm: ShmComm | None) -> tuple[int, StepInputs | list[StepInputs] | None]:
+    """A peer's next message from rank 0: (STEP, a step), (MICRO_BATCHES, a list of
+    them), (PING or STOP, None)."""
     import torch.distributed as dist
+    payload = None
     if shm is not None:
         message = shm.receive()
         kind, size = message[:2].tolist()
-        if kind != STEP or len(message) == size + 2:
-            return kind, StepInputs.decode(message[2:]) if kind == STEP else None
+        if len(message) == size + 2:
+            payload = message[2:]
     else:  # a payload too large for the shared-memory slot comes over gloo, as without one
         header = torch.empty(2, dtype=torch.int64)
         dist.broadcast(header, src=0, group=control)
         kind, size = header.tolist()
-        if kind != STEP:
-            return kind, None
-    payload = torch.empty(size, dtype=torch.int64)
-    dist.broadcast(payload, src=0, group=control)
-    return kind, StepInputs.decode(payload)
+    if size and payload is None:
+        payload = torch.empty(size, dtype=torch.int64)
+        dist.broadcast(payload, src=0, group=control)
+    if kind == STEP:
+        return kind, StepInputs.decode(payload)
+    if kind == MICRO_BATCHES:
+        return kind, decode_micro_batches(payload)
+    return kind, None
 
 
 def peer_config(text: str):

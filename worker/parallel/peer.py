@@ -1,6 +1,7 @@
 """``python -m worker.parallel.peer``: rank 1..N-1 of a worker group (started by rank 0,
 ``group.py``). It loads its shard of the model, allocates its shard of the KV cache and
-runs each step rank 0 broadcasts, until rank 0 says stop or goes away."""
+runs each step rank 0 broadcasts (a pipeline stage: its stage of each micro-batch),
+until rank 0 says stop or goes away."""
 
 from __future__ import annotations
 
@@ -33,26 +34,32 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
 
     from worker.loader import load_model
-    from worker.parallel.group import STEP, STOP, init_rank, peer_config, receive
+    from worker.parallel import get_parallel_state
+    from worker.parallel.group import MICRO_BATCHES, STEP, STOP, init_rank, peer_config, receive, shm_comm
+    from worker.parallel.pipeline import run_later_stage
     from worker.runner.model_runner import ModelRunner
 
     config = peer_config(args.config)
-    shm = None
-    if args.shm:  # mapped before the rendezvous, after which rank 0 removes its name
-        from kervan.envs import group_timeout_s
-        from worker.parallel.shm_comm import SLOT_BYTES, ShmComm
-        shm = ShmComm(args.shm, args.rank, args.world, SLOT_BYTES, group_timeout_s(), create=False)
-    control = init_rank(args.rank, args.world, args.port, config.device, shm)
+    if config.world_size != args.world:
+        raise SystemExit(f"--world {args.world} but the config makes a group of {config.world_size}")
+    # mapped before the rendezvous, after which rank 0 removes its name
+    shm = shm_comm(args.shm, args.rank, config, create=False) if args.shm else None
+    control = init_rank(args.rank, config, args.port, shm)
     runner = ModelRunner(load_model(args.model, config.dtype, config.max_model_len, config.device), config)
+    ps = get_parallel_state()
     with torch.inference_mode():
         while True:
             try:
-                kind, step = receive(control, shm)
+                kind, message = receive(control, shm)
                 if kind == STOP:
                     torch.distributed.destroy_process_group()
                     return 0
                 if kind == STEP:
-                    runner.forward(step)
+                    runner.forward(message)
+                elif kind == MICRO_BATCHES:
+                    for step in message:
+                        run_later_stage(lambda s, carried: runner.forward(s, carried=carried), step, ps,
+                                        runner.model.cfg.hidden_size, config.dtype)
             except RuntimeError as exc:  # a rank is gone or hangs: so is the group
                 print(f"worker group rank {args.rank}: group lost ({exc})", file=sys.stderr, flush=True)
                 return 1

@@ -14,10 +14,16 @@ on cache lines of their own; the data is stored before the counter, and x86's st
 order keeps it so (the only CPU group backend tested here). Waiting spins, yielding
 the core after a while; it gives up with a RuntimeError (the group is broken) after
 the group timeout, or as soon as ``alive()`` says a rank is gone. Tensors larger than
-a slot go through the fallback collective (gloo)."""
+a slot go through the fallback collective (gloo).
+
+Expert parallel's all-to-all (``exchange_rows``) is the same barrier: each rank writes
+its rows, grouped by destination, with their counts in front, and each reads its
+part of every slot. Pipeline stages (``pipeline=True``) instead pass tensors point to
+point: one inbox per rank, with a counter of tensors put and one of tensors taken."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -34,31 +40,94 @@ SLOT_BYTES = 8 << 20
 
 class ShmComm:
     def __init__(self, name: str, rank: int, world: int, slot_bytes: int, timeout_s: float, create: bool,
-                 alive: Callable[[], bool] | None = None):
+                 alive: Callable[[], bool] | None = None, pipeline: bool = False):
+        """``pipeline``: the ranks are pipeline stages, which pass tensors point to point
+        (one inbox per rank, ``send_to``/``recv``) and run no collectives (no slots for them)."""
         self.rank, self.world, self.slot_bytes, self.timeout_s = rank, world, slot_bytes, timeout_s
         self.alive = alive
-        size = (world + 1) * LINE + slot_bytes + 2 * world * slot_bytes
+        num_lines = 2 * world + 1 if pipeline else world + 1
+        data_slots = world if pipeline else 2 * world
+        size = num_lines * LINE + slot_bytes + data_slots * slot_bytes
         self.shm = shared_memory.SharedMemory(name=name, create=create, size=size if create else 0)
         # the creator unlinks the name once every rank has mapped it (``unlink``): no
         # segment outlives the group, however it ends; Python's tracker must not unlink it too
         if not create:
             resource_tracker.unregister(self.shm._name, "shared_memory")
         if create:
-            self.shm.buf[:(world + 1) * LINE] = bytes((world + 1) * LINE)
-        lines = np.ndarray((world + 1, LINE // 8), dtype=np.int64, buffer=self.shm.buf)
+            self.shm.buf[:num_lines * LINE] = bytes(num_lines * LINE)
+        lines = np.ndarray((num_lines, LINE // 8), dtype=np.int64, buffer=self.shm.buf)
         self.counters = lines[:world, 0]  # per rank: collectives arrived at; acks (messages read) in column 1
         self.acks = lines[:world, 1]
         self.message = lines[world]  # [0]: messages sent by rank 0, [1]: the last one's length (int64s)
-        self.payload = torch.frombuffer(self.shm.buf, dtype=torch.int64, offset=(world + 1) * LINE,
+        self.inbox_lines = lines[world + 1:]  # per rank (pipeline): [0] tensors put in its inbox, [1] taken
+        self.payload = torch.frombuffer(self.shm.buf, dtype=torch.int64, offset=num_lines * LINE,
                                         count=slot_bytes // 8)
-        self.data = torch.frombuffer(self.shm.buf, dtype=torch.uint8, offset=(world + 1) * LINE + slot_bytes,
-                                     count=2 * world * slot_bytes).view(2, world, slot_bytes)
+        slots = torch.frombuffer(self.shm.buf, dtype=torch.uint8, offset=num_lines * LINE + slot_bytes,
+                                 count=data_slots * slot_bytes)
+        self.data = slots.view(2, world, slot_bytes) if not pipeline else None
+        self.inboxes = slots.view(world, slot_bytes) if pipeline else None
+        self.header_bytes = -(-world * 8 // LINE) * LINE  # an exchange's row counts, before its rows
         self.calls = int(self.counters[rank])
         self.messages = int(self.message[0])
+        self.taken = int(self.inbox_lines[rank, 1]) if pipeline else 0
+        self.sent: dict[int, int] = {}  # pipeline: destination -> tensors put in its inbox
         self._typed: dict[torch.dtype, torch.Tensor] = {}
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.numel() * x.element_size() <= self.slot_bytes
+
+    def fits_rows(self, max_rows: int, row_bytes: int) -> bool:
+        return self.header_bytes + max_rows * row_bytes <= self.slot_bytes
+
+    def exchange_rows(self, x: torch.Tensor, send_counts: list[int] | None) -> tuple[torch.Tensor, list[int]]:
+        """All-to-all of rows (``send_counts``: rows for each rank, in rank order) or, with
+        None, an all-gather of every rank's rows. Returns the rows this rank receives,
+        source by source, and their counts. Each rank writes its counts and rows to its
+        slot once; each reads its part of every slot."""
+        self.calls += 1
+        sets = self.data[self.calls % 2]  # [world, slot_bytes]
+        mine = sets[self.rank]
+        counts = send_counts if send_counts is not None else [len(x)]
+        mine[:8 * len(counts)].view(torch.int64).copy_(torch.tensor(counts, dtype=torch.int64))
+        flat = x.contiguous().view(-1).view(torch.uint8)
+        mine[self.header_bytes:self.header_bytes + len(flat)].copy_(flat)
+        self.counters[self.rank] = self.calls
+        self._wait(self.calls)
+        row_bytes = math.prod(x.shape[1:]) * x.element_size()
+        row_shape = x.shape[1:]
+        parts, received = [], []
+        for src in range(self.world):
+            header = sets[src, :self.header_bytes].view(torch.int64)
+            if send_counts is None:
+                skip, n = 0, int(header[0])
+            else:
+                src_counts = header[:self.world].tolist()
+                skip, n = sum(src_counts[:self.rank]), src_counts[self.rank]
+            start = self.header_bytes + skip * row_bytes
+            parts.append(sets[src, start:start + n * row_bytes])
+            received.append(n)
+        rows = torch.cat(parts).view(x.dtype).view(sum(received), *row_shape)  # a copy out of the segment
+        return rows, received
+
+    def send_to(self, dst: int, x: torch.Tensor) -> None:
+        """Pipeline: put ``x`` in rank ``dst``'s inbox, once it took the last one."""
+        sent = self.sent.get(dst, int(self.inbox_lines[dst, 0]))
+        line = self.inbox_lines[dst]
+        self._wait_until(lambda: line[1] >= sent, f"rank {dst} to take a tensor")
+        flat = x.contiguous().view(-1).view(torch.uint8)
+        self.inboxes[dst, :len(flat)].copy_(flat)
+        self.sent[dst] = sent + 1
+        line[0] = sent + 1  # stored after the data (x86 keeps store order)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, idle_sleep_s: float = 0.0) -> torch.Tensor:
+        """Pipeline: the next tensor in this rank's inbox (a copy)."""
+        line = self.inbox_lines[self.rank]
+        self.taken += 1
+        self._wait_until(lambda: line[0] >= self.taken, "a tensor from the previous stage", idle_sleep_s)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out = self.inboxes[self.rank, :nbytes].clone().view(dtype).view(shape)
+        line[1] = self.taken
+        return out
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (every rank the same bits: the same sum of the same slots)."""
@@ -92,7 +161,7 @@ class ShmComm:
 
     def close(self) -> None:
         self._typed.clear()
-        del self.data, self.counters
+        del self.data, self.inboxes, self.counters, self.acks, self.message, self.inbox_lines, self.payload
         self.shm.close()
 
     def _exchange(self, x: torch.Tensor) -> torch.Tensor:

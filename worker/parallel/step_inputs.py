@@ -71,3 +71,20 @@ class StepInputs:
         if pos != len(values):
             raise ValueError(f"step message has {len(values) - pos} values past its end")
         return step
+
+
+def encode_micro_batches(steps: list[StepInputs]) -> torch.Tensor:
+    """Several steps in one message: their count, then each one's length and values."""
+    parts = [step.encode() for step in steps]
+    head = [len(parts)] + [len(p) for p in parts]
+    return torch.cat([torch.tensor(head, dtype=torch.int64), *parts])
+
+
+def decode_micro_batches(data: torch.Tensor) -> list[StepInputs]:
+    count = int(data[0]) if len(data) else -1
+    if not 0 < count < len(data):
+        raise ValueError(f"micro-batch message names {count} steps in {len(data)} values")
+    lengths = data[1:1 + count].tolist()
+    if min(lengths) < 0 or 1 + count + sum(lengths) != len(data):
+        raise ValueError(f"micro-batch message of {len(data)} values does not hold steps of {lengths} values")
+    return [StepInputs.decode(part) for part in data[1 + count:].split(lengths)]

@@ -20,6 +20,7 @@ from worker.engine.scheduler import KVWrite, ScheduledBatch, ScheduledSequence
 from worker.kernels import has_native_kernels
 from worker.layers.paged_attention import AttentionMetadata
 from worker.models.decoder import DecoderModel
+from worker.parallel import get_parallel_state, pipeline
 from worker.parallel.group import GroupLeader
 from worker.parallel.step_inputs import StepInputs
 from worker.runner.sampler import Sampler, SamplingRow
@@ -40,7 +41,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         cfg = model.cfg
-        self.kv_caches = allocate_kv_caches(cfg.num_layers, config.num_kv_blocks, model.layers[0].attn.num_kv_heads,
+        # a pipeline stage holds the KV of its layers only
+        self.kv_caches = allocate_kv_caches(len(model.layers), config.num_kv_blocks, model.layers[0].attn.num_kv_heads,
                                             config.block_size, cfg.head_dim, config.dtype, self.device)
         self.native_kernels = self.device.type == "cpu" and has_native_kernels()
         self.sampler = Sampler(config.seed)
@@ -48,17 +50,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         seqs = sorted(batch.sequences, key=lambda s: s.num_new_tokens > 1)  # decodes first (stable)
-        step = self._prepare(seqs, batch.block_copies)
-        if self.group is not None:
+        if self.group is None:
+            logits = self.forward(self._prepare(seqs, batch.block_copies), batch.kv_writes)
+        else:
             if batch.kv_writes:
                 raise RuntimeError("imported KV reached a worker group (its KV is sharded); the worker refuses that")
-            self.group.send(step)
-        try:
-            logits = self.forward(step, batch.kv_writes)
-        except RuntimeError as exc:  # in a group: a collective failed, a rank died or hangs
-            if self.group is None:
-                raise
-            raise self.group.fail(exc) from exc
+            try:
+                logits = self._group_forward(seqs, batch.block_copies)
+            except RuntimeError as exc:  # a collective failed, a rank died or hangs
+                raise self.group.fail(exc) from exc
         if logits is None:
             return RunnerOutput({})
         rows = [SamplingRow(seq.sequence.params, seq.sequence.sample_generators[seq.sequence.sample_index + k])
@@ -73,10 +73,23 @@ class ModelRunner:
                 i += 1
         return RunnerOutput(out)
 
+    def _group_forward(self, seqs: list[ScheduledSequence], block_copies) -> torch.Tensor | None:
+        ps = get_parallel_state()
+        if ps.pp_size == 1:  # every rank runs the whole step on its shard
+            step = self._prepare(seqs, block_copies)
+            self.group.send(step)
+            return self.forward(step)
+        parts = pipeline.split(seqs, lambda seq: seq.num_new_tokens, pipeline.MICRO_BATCHES_PER_STAGE * ps.pp_size)
+        steps = [self._prepare(part, block_copies if i == 0 else []) for i, part in enumerate(parts)]
+        self.group.send_micro_batches(steps)
+        return pipeline.run_first_stage(self.forward, steps, ps, self.model.cfg.vocab_size)
+
     @torch.inference_mode()
-    def forward(self, step: StepInputs, kv_writes: Sequence[KVWrite] = ()) -> torch.Tensor | None:
+    def forward(self, step: StepInputs, kv_writes: Sequence[KVWrite] = (),
+                carried: torch.Tensor | None = None) -> torch.Tensor | None:
         """The model on one step's inputs: the logits of its sampling rows (None when no
-        row samples). Every rank of a worker group runs it on the same ``step``."""
+        row samples). Every rank of a worker group runs it on the same ``step``; a
+        pipeline stage but the last returns what the next stage takes (``carried``)."""
         for src, dst in step.block_copies:
             for cache in self.kv_caches:
                 cache[:, dst].copy_(cache[:, src])
@@ -85,7 +98,10 @@ class ModelRunner:
         meta = AttentionMetadata.build(step.slots, step.decode_tables, step.decode_lens, step.prefills,
                                        self.config.block_size, self.device, self.native_kernels)
         hidden = self.model(torch.tensor(step.token_ids, device=self.device),
-                            torch.tensor(step.positions, device=self.device), self.kv_caches, meta)
+                            torch.tensor(step.positions, device=self.device), self.kv_caches, meta,
+                            None if carried is None else carried.to(self.device))
+        if not self.model.is_last_stage:
+            return hidden
         if not step.logit_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(step.logit_rows, device=self.device)])
