@@ -32,7 +32,7 @@ from statistics import median
 import torch
 
 from benchmarks.machine import machine
-from benchmarks.models import ensure_random_llama
+from benchmarks.models import ensure_random_model
 from benchmarks.vllm_peer import VllmPeer
 from worker import Engine, SamplingParams
 from worker.default_model import ensure_default_model
@@ -165,7 +165,7 @@ def main() -> None:
     if args.model:
         model_dir = Path(args.model)
     else:
-        model_dir = ensure_random_llama(args.vocab_size) if args.vocab_size else ensure_default_model()
+        model_dir = ensure_random_model(args.vocab_size) if args.vocab_size else ensure_default_model()
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt_range = tuple(int(x) for x in args.prompt_len.split(":"))
     output_range = tuple(int(x) for x in args.output_len.split(":"))

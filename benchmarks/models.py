@@ -1,7 +1,8 @@
 """Random-weight models for benchmarks: the embedded default model's shape (512
 hidden, 8 layers, GQA 8/4) with a real-sized vocabulary, so that the LM head
 costs what it costs in a real model (with 32,000 ids: 58M parameters, about the
-size of the models vLLM's CPU numbers here were measured on). Written once into
+size of the models vLLM's CPU numbers here were measured on), a 125M-parameter
+Llama and a Mixtral (``SHAPES``). Written once into
 the cache as an ordinary Hugging Face directory, without a tokenizer (benchmarks
 send token ids)."""
 
@@ -13,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from kervan.envs import cache_dir
@@ -24,12 +26,39 @@ SHAPES = {
     "default": {},
     "125m": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
              "num_key_value_heads": 4, "head_dim": 64},
+    # a Mixtral of 8 experts (top 2) per layer, 6 layers, about 150M parameters with 32,000 ids
+    "moe": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 768,
+            "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 12, "num_key_value_heads": 4,
+            "head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2},
 }
 
 
-def ensure_random_llama(vocab_size: int, shape: str = "default") -> Path:
+def _weights(cfg: dict) -> dict:
+    """Random tensors for ``cfg``: a Llama's, with each MLP made experts for a Mixtral."""
+    out = random_weights(cfg, SEED)
+    experts = cfg.get("num_local_experts")
+    if not experts:
+        return out
+    g = torch.Generator().manual_seed(SEED + 1)
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    for i in range(cfg["num_hidden_layers"]):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del out[f"model.layers.{i}.mlp.{name}.weight"]
+        p = f"model.layers.{i}.block_sparse_moe."
+        out[p + "gate.weight"] = normal(experts, h)
+        for e in range(experts):
+            out.update({f"{p}experts.{e}.w1.weight": normal(inter, h), f"{p}experts.{e}.w3.weight": normal(inter, h),
+                        f"{p}experts.{e}.w2.weight": normal(h, inter)})
+    return out
+
+
+def ensure_random_model(vocab_size: int, shape: str = "default") -> Path:
     suffix = "" if shape == "default" else f"-{shape}"
-    target = cache_dir() / f"kervan-bench-llama-v{vocab_size}{suffix}"
+    target = cache_dir() / f"kervan-bench-v{vocab_size}{suffix}"
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -37,7 +66,7 @@ def ensure_random_llama(vocab_size: int, shape: str = "default") -> Path:
     try:
         cfg = dict(CONFIG, vocab_size=vocab_size, **SHAPES[shape])
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        save_file(random_weights(cfg, SEED), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(_weights(cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         os.rename(tmp, target)
     except OSError:
         if not (target / "model.safetensors").is_file():

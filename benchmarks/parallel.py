@@ -1,21 +1,29 @@
-"""Decode step time, its roofline, and a worker group against one process.
+"""Decode step time and its roofline; worker groups (tensor, expert and pipeline
+parallel) against one process; torch.compile against eager on the CPU, CUDA graphs
+against eager on a GPU.
 
-    python -m benchmarks.parallel                      # 125M-parameter random Llama, float32
-    python -m benchmarks.parallel --shape default --buckets 1,8
+    python -m benchmarks.parallel                      # ~10 min on 2 cores, dtype auto
+    python -m benchmarks.parallel --buckets 1,8 --compile-buckets 1 --steps 10
 
 - ``memory_bandwidth_gb_s``: this machine now (a large tensor copy: bytes read plus
   written per second, the median of several).
-- ``decode``: one process's decode step time per batch bucket (every sequence has the
-  same context), the median of ``--steps`` steps after warm-up.
-- ``roofline``: at batch 1, the bytes a decode step must read (every weight matrix
-  but the embedding, which is one row per token, plus the KV of the context) over the
-  measured bandwidth, and the fraction of it the measured step reaches.
-- ``results/parallel.png``: step time per bucket for both, and the batch-1 roofline.
-- ``tensor_parallel``: the same buckets on a worker group of ``--tensor-parallel``
-  ranks, one thread each, against one process with as many threads on the same
-  cores. On a 2-core machine this shows what the group's communication costs (a
-  broadcast and two all-reduces per layer per step over loopback gloo); it cannot
-  show a gain, which needs ranks with memory bandwidth of their own (GPUs or sockets).
+- ``dense.one_process``: one process's decode step time per batch bucket (every
+  sequence has the same context) on a 125M-parameter Llama, the median of ``--steps``
+  steps after warm-up; ``dense.roofline``: at batch 1, the bytes a decode step must read
+  (every weight matrix but the embedding, which is one row per token, plus the KV of
+  the context) over the measured bandwidth, and the fraction of it the step reaches.
+- ``dense.tensor_parallel`` / ``dense.pipeline_parallel``, ``moe.expert_parallel`` /
+  ``moe.tensor_parallel`` (on a Mixtral): the same buckets on a worker group of two
+  ranks, one thread each, against one process with as many threads on the same cores,
+  with the bytes each step sent between ranks per token (``*_bytes_per_token``: the
+  experts' all-to-all, the all-reduces, the pipeline's hand-overs). On a 2-core
+  machine this shows what a group's communication costs; it cannot show a gain,
+  which needs ranks with memory bandwidth of their own (GPUs or sockets).
+- ``cpu_compile``: the dense model's forward for a decode step, eager with Kervan's
+  native kernels (what the engine runs), eager in plain PyTorch, and ``torch.compile``d
+  plain PyTorch (the native kernels are opaque to it), with the compile time.
+- ``cuda_graphs`` (on a GPU): decode steps replaying CUDA graphs against eager.
+- ``results/parallel.png``: step time per bucket, and the batch-1 roofline.
 """
 
 from __future__ import annotations
@@ -24,14 +32,17 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 
 from benchmarks import plots
 from benchmarks.machine import add_dtype_argument, machine
-from benchmarks.models import SHAPES, ensure_random_llama
+from benchmarks.models import ensure_random_model
 from worker import Engine, SamplingParams
+from worker.parallel.state import TRAFFIC
 
 CONTEXT = 64  # prompt tokens of every sequence
 
@@ -47,8 +58,9 @@ def memory_bandwidth_gb_s(mib: int = 512, repeats: int = 7) -> float:
     return round(statistics.median(rates), 2)
 
 
-def decode_step_ms(engine: Engine, batch: int, steps: int, vocab: int) -> float:
-    """Median time of a decode step with ``batch`` sequences of CONTEXT tokens."""
+def decode_step_ms(engine: Engine, batch: int, steps: int, vocab: int) -> tuple[float, dict[str, float]]:
+    """(median time of a decode step with ``batch`` sequences of CONTEXT tokens, bytes sent
+    between the ranks of a worker group per token those steps decoded, by collective)."""
     g = torch.Generator().manual_seed(batch)
     for _ in range(batch):
         prompt = torch.randint(3, vocab, (CONTEXT,), generator=g).tolist()
@@ -57,14 +69,16 @@ def decode_step_ms(engine: Engine, batch: int, steps: int, vocab: int) -> float:
         engine.step()
     for _ in range(3):
         engine.step()
+    TRAFFIC.clear()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+    traffic = {kind: round(sent / (batch * steps)) for kind, sent in sorted(TRAFFIC.items())}
     while engine.has_unfinished_requests():
         engine.step()
-    return round(statistics.median(times) * 1e3, 3)
+    return round(statistics.median(times) * 1e3, 3), traffic
 
 
 def weights(engine: Engine) -> tuple[int, int]:
@@ -84,57 +98,135 @@ def kv_bytes(engine: Engine, tokens: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * tokens * elem
 
 
-def run(model_dir, dtype: str, buckets: list[int], steps: int, threads: int, tp: int, vocab: int) -> dict:
+def run(model_dir, dtype: str, buckets: list[int], steps: int, threads: int, vocab: int, device: str = "cpu",
+        **options) -> dict:
+    """Decode step time per bucket on an engine of ``options`` (a worker group's sizes,
+    ``enforce_eager``), with the bytes sent between its ranks per decoded token."""
     torch.set_num_threads(threads)
-    engine = Engine.from_pretrained(model_dir, dtype=dtype, num_kv_blocks=max(buckets) * 8 + 64,
-                                    tensor_parallel_size=tp, max_num_seqs=max(buckets))
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # a group's peers take it
+    engine = Engine.from_pretrained(model_dir, dtype=dtype, device=device, num_kv_blocks=max(buckets) * 8 + 64,
+                                    max_num_seqs=max(buckets), **options)
     try:
         decode_step_ms(engine, 1, 3, vocab)  # warm-up: first-call costs, oneDNN kernels
-        step_ms = {str(b): decode_step_ms(engine, b, steps, vocab) for b in buckets}
+        measured = {str(b): decode_step_ms(engine, b, steps, vocab) for b in buckets}
+        step_ms = {b: ms for b, (ms, _) in measured.items()}
         parameters, weight_bytes = weights(engine)
         return {"decode_step_ms": step_ms, "parameters": parameters,
                 "bytes_per_step_batch_1": weight_bytes + kv_bytes(engine, CONTEXT),
+                "bytes_between_ranks_per_token": {b: traffic for b, (_, traffic) in measured.items() if traffic},
                 "tokens_per_s": {b: round(int(b) / ms * 1e3, 1) for b, ms in step_ms.items()}}
     finally:
         engine.close()
 
 
+def against(one: dict, group: dict, ranks: int, threads: int) -> dict:
+    return {"ranks": ranks, "threads_per_rank": threads, "decode_step_ms": group["decode_step_ms"],
+            "group_vs_one_process": {b: round(one["decode_step_ms"][b] / ms, 3)
+                                     for b, ms in group["decode_step_ms"].items()},
+            "bytes_between_ranks_per_token": group["bytes_between_ranks_per_token"]}
+
+
+def forward_ms(engine: Engine, batch: int, compiled: bool, steps: int) -> tuple[float, float]:
+    """(median ms of the model's forward on a decode step of ``batch`` rows with CONTEXT
+    tokens each, seconds the first call took: compiling, when ``compiled``)."""
+    from worker.layers.paged_attention import AttentionMetadata
+    runner, bs = engine.runner, engine.config.block_size
+    width = CONTEXT // bs + 1
+    tables = [[row * width + i for i in range(width)] for row in range(batch)]
+    meta = AttentionMetadata.build([t[CONTEXT // bs] * bs + CONTEXT % bs for t in tables], tables,
+                                   [CONTEXT + 1] * batch, [], bs, torch.device("cpu"), runner.native_kernels)
+    model = torch.compile(runner.model, dynamic=False) if compiled else runner.model
+    ids, positions = torch.full((batch,), 5), torch.full((batch,), CONTEXT)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model(ids, positions, runner.kv_caches, meta)
+        first = time.perf_counter() - start
+        times = []
+        for _ in range(steps + 2):
+            start = time.perf_counter()
+            model(ids, positions, runner.kv_caches, meta)
+            times.append(time.perf_counter() - start)
+    return round(statistics.median(times[2:]) * 1e3, 3), round(first, 1)
+
+
+def cpu_compile(model_dir, dtype: str, buckets: list[int], steps: int, child: bool) -> dict:
+    """Per bucket: eager with the native kernels here; eager and compiled plain PyTorch in
+    a child process (the kernels' choice is made once per process)."""
+    engine = Engine.from_pretrained(model_dir, dtype=dtype, num_kv_blocks=max(buckets) * (CONTEXT // 16 + 1) + 8)
+    if child:
+        return {str(b): {"eager_torch_ms": forward_ms(engine, b, False, steps)[0],
+                         **dict(zip(("compiled_torch_ms", "compile_s"), forward_ms(engine, b, True, steps)))}
+                for b in buckets}
+    native = {str(b): forward_ms(engine, b, False, steps)[0] for b in buckets}
+    env = {**os.environ, "KERVAN_ATTENTION_BACKEND": "torch", "KERVAN_WEIGHT_PACKING": "off"}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.parallel", "--compile-child", "--dtype", dtype,
+                          "--compile-buckets", ",".join(map(str, buckets)), "--steps", str(steps)],
+                         env=env, capture_output=True, text=True, check=True)
+    plain = json.loads(out.stdout)
+    report = {b: {"eager_native_ms": native[b], **plain[b]} for b in native}
+    faster = [b for b, r in report.items() if r["compiled_torch_ms"] < 0.9 * r["eager_native_ms"]]
+    return {"buckets": report, "compile_pays_at": faster,
+            "engine_runs": "eager" if not faster else "eager (compile would pay at " + ",".join(faster) + ")"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="125m", choices=sorted(SHAPES))
     ap.add_argument("--vocab-size", type=int, default=32000)
     add_dtype_argument(ap)
     ap.add_argument("--buckets", default="1,2,4,8,16,32", help="decode batch sizes")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per bucket")
-    ap.add_argument("--tensor-parallel", type=int, default=2, help="ranks of the worker group compared (1: skip)")
+    ap.add_argument("--groups", default="tensor,pipeline,expert",
+                    help="worker groups of two ranks to compare with one process (none: skip)")
+    ap.add_argument("--compile-buckets", default="1,8", help="buckets for eager vs torch.compile (none: skip)")
+    ap.add_argument("--device", default="cpu", help="cuda: CUDA graphs against eager, instead of the CPU parts")
+    ap.add_argument("--compile-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     buckets = [int(b) for b in args.buckets.split(",")]
-    model_dir = ensure_random_llama(args.vocab_size, args.shape)
+    dense = ensure_random_model(args.vocab_size, "125m")
+    if args.compile_child:
+        print(json.dumps(cpu_compile(dense, args.dtype, [int(b) for b in args.compile_buckets.split(",")],
+                                     args.steps, child=True)))
+        return
     cores = len(os.sched_getaffinity(0))
     bandwidth = memory_bandwidth_gb_s()
-    one = run(model_dir, args.dtype, buckets, args.steps, cores, 1, args.vocab_size)
+    report = {"benchmark": "parallel", "machine": machine(args.dtype), "memory_bandwidth_gb_s": bandwidth,
+              "context_tokens": CONTEXT}
+    if args.device.startswith("cuda"):
+        graphs = run(dense, args.dtype, buckets, args.steps, cores, args.vocab_size, args.device)
+        eager = run(dense, args.dtype, buckets, args.steps, cores, args.vocab_size, args.device, enforce_eager=True)
+        report["cuda_graphs"] = {"graphs_ms": graphs["decode_step_ms"], "eager_ms": eager["decode_step_ms"],
+                                 "eager_vs_graphs": {b: round(eager["decode_step_ms"][b] / ms, 3)
+                                                     for b, ms in graphs["decode_step_ms"].items()}}
+        print(json.dumps(report, indent=2))
+        return
+    one = run(dense, args.dtype, buckets, args.steps, cores, args.vocab_size)
     step_1 = one["decode_step_ms"]["1"] if 1 in buckets else None
     roofline_ms = one["bytes_per_step_batch_1"] / (bandwidth * 1e9) * 1e3
-    report = {"benchmark": "parallel", "machine": machine(args.dtype), "model": str(model_dir),
-              "parameters": one.pop("parameters"),
-              "memory_bandwidth_gb_s": bandwidth, "context_tokens": CONTEXT, "one_process": one,
-              "roofline": {"bytes_per_step": one["bytes_per_step_batch_1"], "roofline_ms": round(roofline_ms, 3),
-                           "step_ms": step_1,
-                           "fraction": round(roofline_ms / step_1, 3) if step_1 else None}}
-    if args.tensor_parallel > 1:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // args.tensor_parallel))  # the peers' threads
-        group = run(model_dir, args.dtype, buckets, args.steps, max(1, cores // args.tensor_parallel),
-                    args.tensor_parallel, args.vocab_size)
-        report["tensor_parallel"] = {
-            "ranks": args.tensor_parallel, "threads_per_rank": max(1, cores // args.tensor_parallel),
-            "decode_step_ms": group["decode_step_ms"],
-            "group_vs_one_process": {b: round(one["decode_step_ms"][b] / ms, 3)
-                                     for b, ms in group["decode_step_ms"].items()}}
-    print(json.dumps(report, indent=2))
+    report["dense"] = {"model": str(dense), "parameters": one.pop("parameters"), "one_process": one,
+                       "roofline": {"bytes_per_step": one["bytes_per_step_batch_1"],
+                                    "roofline_ms": round(roofline_ms, 3), "step_ms": step_1,
+                                    "fraction": round(roofline_ms / step_1, 3) if step_1 else None}}
+    groups = [g for g in args.groups.split(",") if g in ("tensor", "pipeline", "expert")]
+    threads = max(1, cores // 2)
     series = {"one process": list(one["decode_step_ms"].values())}
-    if "tensor_parallel" in report:
-        series[f"{args.tensor_parallel} ranks"] = list(report["tensor_parallel"]["decode_step_ms"].values())
-    plots.lines("parallel", f"Decode step, {report['parameters'] / 1e6:.0f}M-parameter model "
+    for kind in [g for g in groups if g != "expert"]:
+        group = run(dense, args.dtype, buckets, args.steps, threads, args.vocab_size, **{f"{kind}_parallel_size": 2})
+        report["dense"][f"{kind}_parallel"] = against(one, group, 2, threads)
+        series[f"{kind} parallel, 2 ranks"] = list(group["decode_step_ms"].values())
+    if "expert" in groups:
+        moe = ensure_random_model(args.vocab_size, "moe")
+        one_moe = run(moe, args.dtype, buckets, args.steps, cores, args.vocab_size)
+        report["moe"] = {"model": str(moe), "one_process": {"decode_step_ms": one_moe["decode_step_ms"]}}
+        for kind in ("expert", "tensor"):
+            group = run(moe, args.dtype, buckets, args.steps, threads, args.vocab_size,
+                        **{f"{kind}_parallel_size": 2})
+            report["moe"][f"{kind}_parallel"] = against(one_moe, group, 2, threads)
+    if args.compile_buckets != "none":
+        torch.set_num_threads(cores)
+        report["cpu_compile"] = cpu_compile(dense, args.dtype, [int(b) for b in args.compile_buckets.split(",")],
+                                            args.steps, child=False)
+    print(json.dumps(report, indent=2))
+    plots.lines("parallel", f"Decode step, {report['dense']['parameters'] / 1e6:.0f}M-parameter Llama "
                 f"({report['machine']['dtype']}, {cores} cores)", buckets, series, "sequences in the batch",
                 "step time (ms)", {"batch-1 roofline": round(roofline_ms, 2)})
 

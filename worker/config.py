@@ -202,6 +202,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (``worker/runner/graphs.py``)
 
     def __post_init__(self) -> None:
         try:

@@ -2,8 +2,9 @@
 
 Reads ``config.json`` and ``*.safetensors`` (one file, or shards listed in
 ``model.safetensors.index.json``) with ``safetensors``, never pickle. Tensors are
-streamed one at a time, cast to the serving dtype and handed to the model's
-loaders, which keep this rank's slice."""
+handed to the model's loaders one at a time as ``CheckpointTensor``s, which read
+from the file only the slice a loader indexes: a rank of a worker group reads its
+shard of each matrix, never another rank's experts or another stage's layers."""
 
 from __future__ import annotations
 
@@ -34,13 +35,31 @@ def safetensor_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointTensor:
+    """One tensor of a safetensors file, read only as far as it is indexed (``t[a:b]``,
+    ``t[:, a:b]``, ``t[:]`` for all of it) and cast to the serving dtype as it is read.
+    Valid while ``iter_tensors`` has not moved past it."""
+
+    def __init__(self, name: str, view, dtype: torch.dtype | None):
+        self.name = name
+        self.shape = torch.Size(view.get_shape())
+        self._view, self._dtype = view, dtype
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        t = self._view[index]
+        return t if self._dtype is None else t.to(self._dtype)
+
+
+def iter_tensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
     for path in safetensor_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                t = f.get_tensor(name)
                 # routing biases stay float32 (their small differences decide experts)
-                yield name, (t if name.endswith("e_score_correction_bias") else t.to(dtype))
+                yield name, CheckpointTensor(name, f.get_slice(name),
+                                             None if name.endswith("e_score_correction_bias") else dtype)
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int,

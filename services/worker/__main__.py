@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="ranks each holding 1/N of the experts, tokens sent to them (all-to-all); equal to "
                             "--tensor-parallel, or that 1 (attention then replicated)")
     group.add_argument("--pipeline-parallel", type=int, default=1, help="stages each holding 1/N of the layers")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start")
     ap.add_argument("--max-waiting", type=int, default=256,
                     help="requests queued beyond a full batch before new ones get RESOURCE_EXHAUSTED")
     return parse_args_with_env(ap, "worker", argv)
@@ -110,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
                                         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                                         tensor_parallel_size=args.tensor_parallel,
                                         expert_parallel_size=args.expert_parallel,
-                                        pipeline_parallel_size=args.pipeline_parallel)
+                                        pipeline_parallel_size=args.pipeline_parallel,
+                                        enforce_eager=args.enforce_eager)
     except ConfigError as exc:
         raise SystemExit(f"worker: {exc}") from None
     log.info("engine: %s on %s, native CPU kernels %s", dtype_name(engine.config.dtype), engine.config.device,

@@ -17,9 +17,13 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -m control_plane.cli info --json | tee "$out/info.json"
 # the tests need no network: tiny models from a seeded init, a local redis-server
-timeout 360 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/pytest.log"
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/pytest.log"
 status=${PIPESTATUS[0]}
-timeout 200 python3 -m benchmarks.engine_throughput --device cuda --vocab-size 32000 --dtype bfloat16,float32 \
+timeout 150 python3 -m benchmarks.engine_throughput --device cuda --vocab-size 32000 --dtype bfloat16,float32 \
   --num-requests 64 --repeat 2 > "$out/engine_throughput.json" 2> "$out/engine_throughput.err"
-echo "tests exit $status; benchmark exit $?"
+bench=$?
+# decode steps replaying CUDA graphs against eager, per batch bucket
+timeout 100 python3 -m benchmarks.parallel --device cuda --dtype bfloat16 --buckets 1,8,32 --steps 20 \
+  > "$out/parallel_cuda.json" 2> "$out/parallel_cuda.err"
+echo "tests exit $status; benchmarks exit $bench and $?"
 exit "$status"

@@ -67,3 +67,38 @@ def test_directory_without_weights_is_refused(tmp_path, llama_copy):
         load_model(llama_copy, torch.float32, 64)
     with pytest.raises(ConfigError, match="config.json"):
         load_model(tmp_path / "nowhere", torch.float32, 64)
+
+
+@pytest.mark.parametrize("layout", ["tensor", "expert", "pipeline"])
+def test_a_rank_reads_only_its_part_of_the_checkpoint(hf_models, monkeypatch, layout):
+    from worker.config import ModelConfig
+    from worker.loader import CheckpointTensor
+    from worker.parallel.state import ParallelState, set_parallel_state
+    reads: dict[str, list[tuple[int, ...]]] = {}
+    read = CheckpointTensor.__getitem__
+
+    def spy(self, index):
+        out = read(self, index)
+        reads.setdefault(self.name, []).append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(CheckpointTensor, "__getitem__", spy)
+    path = hf_models("mixtral")[1]  # 2 layers of 4 experts
+    cfg = ModelConfig.from_dir(path)
+    sizes = {"tensor": (2, 1, 1), "expert": (1, 2, 1), "pipeline": (1, 1, 2)}[layout]
+    set_parallel_state(ParallelState(1, *sizes))  # rank 1 of a group of 2: built and loaded, never run
+    try:
+        load_model(path, torch.float32, 64)
+    finally:
+        set_parallel_state(ParallelState())
+    h, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    layer = "model.layers.1."
+    expert = layer + "block_sparse_moe.experts.{}.w1.weight"
+    if layout == "pipeline":  # stage 1 of 2: layer 1 and the head, whole; nothing of layer 0 or the embedding
+        assert not [n for n in reads if n.startswith("model.layers.0.") or n == "model.embed_tokens.weight"]
+        assert reads[layer + "self_attn.q_proj.weight"] == [(q, h)] and reads["lm_head.weight"] == [(cfg.vocab_size, h)]
+    else:  # rank 1 holds experts 2 and 3, whole; 0 and 1 are never read
+        assert expert.format(0) not in reads and expert.format(1) not in reads
+        assert reads[expert.format(3)] == [(cfg.moe.intermediate_size, h)]
+        q_rows = q // 2 if layout == "tensor" else q  # tensor parallel: its half of the heads
+        assert reads[layer + "self_attn.q_proj.weight"] == [(q_rows, h)]

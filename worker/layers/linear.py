@@ -6,8 +6,8 @@ A merged column-parallel linear stacks several logical outputs (q/k/v, or gate/u
 in one matmul; each logical part is sharded on its own, so rank r holds
 ``[q_r; k_r; v_r]``; parts made of heads (``head_dim``) are split by whole heads,
 and KV heads fewer than the ranks are replicated (``ParallelState.shard_heads``).
-Weights arrive whole from the checkpoint and each layer keeps its rank's slice in
-``load``. On the CPU the loader may replace ``weight`` by a oneDNN-packed
+Each layer's ``load`` indexes its rank's slice of a checkpoint tensor, and only that
+slice is read from the file (``worker/loader.py``). On the CPU the loader may replace ``weight`` by a oneDNN-packed
 ``packed_weight`` (``worker/layers/packing.py``)."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class RowParallelLinear(nn.Module):
     def load(self, tensor: torch.Tensor) -> None:
         if tensor.dim() == 1:
             check_shape(tensor, tuple(self.bias.shape))
-            self.bias.data.copy_(tensor)
+            self.bias.data.copy_(tensor[:])
             return
         check_shape(tensor, (self.weight.shape[0], self.in_features))
         start, end = get_parallel_state().shard(self.in_features, "input features")
@@ -81,7 +81,7 @@ def check_shape(tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
 
 def copy_checked(target: torch.Tensor, tensor: torch.Tensor) -> None:
     check_shape(tensor, tuple(target.shape))
-    target.copy_(tensor)
+    target.copy_(tensor[:])  # all of a checkpoint tensor (``CheckpointTensor``) or a tensor
 
 
 def _linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:

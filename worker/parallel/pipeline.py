@@ -25,7 +25,9 @@ import torch
 from worker.parallel.state import ParallelState, recv_from, send_to
 from worker.parallel.step_inputs import StepInputs
 
-MICRO_BATCHES_PER_STAGE = 2  # more shrinks the pipeline's idle time, and the matmuls with it
+# micro-batches per stage in a step: more shrinks the pipeline's idle time, but each one
+# reads the stage's weights again (a decode step is bound by those reads)
+MICRO_BATCHES_PER_STAGE = 1
 
 T = TypeVar("T")
 

@@ -23,6 +23,7 @@ from worker.models.decoder import DecoderModel
 from worker.parallel import get_parallel_state, pipeline
 from worker.parallel.group import GroupLeader
 from worker.parallel.step_inputs import StepInputs
+from worker.runner.graphs import GRAPH_MAX_CONTEXT, CudaGraphRunner, decode_buckets
 from worker.runner.sampler import Sampler, SamplingRow
 
 
@@ -41,11 +42,29 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         cfg = model.cfg
-        # a pipeline stage holds the KV of its layers only
-        self.kv_caches = allocate_kv_caches(len(model.layers), config.num_kv_blocks, model.layers[0].attn.num_kv_heads,
-                                            config.block_size, cfg.head_dim, config.dtype, self.device)
+        # a pipeline stage holds the KV of its layers only; one block past the pool's pads CUDA graphs' batches
+        self.pad_block = config.num_kv_blocks
+        self.kv_caches = allocate_kv_caches(len(model.layers), config.num_kv_blocks + 1,
+                                            model.layers[0].attn.num_kv_heads, config.block_size, cfg.head_dim,
+                                            config.dtype, self.device)
         self.native_kernels = self.device.type == "cpu" and has_native_kernels()
         self.sampler = Sampler(config.seed)
+        self.graphs = self._capture_graphs() if self._uses_graphs() else None
+
+    def _uses_graphs(self) -> bool:
+        """CUDA graphs for decode steps: on CUDA, one process, a model whose forward
+        never waits on the host (not the MoE dispatch), unless ``enforce_eager``."""
+        return (self.device.type == "cuda" and not self.config.enforce_eager and self.group is None
+                and get_parallel_state().world == 1 and not self.model.moes)
+
+    def _capture_graphs(self) -> CudaGraphRunner:
+        bs = self.config.block_size
+        max_blocks = -(-min(self.config.max_model_len, GRAPH_MAX_CONTEXT) // bs)
+        graphs = CudaGraphRunner(self.model, self.kv_caches, bs, max_blocks, self.pad_block,
+                                 decode_buckets(self.config.max_num_seqs))
+        with torch.inference_mode():
+            graphs.capture()
+        return graphs
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
@@ -95,11 +114,14 @@ class ModelRunner:
                 cache[:, dst].copy_(cache[:, src])
         for write in kv_writes:
             self.write_blocks(write.block_ids, write.data)
-        meta = AttentionMetadata.build(step.slots, step.decode_tables, step.decode_lens, step.prefills,
-                                       self.config.block_size, self.device, self.native_kernels)
-        hidden = self.model(torch.tensor(step.token_ids, device=self.device),
-                            torch.tensor(step.positions, device=self.device), self.kv_caches, meta,
-                            None if carried is None else carried.to(self.device))
+        if self.graphs is not None and not kv_writes and self.graphs.can_run(step):
+            hidden = self.graphs.run(step)
+        else:
+            meta = AttentionMetadata.build(step.slots, step.decode_tables, step.decode_lens, step.prefills,
+                                           self.config.block_size, self.device, self.native_kernels)
+            hidden = self.model(torch.tensor(step.token_ids, device=self.device),
+                                torch.tensor(step.positions, device=self.device), self.kv_caches, meta,
+                                None if carried is None else carried.to(self.device))
         if not self.model.is_last_stage:
             return hidden
         if not step.logit_rows:
