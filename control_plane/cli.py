@@ -132,12 +132,11 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
               help="send this prompt once the cluster is up, print the answer, then stop")
 @click.option("--max-tokens", default=32, show_default=True, help="with --request")
 @click.option("--tensor-parallel", default=1, show_default=True,
-              help="each aggregated worker a group of N ranks each holding 1/N of every layer (the mesh sees one "
-                   "worker); worker groups need --prefill 0 --decode 0")
+              help="every worker a group of N ranks each holding 1/N of every layer (the mesh sees one worker)")
 @click.option("--expert-parallel", default=1, show_default=True,
-              help="each aggregated worker a group of N ranks each holding 1/N of the experts")
+              help="every worker a group of N ranks each holding 1/N of the experts")
 @click.option("--pipeline-parallel", default=1, show_default=True,
-              help="each aggregated worker a group of N pipeline stages each holding 1/N of the layers")
+              help="every worker a group of N pipeline stages each holding 1/N of the layers")
 def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens,
        tensor_parallel, expert_parallel, pipeline_parallel) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C."""

@@ -45,7 +45,7 @@ class ClusterSpec:
     router_args: tuple[str, ...] = ()  # extra flags for the router, e.g. ("--max-migrations", "0")
     registry_args: tuple[str, ...] = ()  # extra flags for the kv-registry, e.g. ("--ttl", "2")
     worker_args: tuple[str, ...] = ()  # extra flags for every worker, e.g. ("--max-waiting", "8")
-    # each aggregated worker a worker group of these sizes (> 1 needs aggregated workers only)
+    # every worker a worker group of these sizes
     tensor_parallel: int = 1
     expert_parallel: int = 1
     pipeline_parallel: int = 1
@@ -56,10 +56,6 @@ class ClusterSpec:
             raise ValueError(f"parallel sizes must be >= 1, got {sizes}")
         if self.group_size == 1:
             return
-        if self.num_prefill or self.num_decode:
-            raise ValueError(f"a worker group ({self.describe_group()}) needs aggregated workers only (its KV is "
-                             f"sharded and not handed between workers); got {self.num_prefill} prefill and "
-                             f"{self.num_decode} decode")
         from worker.config import ConfigError, ModelConfig, check_parallel
         from worker.platform import current_platform
         platform = current_platform()
@@ -77,8 +73,6 @@ class ClusterSpec:
         """Ranks per aggregated worker."""
         return max(self.tensor_parallel, self.expert_parallel) * self.pipeline_parallel
 
-    def describe_group(self) -> str:
-        return ", ".join(f"{name} parallel {n}" for name, n in self.parallel_sizes().items() if n > 1)
 
     @property
     def num_workers(self) -> int:
@@ -141,9 +135,8 @@ class Cluster:
             cores = {usable[(slot * threads + k) % len(usable)] for k in range(threads)}
         self.spawned[role] += 1
         extra = ["--num-kv-blocks", str(self.spec.num_kv_blocks)] if self.spec.num_kv_blocks else []
-        if role == "both":
-            extra += [arg for name, n in self.spec.parallel_sizes().items() if n > 1
-                      for arg in (f"--{name}-parallel", str(n))]
+        extra += [arg for name, n in self.spec.parallel_sizes().items() if n > 1
+                  for arg in (f"--{name}-parallel", str(n))]
         self._start(name, "services.worker", "--role", role, "--model", str(self.spec.model_dir),
                     "--registry", self.addresses["kv-registry"], "--dtype", self.spec.dtype,
                     "--block-size", str(self.spec.block_size), *extra,

@@ -1,6 +1,7 @@
-"""A worker group in a real cluster (`kervan up --tensor-parallel 2`, and two pipeline
-stages): what cannot work is refused before anything starts; the group registers as
-one worker and serves exactly what one process does; when its rank 1 is killed
+"""Worker groups in a real cluster (`kervan up --tensor-parallel 2`, and two pipeline
+stages): what cannot work is refused before anything starts; a group registers as
+one worker and serves exactly what one process does, aggregated or as the prefill
+and decode pools (KV handed from one group to another); when its rank 1 is killed
 mid-stream the whole group leaves the mesh at once and its requests move to the
 other worker."""
 
@@ -17,6 +18,7 @@ import pytest
 from control_plane.launcher import Cluster, ClusterSpec
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from tests.chaos.checker import check, streams_decoding_on
+from tests.cluster_helpers import complete, scheduler_stats
 from tests.conftest import greedy_tokens, make_prompts
 
 MAX_TOKENS = 300
@@ -28,14 +30,35 @@ def peers(pid: int) -> list[int]:
     return [k for k in kids if b"worker.parallel.peer" in Path(f"/proc/{k}/cmdline").read_bytes()]
 
 
-def test_worker_groups_need_aggregated_workers_and_say_so(llama):
-    with pytest.raises(ValueError, match="needs aggregated workers only"):
-        ClusterSpec(llama[1], num_prefill=1, num_decode=1, tensor_parallel=2)
+def test_groups_that_cannot_work_are_refused_before_anything_starts(llama):
     with pytest.raises(ValueError, match="expert_parallel_size 2 needs a mixture-of-experts model"):
-        ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, expert_parallel=2)
-    out = subprocess.run([sys.executable, "-m", "services.worker", "--model", str(llama[1]), "--role", "decode",
-                          "--tensor-parallel", "2"], capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "--tensor-parallel 2 needs --role both" in out.stderr
+        ClusterSpec(llama[1], num_prefill=1, num_decode=1, expert_parallel=2)
+    out = subprocess.run([sys.executable, "-m", "services.worker", "--model", str(llama[1]),
+                          "--pipeline-parallel", "3"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "pipeline" in out.stderr and "exceeds" in out.stderr, out.stderr[-500:]
+
+
+def test_prefill_and_decode_pools_of_groups_hand_kv_between_them(llama, tmp_path):
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1, tensor_parallel=2, dtype="float32",
+                                  num_kv_blocks=256, scheduler_args=("--min-remote-prefill-blocks", "1")),
+                      tmp_path)
+    cluster.start(timeout=240)
+    try:
+        prompts = make_prompts([40, 45, 50], seed=102)
+        expected = greedy_tokens(llama[1], prompts, 12)
+
+        async def run():
+            before = await scheduler_stats(cluster)
+            outs = [await complete(cluster, token_ids=p, max_tokens=12, temperature=0.0, ignore_eos=True)
+                    for p in prompts]
+            after = await scheduler_stats(cluster)
+            return outs, after.by_prefill_reason["remote"] - before.by_prefill_reason["remote"]
+
+        outs, remote = asyncio.run(run())
+        assert remote == len(prompts)  # each prompt prefilled on the prefill group, its KV sent to the decode group
+        assert [o.token_ids for o in outs] == expected
+    finally:
+        cluster.stop()
 
 
 @pytest.mark.parametrize("layout", ["tensor", "pipeline"])

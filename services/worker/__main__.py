@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     group = ap.add_argument_group("worker group", "one worker of several ranks (processes on the CPU, GPUs on "
-                                  "CUDA) that the mesh sees as one; aggregated (--role both) only: its KV is sharded")
+                                  "CUDA) that the mesh sees as one, in any role: KV handed to or from it is "
+                                  "re-sharded")
     group.add_argument("--tensor-parallel", type=int, default=1, help="ranks each holding 1/N of every layer")
     group.add_argument("--expert-parallel", type=int, default=1,
                        help="ranks each holding 1/N of the experts, tokens sent to them (all-to-all); equal to "
@@ -101,11 +102,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging()
     log.info("platform: %s", current_platform().summary())
-    sizes = {"tensor": args.tensor_parallel, "expert": args.expert_parallel, "pipeline": args.pipeline_parallel}
-    grouped = ", ".join(f"--{name}-parallel {n}" for name, n in sizes.items() if n > 1)
-    if grouped and args.role != "both":
-        raise SystemExit(f"{grouped} needs --role both: a worker group's KV is sharded across its ranks and is "
-                         f"not handed between workers (got --role {args.role})")
     model_dir = Path(args.model) if args.model else ensure_default_model()
     try:
         engine = Engine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,

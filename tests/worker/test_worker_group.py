@@ -207,3 +207,54 @@ def test_sizes_that_cannot_work_are_refused_naming_the_numbers(llama, hf_models)
     cores = len(os.sched_getaffinity(0))
     with pytest.raises(ConfigError, match=f"group of {cores + 1} ranks .* exceeds the {cores} ranks"):
         make_engine(llama[1], pipeline_parallel_size=cores + 1)
+
+
+DECODE_SCRIPT = """
+import json, sys
+from safetensors.torch import load_file
+from tests.conftest import make_engine
+from worker import SamplingParams
+from worker.engine.engine import ImportedKV
+model, layout, kv_file, first, prompt = sys.argv[1:6]
+engine = make_engine(model, **({layout + "_parallel_size": 2} if layout != "none" else {}))
+params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+engine.add_request(json.loads(prompt), params, request_id="r",
+                   imported=ImportedKV(int(first), None, load_file(kv_file)["kv"]))
+final = None
+while engine.has_unfinished_requests():
+    final = (engine.step() or [final])[-1]
+engine.close()
+print(json.dumps(final.token_ids))
+"""
+
+
+@pytest.mark.parametrize(("prefill_side", "decode_side"), [("tensor", None), (None, "tensor"),
+                                                           ("pipeline", "tensor"), ("tensor", "pipeline")])
+def test_kv_handoff_between_groups_of_other_layouts_re_shards(llama, tmp_path, prefill_side, decode_side):
+    """A prompt's KV leaves a group as every layer and KV head (what one process exports),
+    and each rank of the taking side keeps its part: the decode side, a process of its
+    own (one group per process), generates what one process does."""
+    from safetensors.torch import save_file
+
+    from tests.worker.test_kv_handoff import prefill
+    params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    prompt = make_prompts([23], seed=67)[0]
+    single = make_engine(llama[1])
+    [whole] = single.generate([prompt], params)
+    rid, _ = prefill(single, prompt, params)
+    reference = single.export_kv(rid)
+    p_engine = make_engine(llama[1], **({f"{prefill_side}_parallel_size": 2} if prefill_side else {}))
+    try:
+        rid, first = prefill(p_engine, prompt, params)
+        data = p_engine.export_kv(rid)
+        assert tuple(data.shape) == p_engine.kv_block_shape(len(prompt)) == tuple(reference.shape)
+        torch.testing.assert_close(data, reference, rtol=1e-5, atol=1e-5)  # gathered into one process's layout
+        assert p_engine.release_kv(rid)
+    finally:
+        p_engine.close()
+    save_file({"kv": data.contiguous()}, str(tmp_path / "kv.safetensors"))
+    out = subprocess.run([sys.executable, "-c", DECODE_SCRIPT, str(llama[1]), decode_side or "none",
+                          str(tmp_path / "kv.safetensors"), str(first.token_ids[0]), json.dumps(prompt)],
+                         capture_output=True, text=True, timeout=180, cwd=os.getcwd())
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == whole.token_ids

@@ -82,9 +82,6 @@ class Engine:
         req = Sequence(request_id, token_ids, params, self.config.block_size,
                       self.model_config.eos_token_ids, cache_salt)
         req.hold_kv = hold_kv
-        if (hold_kv or imported is not None) and self.group is not None:
-            raise InvalidRequest(f"this worker is a group of {self.config.world_size} ranks with its KV "
-                                 f"sharded: it neither hands KV to another worker nor takes it from one")
         if imported is not None:
             self._check_import(imported, len(token_ids), params)
             req.append_output(imported.first_token, imported.first_logprob if params.logprobs else None)
@@ -119,9 +116,11 @@ class Engine:
         return self.scheduler.release(request_id)
 
     def kv_block_shape(self, num_tokens: int) -> tuple[int, ...]:
-        """Shape of the exported KV of ``num_tokens`` prompt tokens."""
-        cache = self.runner.kv_caches[0]
-        return (len(self.runner.kv_caches), 2, -(-num_tokens // self.config.block_size), *cache.shape[2:])
+        """Shape of the exported KV of ``num_tokens`` prompt tokens: every layer and KV head,
+        whatever this worker's group (``worker/parallel/kv_shards.py``)."""
+        cfg = self.model_config
+        return (cfg.num_layers, 2, -(-num_tokens // self.config.block_size), cfg.num_kv_heads,
+                self.config.block_size * cfg.head_dim)
 
     def _check_import(self, imported: ImportedKV, num_prompt_tokens: int, params: SamplingParams) -> None:
         expected = self.kv_block_shape(num_prompt_tokens)

@@ -35,11 +35,12 @@ from pathlib import Path
 import torch
 
 from kervan.envs import group_timeout_s
+from worker.parallel.kv_shards import encode_write
 from worker.parallel.shm_comm import SLOT_BYTES, ShmComm
 from worker.parallel.state import ParallelState, set_parallel_state
 from worker.parallel.step_inputs import StepInputs, decode_micro_batches, encode_micro_batches
 
-STEP, PING, STOP, MICRO_BATCHES = 1, 2, 3, 4
+STEP, PING, STOP, MICRO_BATCHES, READ_KV, WRITE_KV = 1, 2, 3, 4, 5, 6
 
 
 class GroupFailed(RuntimeError):
@@ -123,6 +124,14 @@ class GroupLeader:
     def send_micro_batches(self, steps: list[StepInputs]) -> None:
         self._broadcast(MICRO_BATCHES, encode_micro_batches(steps))
 
+    def read_kv(self, block_ids: list[int]) -> None:
+        """Ask the peers for their parts of these blocks' KV (``kv_shards.gather`` follows)."""
+        self._broadcast(READ_KV, torch.tensor(block_ids, dtype=torch.int64))
+
+    def write_kv(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Send the peers imported KV (all layers and heads); each keeps its part."""
+        self._broadcast(WRITE_KV, encode_write(block_ids, data))
+
     def ping(self) -> None:
         """Tell idle peers that rank 0 lives (a broadcast they wait in would otherwise time out)."""
         self._broadcast(PING)
@@ -175,9 +184,9 @@ class GroupLeader:
         return self.failed
 
 
-def receive(control: object, shm: ShmComm | None) -> tuple[int, StepInputs | list[StepInputs] | None]:
+def receive(control: object, shm: ShmComm | None) -> tuple[int, object]:
     """A peer's next message from rank 0: (STEP, a step), (MICRO_BATCHES, a list of
-    them), (PING or STOP, None)."""
+    them), (READ_KV or WRITE_KV, the int64 payload), (PING or STOP, None)."""
     import torch.distributed as dist
     payload = None
     if shm is not None:
@@ -196,7 +205,7 @@ def receive(control: object, shm: ShmComm | None) -> tuple[int, StepInputs | lis
         return kind, StepInputs.decode(payload)
     if kind == MICRO_BATCHES:
         return kind, decode_micro_batches(payload)
-    return kind, None
+    return kind, payload if kind in (READ_KV, WRITE_KV) else None
 
 
 def peer_config(text: str):

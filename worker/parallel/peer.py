@@ -35,7 +35,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from worker.loader import load_model
     from worker.parallel import get_parallel_state
-    from worker.parallel.group import MICRO_BATCHES, STEP, STOP, init_rank, peer_config, receive, shm_comm
+    from worker.parallel.group import (
+        MICRO_BATCHES,
+        READ_KV,
+        STEP,
+        STOP,
+        WRITE_KV,
+        init_rank,
+        peer_config,
+        receive,
+        shm_comm,
+    )
+    from worker.parallel.kv_shards import decode_write
     from worker.parallel.pipeline import run_later_stage
     from worker.runner.model_runner import ModelRunner
 
@@ -56,11 +67,17 @@ def main(argv: list[str] | None = None) -> int:
                     return 0
                 if kind == STEP:
                     runner.forward(message)
+                elif kind == READ_KV:  # rank 0 exports a prompt's KV: it gathers every rank's part
+                    runner.read_blocks(message.tolist())
+                elif kind == WRITE_KV:  # imported KV: this rank keeps its part
+                    cfg = runner.model.cfg
+                    block_shape = (cfg.num_layers, 2, cfg.num_kv_heads, config.block_size * cfg.head_dim)
+                    runner.write_blocks(*decode_write(message, config.dtype, block_shape))
                 elif kind == MICRO_BATCHES:
                     for step in message:
                         run_later_stage(lambda s, carried: runner.forward(s, carried=carried), step, ps,
                                         runner.model.cfg.hidden_size, config.dtype)
-            except RuntimeError as exc:  # a rank is gone or hangs: so is the group
+            except (RuntimeError, ValueError) as exc:  # a rank is gone or hangs (or sent garbage): so is the group
                 print(f"worker group rank {args.rank}: group lost ({exc})", file=sys.stderr, flush=True)
                 return 1
 

@@ -20,7 +20,7 @@ from worker.engine.scheduler import KVWrite, ScheduledBatch, ScheduledSequence
 from worker.kernels import has_native_kernels
 from worker.layers.paged_attention import AttentionMetadata
 from worker.models.decoder import DecoderModel
-from worker.parallel import get_parallel_state, pipeline
+from worker.parallel import get_parallel_state, kv_shards, pipeline
 from worker.parallel.group import GroupLeader
 from worker.parallel.step_inputs import StepInputs
 from worker.runner.graphs import GRAPH_MAX_CONTEXT, CudaGraphRunner, decode_buckets
@@ -71,13 +71,8 @@ class ModelRunner:
         seqs = sorted(batch.sequences, key=lambda s: s.num_new_tokens > 1)  # decodes first (stable)
         if self.group is None:
             logits = self.forward(self._prepare(seqs, batch.block_copies), batch.kv_writes)
-        else:
-            if batch.kv_writes:
-                raise RuntimeError("imported KV reached a worker group (its KV is sharded); the worker refuses that")
-            try:
-                logits = self._group_forward(seqs, batch.block_copies)
-            except RuntimeError as exc:  # a collective failed, a rank died or hangs
-                raise self.group.fail(exc) from exc
+        else:  # a collective that fails: a rank died or hangs
+            logits = self._in_group(self._group_forward, seqs, batch.block_copies, batch.kv_writes)
         if logits is None:
             return RunnerOutput({})
         rows = [SamplingRow(seq.sequence.params, seq.sequence.sample_generators[seq.sequence.sample_index + k])
@@ -92,8 +87,12 @@ class ModelRunner:
                 i += 1
         return RunnerOutput(out)
 
-    def _group_forward(self, seqs: list[ScheduledSequence], block_copies) -> torch.Tensor | None:
+    def _group_forward(self, seqs: list[ScheduledSequence], block_copies,
+                       kv_writes: Sequence[KVWrite]) -> torch.Tensor | None:
         ps = get_parallel_state()
+        for write in kv_writes:  # imported KV: every rank keeps its part
+            self.group.write_kv(write.block_ids, write.data)
+            self.write_blocks(write.block_ids, write.data)
         if ps.pp_size == 1:  # every rank runs the whole step on its shard
             step = self._prepare(seqs, block_copies)
             self.group.send(step)
@@ -128,15 +127,37 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[torch.tensor(step.logit_rows, device=self.device)])
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of blocks' KV: [layers, 2, len(block_ids), kv_heads, block_size * head_dim]."""
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor | None:
+        """A copy of blocks' KV in the handoff's layout, every layer and KV head: [layers, 2,
+        len(block_ids), kv_heads, block_size * head_dim]. In a worker group every rank
+        calls it (rank 0 first sends the peers ``read_kv``) and rank 0 gets the gathered
+        whole; the peers get None."""
+        if self.group is not None:
+            self._in_group(self.group.read_kv, block_ids)
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return torch.stack([cache.index_select(1, index) for cache in self.kv_caches])
+        local = torch.stack([cache.index_select(1, index) for cache in self.kv_caches])
+        cfg = self.model.cfg
+        return self._in_group(kv_shards.gather, local, get_parallel_state(), cfg.num_layers, cfg.num_kv_heads)
 
+    @torch.inference_mode()
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write imported KV (the handoff's layout: every layer and KV head); this rank
+        keeps its part."""
+        cfg = self.model.cfg
+        local = kv_shards.local_part(data, get_parallel_state(), cfg.num_layers, cfg.num_kv_heads)
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for cache, layer in zip(self.kv_caches, data.to(self.device)):
+        for cache, layer in zip(self.kv_caches, local.to(self.device)):
             cache.index_copy_(1, index, layer)
+
+    def _in_group(self, fn, *args):
+        """``fn(*args)``; in a group a RuntimeError (a rank died or hangs) fails the group."""
+        if self.group is None:
+            return fn(*args)
+        try:
+            return fn(*args)
+        except RuntimeError as exc:
+            raise self.group.fail(exc) from exc
 
     def _prepare(self, seqs: list[ScheduledSequence], block_copies) -> StepInputs:
         bs = self.config.block_size
