@@ -29,7 +29,8 @@ def gather(local: torch.Tensor, ps: ParallelState, num_layers: int, num_kv_heads
             send_to(0, local)
             return None
         points = split_points(num_layers, ps.pp_size)
-        parts = [local] + [recv_from(stage, (points[stage + 1] - points[stage], *local.shape[1:]), local.dtype)
+        parts = [local] + [recv_from(stage, (points[stage + 1] - points[stage], *local.shape[1:]), local.dtype,
+                                     local.device)
                            for stage in range(1, ps.pp_size)]
         return torch.cat(parts)
     if ps.tp_size > 1:  # rank r's heads at [r * local_heads, (r + 1) * local_heads)
@@ -38,7 +39,6 @@ def gather(local: torch.Tensor, ps: ParallelState, num_layers: int, num_kv_heads
             heads = heads[:, :, :, [h * ps.tp_size // num_kv_heads for h in range(num_kv_heads)]]
         return heads.contiguous() if ps.rank == 0 else None
     return local if ps.rank == 0 else None  # expert parallel: every rank holds all of it
-
 
 
 def encode_write(block_ids: list[int], data: torch.Tensor) -> torch.Tensor:

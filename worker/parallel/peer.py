@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif kind == MICRO_BATCHES:
                     for step in message:
                         run_later_stage(lambda s, carried: runner.forward(s, carried=carried), step, ps,
-                                        runner.model.cfg.hidden_size, config.dtype)
+                                        runner.model.cfg.hidden_size, config.dtype, runner.device)
             except (RuntimeError, ValueError) as exc:  # a rank is gone or hangs (or sent garbage): so is the group
                 print(f"worker group rank {args.rank}: group lost ({exc})", file=sys.stderr, flush=True)
                 return 1

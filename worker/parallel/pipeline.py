@@ -49,14 +49,14 @@ def split(items: Sequence[T], tokens: Callable[[T], int], parts: int) -> list[li
 
 
 def run_first_stage(forward: Callable[[StepInputs], torch.Tensor], steps: list[StepInputs], ps: ParallelState,
-                    vocab_size: int) -> torch.Tensor | None:
+                    vocab_size: int, device: torch.device) -> torch.Tensor | None:
     """Rank 0: stage 0 of every micro-batch, handed on as it is done; returns the
     logits of all sampling rows in micro-batch order (None: no row samples)."""
     logits: list[torch.Tensor] = []
 
     def take(step: StepInputs) -> None:
         if step.logit_rows:
-            logits.append(recv_from(ps.world - 1, (len(step.logit_rows), vocab_size), torch.float32))
+            logits.append(recv_from(ps.world - 1, (len(step.logit_rows), vocab_size), torch.float32, device))
 
     waiting: deque[StepInputs] = deque()  # handed on, logits not yet taken
     for step in steps:
@@ -70,10 +70,10 @@ def run_first_stage(forward: Callable[[StepInputs], torch.Tensor], steps: list[S
 
 
 def run_later_stage(forward: Callable[[StepInputs, torch.Tensor], torch.Tensor | None], step: StepInputs,
-                    ps: ParallelState, hidden_size: int, dtype: torch.dtype) -> None:
+                    ps: ParallelState, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
     """A peer: its stage of one micro-batch, between the stage before and the one after
     (or rank 0, which takes the last stage's logits)."""
-    carried = recv_from(ps.rank - 1, (2, len(step.token_ids), hidden_size), dtype)
+    carried = recv_from(ps.rank - 1, (2, len(step.token_ids), hidden_size), dtype, device)
     out = forward(step, carried)
     if not ps.is_last_stage:
         send_to(ps.rank + 1, out)

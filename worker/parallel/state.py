@@ -188,9 +188,11 @@ def send_to(dst: int, x: torch.Tensor) -> None:
     dist.send(x.contiguous(), dst)
 
 
-def recv_from(src: int, shape: tuple[int, ...], dtype: torch.dtype, idle_sleep_s: float = 0.0) -> torch.Tensor:
-    """Pipeline: the next tensor rank ``src`` hands this one."""
-    out = torch.empty(shape, dtype=dtype)
+def recv_from(src: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
+              idle_sleep_s: float = 0.0) -> torch.Tensor:
+    """Pipeline: the next tensor rank ``src`` hands this one (on ``device``: NCCL
+    receives into device memory)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
     if _SHM is not None and _SHM.fits(out):
         return _SHM.recv(shape, dtype, idle_sleep_s)
     import torch.distributed as dist

@@ -106,7 +106,11 @@ class CudaGraphRunner:
         for bucket in sorted(self.buckets, reverse=True):
             if time.monotonic() - start > max_capture_s or torch.cuda.mem_get_info()[0] < min_free_bytes:
                 break
-            self._forward_static(bucket)  # warm-up: lazy initialisation must not happen while capturing
+            side = torch.cuda.Stream()  # warm-up on a side stream (lazy initialisation must not be captured)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._forward_static(bucket)
+            torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

@@ -21,7 +21,7 @@ from worker.kernels import has_native_kernels
 from worker.layers.paged_attention import AttentionMetadata
 from worker.models.decoder import DecoderModel
 from worker.parallel import get_parallel_state, kv_shards, pipeline
-from worker.parallel.group import GroupLeader
+from worker.parallel.group import GroupFailed, GroupLeader
 from worker.parallel.step_inputs import StepInputs
 from worker.runner.graphs import GRAPH_MAX_CONTEXT, CudaGraphRunner, decode_buckets
 from worker.runner.sampler import Sampler, SamplingRow
@@ -100,7 +100,7 @@ class ModelRunner:
         parts = pipeline.split(seqs, lambda seq: seq.num_new_tokens, pipeline.MICRO_BATCHES_PER_STAGE * ps.pp_size)
         steps = [self._prepare(part, block_copies if i == 0 else []) for i, part in enumerate(parts)]
         self.group.send_micro_batches(steps)
-        return pipeline.run_first_stage(self.forward, steps, ps, self.model.cfg.vocab_size)
+        return pipeline.run_first_stage(self.forward, steps, ps, self.model.cfg.vocab_size, self.device)
 
     @torch.inference_mode()
     def forward(self, step: StepInputs, kv_writes: Sequence[KVWrite] = (),
@@ -156,6 +156,8 @@ class ModelRunner:
             return fn(*args)
         try:
             return fn(*args)
+        except GroupFailed:
+            raise
         except RuntimeError as exc:
             raise self.group.fail(exc) from exc
 
