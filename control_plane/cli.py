@@ -131,6 +131,8 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
 @click.option("--request", "request_text", default=None,
               help="send this prompt once the cluster is up, print the answer, then stop")
 @click.option("--max-tokens", default=32, show_default=True, help="with --request")
+@click.option("--http-port", default=None, type=int,
+              help="also serve the OpenAI-compatible HTTP API on this port (0: any free port)")
 @click.option("--tensor-parallel", default=1, show_default=True,
               help="every worker a group of N ranks each holding 1/N of every layer (the mesh sees one worker)")
 @click.option("--expert-parallel", default=1, show_default=True,
@@ -138,7 +140,7 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
 @click.option("--pipeline-parallel", default=1, show_default=True,
               help="every worker a group of N pipeline stages each holding 1/N of the layers")
 def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens,
-       tensor_parallel, expert_parallel, pipeline_parallel) -> None:
+       http_port, tensor_parallel, expert_parallel, pipeline_parallel) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C."""
     import asyncio
     from pathlib import Path
@@ -154,7 +156,7 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
         raise click.BadParameter(str(exc), param_hint="--dtype") from None
     model = Path(model_dir) if model_dir else ensure_default_model()
     try:
-        spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, dtype=dtype,
+        spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, dtype=dtype, http_port=http_port,
                            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                            pipeline_parallel=pipeline_parallel)
     except ValueError as exc:
@@ -169,6 +171,8 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
         raise click.ClickException(str(exc)) from None
     try:
         click.echo(f"Kervan is up in {time.perf_counter() - start:.1f}s: router on {cluster.router_address}", err=True)
+        if "router-http" in cluster.addresses:
+            click.echo(f"OpenAI-compatible API on http://{cluster.addresses['router-http']}/v1", err=True)
         if request_text is None:
             click.echo(f'try: kervan generate --addr {cluster.router_address} "Once upon a time"', err=True)
             click.echo("Ctrl-C stops the cluster", err=True)

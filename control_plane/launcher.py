@@ -35,6 +35,7 @@ class ClusterSpec:
     num_decode: int = 1
     num_both: int = 0
     router_port: int = 0  # 0: a free port
+    http_port: int | None = None  # the router's OpenAI-compatible HTTP API (None: off, 0: a free port)
     redis_url: str | None = None  # None: start a private redis-server
     block_size: int = 16
     dtype: str = "auto"
@@ -115,9 +116,14 @@ class Cluster:
                 raise ValueError("a cluster needs at least one decode or aggregated (both) worker")
             workers = [self.spawn_worker(role) for role in roles]
             self._wait_serving(["scheduler", *workers], timeout)
+            http = []
+            if self.spec.http_port is not None:
+                port = self.spec.http_port or free_port()
+                self.addresses["router-http"] = f"127.0.0.1:{port}"
+                http = ["--http-port", str(port)]
             self._start("router", "services.router", "--scheduler", self.addresses["scheduler"],
                         "--model", str(self.spec.model_dir), "--block-size", str(self.spec.block_size),
-                        *self.spec.router_args, port=self.spec.router_port)
+                        *http, *self.spec.router_args, port=self.spec.router_port)
             self._wait_serving(["router"], timeout)
         except BaseException:
             self.stop()

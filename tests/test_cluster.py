@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.client import build_request
@@ -107,3 +108,22 @@ def test_generic_reflection_client_sees_every_service_serving(cluster):
         with grpc.insecure_channel(cluster.addresses[name]) as ch:
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service)).status
             assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_the_openai_http_front_serves_the_cluster(cluster, llama):
+    """`kervan up --http-port`: the real openai client, token ids in (the test model has no
+    tokenizer), one process's greedy tokens out, through the disaggregated mesh."""
+    import openai
+    prompt = make_prompts([40], seed=44)[0]
+    [alone] = make_engine(llama[1]).generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                                      logprobs=True))
+    async with openai.AsyncOpenAI(base_url=f"http://{cluster.addresses['router-http']}/v1", api_key="none",
+                                  max_retries=0) as client:
+        [model] = (await client.models.list()).data
+        out = await client.completions.create(model=model.id, prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                              extra_body={"ignore_eos": True})
+    assert out.usage.prompt_tokens == 40 and out.usage.completion_tokens == 8
+    logprobs = out.choices[0].logprobs  # without a tokenizer a token's text is its id
+    assert logprobs.tokens == [str(t) for t in alone.token_ids]
+    assert logprobs.token_logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+    await wait_idle(cluster)

@@ -17,6 +17,8 @@ from kervan.tokenizer import Tokenizer
 from services.common.config import parse_args as parse_args_with_env
 from services.common.server import Service, run, serve_until_signal, start_server
 from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2_grpc
+from services.router.chat_template import ChatTemplate
+from services.router.http_front import OpenAIFront
 from services.router.routes import Channels, Placement, ScheduledRoutes, StaticRoutes
 from services.router.runner import MigrationPolicy
 from services.router.servicer import ModelLimits, RouterServicer
@@ -42,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED")
     ap.add_argument("--max-request-bytes", type=int, default=4 << 20,
                     help="larger requests are refused with RESOURCE_EXHAUSTED")
+    ap.add_argument("--http-port", type=int, default=None,
+                    help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                         "/v1/models, /health) on this port, on --host (0: a free port, printed at start)")
     return parse_args_with_env(ap, "router", argv)
 
 
@@ -71,13 +76,24 @@ async def serve(args: argparse.Namespace) -> None:
     handle = await start_server(
         [Service(SERVICE_NAME, lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s))],
         args.host, args.port, max_message_bytes=args.max_request_bytes)
+    front = None
+    if args.http_port is not None:
+        front = OpenAIFront(f"127.0.0.1:{handle.port}", model_limits(model_dir).name, Tokenizer.from_dir(model_dir),
+                            ChatTemplate.from_dir(model_dir))
+        http_port = await front.start(args.host, args.http_port)
+        print(f"router HTTP (OpenAI API) on http://{args.host}:{http_port}/v1", flush=True)
     print(f"router ready on {args.host}:{handle.port}", flush=True)
+
+    async def drain() -> None:  # HTTP first: its requests are calls to this router's gRPC server
+        if front is not None:
+            await front.stop()
+
     async def close() -> None:
         await channels.close()
         if scheduler_channel is not None:
             await scheduler_channel.close()
 
-    await serve_until_signal(handle, close)
+    await serve_until_signal(handle, close, on_drain=drain)
 
 
 def main(argv: list[str] | None = None) -> None:

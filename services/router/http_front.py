@@ -1,0 +1,300 @@
+"""The router's OpenAI-compatible HTTP front (``--http-port``), on Starlette and uvicorn
+in the router's own event loop.
+
+- ``POST /v1/completions`` and ``POST /v1/chat/completions``: JSON, or server-sent
+  events with ``"stream": true`` (one ``data:`` line per chunk, ``data: [DONE]`` at
+  the end, a last chunk with the usage when ``stream_options.include_usage``);
+- ``GET /v1/models``: the served model; ``GET /health``: 200 while the router serves.
+
+Each prompt becomes a call to the router's own gRPC ``Generate`` on loopback, so the
+HTTP front has the gRPC path's validation, admission, placement and migration, and
+its status codes become HTTP ones (INVALID_ARGUMENT 400, NOT_FOUND 404,
+ALREADY_EXISTS 409, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504,
+anything else 500) in OpenAI's error body. A streaming client that disconnects
+cancels its calls, which aborts the request on the workers and frees its KV."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from kervan.sampling import InvalidRequest
+from kervan.tokenizer import Tokenizer
+from services.proto import router_pb2, router_pb2_grpc
+from services.router.chat_template import ChatTemplate
+from services.router.openai_protocol import (
+    FINISH_REASONS,
+    Choice,
+    OpenAIRequest,
+    chat_logprobs,
+    completion_logprobs,
+    parse_chat,
+    parse_completion,
+    usage,
+)
+
+HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
+               grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.NOT_FOUND: 404,
+               grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+               grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+
+
+def error_response(status: int, message: str, code: str) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 and status != 429 else (
+        "rate_limit_error" if status == 429 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
+
+
+def rpc_error_response(err: grpc.aio.AioRpcError) -> JSONResponse:
+    return error_response(HTTP_STATUS.get(err.code(), 500), err.details() or err.code().name, err.code().name.lower())
+
+
+class OpenAIFront:
+    def __init__(self, router_address: str, model_name: str, tokenizer: Tokenizer | None,
+                 chat_template: ChatTemplate):
+        self.channel = grpc.aio.insecure_channel(router_address)
+        self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.created = int(time.time())
+        self.app = Starlette(routes=[
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ])
+        self.server: uvicorn.Server | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self, host: str, port: int, grace_s: float = 5.0) -> int:
+        """Serve on ``host:port`` (0: a free port); returns the port. ``stop`` gives the
+        requests in flight ``grace_s`` seconds."""
+        self.server = _Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off",
+                                             access_log=False, timeout_graceful_shutdown=grace_s))
+        self._task = asyncio.get_running_loop().create_task(self.server.serve())
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start (the port is taken...)
+            await asyncio.sleep(0.01)
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+            await self._task
+        await self.channel.close()
+
+    async def health(self, request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                         "created": self.created, "owned_by": "kervan"}]})
+
+    async def completions(self, request: Request):
+        return await self._serve(request, "text_completion", lambda body: parse_completion(body, self.model_name))
+
+    async def chat_completions(self, request: Request):
+        return await self._serve(request, "chat.completion",
+                                 lambda body: parse_chat(body, self.model_name, self.chat_template.render))
+
+    async def _serve(self, request: Request, kind: str, parse):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error_response(400, f"the body is not JSON: {exc}", "invalid_argument")
+        if not isinstance(body, dict):
+            return error_response(400, "the body must be a JSON object", "invalid_argument")
+        try:
+            parsed = parse(body)
+        except InvalidRequest as exc:
+            return error_response(400, str(exc), "invalid_argument")
+        prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        calls = [self.stub.Generate(_with_id(p, f"{rid}-{i}" if len(parsed.prompts) > 1 else rid))
+                 for i, p in enumerate(parsed.prompts)]
+        events = _merged(calls)
+        try:
+            first = await anext(events)  # the router's refusal, if any, is still an HTTP status
+        except grpc.aio.AioRpcError as err:
+            await events.aclose()
+            return rpc_error_response(err)
+        except StopAsyncIteration:
+            return error_response(500, "the router answered nothing", "internal")
+        answer = _Answer(self, parsed, kind, rid)
+        if parsed.stream:
+            return StreamingResponse(answer.stream(first, events), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            await answer.take(*first)
+            async for prompt_index, response in events:
+                await answer.take(prompt_index, response)
+        except grpc.aio.AioRpcError as err:
+            return rpc_error_response(err)
+        finally:
+            await events.aclose()
+        return JSONResponse(answer.body())
+
+
+class _Answer:
+    """Accumulates one HTTP request's responses into OpenAI's shapes."""
+
+    def __init__(self, front: OpenAIFront, parsed: OpenAIRequest, kind: str, rid: str):
+        self.front, self.parsed, self.kind, self.rid = front, parsed, kind, rid
+        self.chat = kind == "chat.completion"
+        self.choices: dict[int, Choice] = {}
+        self.prompt_tokens: dict[int, tuple[int, int]] = {}  # prompt -> (tokens, cached)
+        self.completion_tokens = 0
+
+    async def take(self, prompt_index: int, response: router_pb2.GenerateResponse) -> dict | None:
+        """Add one response; returns the chunk a stream sends for it (None: nothing new)."""
+        which = response.WhichOneof("kind")
+        if which == "delta":
+            d = response.delta
+            choice = self._choice(prompt_index, d.sample_index)
+            choice.text += d.text
+            choice.token_ids += d.token_ids
+            choice.logprobs += d.logprobs
+            return self._chunk(choice.index, d.text, list(d.token_ids), list(d.logprobs), None)
+        if which == "finished":
+            f = response.finished
+            choice = self._choice(prompt_index, f.sample_index)
+            choice.finish_reason = FINISH_REASONS.get(f.finish_reason, "stop")
+            self.prompt_tokens[prompt_index] = (f.usage.prompt_tokens, f.usage.cached_prompt_tokens)
+            self.completion_tokens += f.usage.completion_tokens
+            return self._chunk(choice.index, "", [], [], choice.finish_reason)
+        return None
+
+    def body(self) -> dict:
+        choices = []
+        for index in sorted(self.choices):
+            c = self.choices[index]
+            logprobs = self._logprobs(c.token_ids, c.logprobs)
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": index, "text": c.text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason})
+        return {**self._head(self.kind), "choices": choices, "usage": self._usage()}
+
+    async def stream(self, first, events: AsyncIterator) -> AsyncIterator[str]:
+        try:
+            if self.chat:  # the role first, as OpenAI streams it
+                for i in range(len(self.parsed.prompts) * self.parsed.n):
+                    yield _sse({**self._head("chat.completion.chunk"), "choices": [
+                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}]})
+            chunk = await self.take(*first)
+            if chunk:
+                yield _sse(chunk)
+            try:
+                async for prompt_index, response in events:
+                    chunk = await self.take(prompt_index, response)
+                    if chunk:
+                        yield _sse(chunk)
+            except grpc.aio.AioRpcError as err:  # after the first chunk the status is sent: say it in the stream
+                yield _sse(json.loads(rpc_error_response(err).body))
+                return
+            if self.parsed.include_usage:
+                yield _sse({**self._head(self.kind + ("" if not self.chat else ".chunk")), "choices": [],
+                            "usage": self._usage()})
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client went away: cancelling the calls aborts the request on the workers
+            await events.aclose()
+
+    def _choice(self, prompt_index: int, sample_index: int) -> Choice:
+        index = prompt_index * self.parsed.n + sample_index
+        return self.choices.setdefault(index, Choice(index))
+
+    def _chunk(self, index: int, text: str, token_ids: list[int], logprobs: list[float],
+               finish_reason: str | None) -> dict:
+        lp = self._logprobs(token_ids, logprobs) if token_ids else None
+        if self.chat:
+            delta = {"content": text} if finish_reason is None else {}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        return {**self._head("text_completion"),
+                "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}]}
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict | None:
+        if not self.parsed.logprobs:
+            return None
+        tok = self.front.tokenizer
+        tokens = [tok.decode([t]) if tok else str(t) for t in token_ids]
+        return chat_logprobs(tokens, logprobs) if self.chat else completion_logprobs(tokens, logprobs)
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": int(time.time()), "model": self.parsed.model}
+
+    def _usage(self) -> dict:
+        return usage(sum(t for t, _ in self.prompt_tokens.values()), sum(c for _, c in self.prompt_tokens.values()),
+                     self.completion_tokens)
+
+
+def _with_id(request: router_pb2.GenerateRequest, rid: str) -> router_pb2.GenerateRequest:
+    out = router_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    out.request_id = rid
+    return out
+
+
+async def _merged(calls: list) -> AsyncIterator[tuple[int, router_pb2.GenerateResponse]]:
+    """(prompt index, response) from every call, as they come; closing it cancels them all."""
+    if len(calls) == 1:
+        try:
+            async for response in calls[0]:
+                yield 0, response
+        finally:
+            calls[0].cancel()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, call) -> None:
+        try:
+            async for response in call:
+                await queue.put((index, response))
+            await queue.put((index, None))
+        except grpc.aio.AioRpcError as err:
+            await queue.put((index, err))
+
+    tasks = [asyncio.get_running_loop().create_task(pump(i, c)) for i, c in enumerate(calls)]
+    try:
+        open_calls = len(calls)
+        while open_calls:
+            index, item = await queue.get()
+            if item is None:
+                open_calls -= 1
+            elif isinstance(item, grpc.aio.AioRpcError):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for call, task in zip(calls, tasks):
+            call.cancel()
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn in a loop it does not own: the router's own handlers take SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield

@@ -1,0 +1,173 @@
+"""OpenAI's completion and chat bodies <-> Kervan's GenerateRequest and responses.
+
+Requests are checked for form here (types, what Kervan does not serve) and turned
+into ``GenerateRequest``s; the values (temperature, max_tokens against the context,
+stop strings, token ids) are checked by the router's gRPC path, so the HTTP front
+refuses exactly what a gRPC client is refused. Extensions vLLM also takes:
+``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``.
+
+What is refused rather than silently ignored: ``echo``, ``suffix``, penalties other
+than 0, ``logit_bias``, ``best_of`` other than ``n``, ``logprobs`` beyond the sampled
+token's (completions ``logprobs`` 0 or 1, chat ``top_logprobs`` 0), tools and
+response formats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kervan.sampling import InvalidRequest
+from services.proto import common_pb2, router_pb2
+
+FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+                  common_pb2.FINISH_REASON_ABORT: "abort"}
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "suffix", "logit_bias")
+
+
+@dataclass
+class OpenAIRequest:
+    """One HTTP request: a GenerateRequest per prompt and how to answer."""
+
+    model: str
+    prompts: list[router_pb2.GenerateRequest]
+    n: int
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    logprobs: bool = False
+
+
+@dataclass
+class Choice:
+    """What one sample produced, accumulated over its deltas."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def parse_completion(body: dict, served_model: str) -> OpenAIRequest:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or _is_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        prompts = prompt
+    else:
+        raise InvalidRequest("prompt must be a string, a list of token ids, or a non-empty list of either")
+    if body.get("echo"):
+        raise InvalidRequest("echo is not supported")
+    logprobs = _int(body, "logprobs", None)
+    if logprobs is not None and not 0 <= logprobs <= 1:
+        raise InvalidRequest("logprobs may be 0 or 1: Kervan returns the sampled token's log-probability only")
+    return _request(body, served_model, prompts, logprobs is not None, "max_tokens")
+
+
+def parse_chat(body: dict, served_model: str, render) -> OpenAIRequest:
+    """``render``: messages -> the prompt text (the model's chat template)."""
+    if _int(body, "top_logprobs", 0):
+        raise InvalidRequest("top_logprobs must be 0: Kervan returns the sampled token's log-probability only")
+    prompt = render(body.get("messages"))
+    return _request(body, served_model, [prompt], _bool(body, "logprobs", False), "max_completion_tokens")
+
+
+def _request(body: dict, served_model: str, prompts: list, logprobs: bool, max_tokens_key: str) -> OpenAIRequest:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    for key in UNSUPPORTED:
+        if body.get(key) not in (None, {}, [], ""):
+            raise InvalidRequest(f"{key} is not supported")
+    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if _number(body, key, None) not in (None, 0.0, 1.0 if key == "repetition_penalty" else 0.0):
+            raise InvalidRequest(f"{key} is not supported (only its neutral value)")
+    n = _int(body, "n", 1)
+    best_of = _int(body, "best_of", None)
+    if best_of is not None and best_of != n:
+        raise InvalidRequest("best_of must equal n (Kervan returns every sample it draws)")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise InvalidRequest("stop must be a string or a list of strings")
+    sampling = common_pb2.SamplingParams(top_k=_int(body, "top_k", 0), min_p=_number(body, "min_p", 0.0),
+                                         ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs,
+                                         stop=stop, stop_token_ids=_ids(body.get("stop_token_ids") or []),
+                                         n=n)
+    max_tokens = _int(body, max_tokens_key, None)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", None)
+    for name, value in (("max_tokens", max_tokens), ("temperature", _number(body, "temperature", None)),
+                        ("top_p", _number(body, "top_p", None)), ("seed", _int(body, "seed", None))):
+        if value is not None:
+            if name in ("max_tokens", "seed") and value < 0:
+                raise InvalidRequest(f"{name} must be >= 0, got {value}")
+            setattr(sampling, name, value)
+    model = body.get("model") or served_model
+    if not isinstance(model, str):
+        raise InvalidRequest("model must be a string")
+    requests = []
+    for prompt in prompts:
+        request = router_pb2.GenerateRequest(sampling=sampling, model=model)
+        if isinstance(prompt, str):
+            request.text = prompt.encode("utf-8")
+        else:
+            request.token_ids.ids.extend(prompt)
+        requests.append(request)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("stream_options must be an object")
+    return OpenAIRequest(model=model, prompts=requests, n=n, stream=_bool(body, "stream", False),
+                         include_usage=bool(options.get("include_usage")), logprobs=logprobs)
+
+
+def usage(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": None}
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+                        for t, lp in zip(tokens, logprobs)]}
+
+
+def _is_ids(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def _ids(value: object) -> list[int]:
+    if value == []:
+        return []
+    if not _is_ids(value) or min(value) < 0:
+        raise InvalidRequest("stop_token_ids must be a list of non-negative token ids")
+    return value
+
+
+def _int(body: dict, key: str, default):
+    value = body.get(key, default)
+    if value is None or value is default:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{key} must be an integer, got {value!r}")
+    return value
+
+
+def _number(body: dict, key: str, default):
+    value = body.get(key, default)
+    if value is None or value is default:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequest(f"{key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{key} must be true or false, got {value!r}")
+    return value
