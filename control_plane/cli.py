@@ -133,6 +133,7 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
 @click.option("--max-tokens", default=32, show_default=True, help="with --request")
 @click.option("--http-port", default=None, type=int,
               help="also serve the OpenAI-compatible HTTP API on this port (0: any free port)")
+@click.option("--metrics", is_flag=True, help="every service serves Prometheus metrics (on free ports, printed)")
 @click.option("--tensor-parallel", default=1, show_default=True,
               help="every worker a group of N ranks each holding 1/N of every layer (the mesh sees one worker)")
 @click.option("--expert-parallel", default=1, show_default=True,
@@ -140,7 +141,7 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
 @click.option("--pipeline-parallel", default=1, show_default=True,
               help="every worker a group of N pipeline stages each holding 1/N of the layers")
 def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens,
-       http_port, tensor_parallel, expert_parallel, pipeline_parallel) -> None:
+       http_port, metrics, tensor_parallel, expert_parallel, pipeline_parallel) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C."""
     import asyncio
     from pathlib import Path
@@ -156,7 +157,8 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
         raise click.BadParameter(str(exc), param_hint="--dtype") from None
     model = Path(model_dir) if model_dir else ensure_default_model()
     try:
-        spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, dtype=dtype, http_port=http_port,
+        spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, dtype=dtype,
+                           http_port=http_port, metrics=metrics,
                            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                            pipeline_parallel=pipeline_parallel)
     except ValueError as exc:
@@ -173,6 +175,9 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
         click.echo(f"Kervan is up in {time.perf_counter() - start:.1f}s: router on {cluster.router_address}", err=True)
         if "router-http" in cluster.addresses:
             click.echo(f"OpenAI-compatible API on http://{cluster.addresses['router-http']}/v1", err=True)
+        for name, address in cluster.addresses.items():
+            if name.endswith("-metrics"):
+                click.echo(f"{name.removesuffix('-metrics')} metrics: http://{address}/metrics", err=True)
         if request_text is None:
             click.echo(f'try: kervan generate --addr {cluster.router_address} "Once upon a time"', err=True)
             click.echo("Ctrl-C stops the cluster", err=True)

@@ -36,6 +36,7 @@ class ClusterSpec:
     num_both: int = 0
     router_port: int = 0  # 0: a free port
     http_port: int | None = None  # the router's OpenAI-compatible HTTP API (None: off, 0: a free port)
+    metrics: bool = False  # every service serves Prometheus metrics on a free port (addresses["NAME-metrics"])
     redis_url: str | None = None  # None: start a private redis-server
     block_size: int = 16
     dtype: str = "auto"
@@ -107,6 +108,7 @@ class Cluster:
                         "--block-size", str(self.spec.block_size), *self.spec.registry_args)
             self._wait_serving(["kv-registry"], timeout)
             self._spawn("control-plane", [sys.executable, "-m", "control_plane.lease_watch", "--redis", redis_url,
+                                          *self._metrics_args("control-plane"),
                                           "--registry", self.addresses["kv-registry"]])
             self._start("scheduler", "services.scheduler", "--registry", self.addresses["kv-registry"],
                         *self.spec.scheduler_args)
@@ -178,8 +180,15 @@ class Cluster:
                cores: set[int] | None = None) -> None:
         port = port or free_port()
         self.addresses[name] = f"127.0.0.1:{port}"
-        self._spawn(name, [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args], env,
-                    cores)
+        self._spawn(name, [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
+                           *self._metrics_args(name), *args], env, cores)
+
+    def _metrics_args(self, name: str) -> list[str]:
+        if not self.spec.metrics:
+            return []
+        port = free_port()
+        self.addresses[f"{name}-metrics"] = f"127.0.0.1:{port}"
+        return ["--metrics-port", str(port)]
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
                cores: set[int] | None = None) -> None:

@@ -19,8 +19,10 @@ import signal
 
 import grpc
 import redis.asyncio as redis
+from prometheus_client import Counter
 
 from services.common.config import parse_args as parse_args_with_env
+from services.common.metrics import add_metrics_argument, serve_metrics
 from services.kv_registry.index import LEASE_PREFIX
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 
@@ -51,6 +53,7 @@ class LeaseWatcher:
                     if isinstance(key, bytes) and key.startswith(LEASE_PREFIX.encode()):
                         worker_id = key[len(LEASE_PREFIX):].decode()
                         log.warning("worker %s declared dead: its lease expired", worker_id)
+                        LEASE_EXPIRIES.inc()
                         self.declared_dead.append(worker_id)
                         await self._purge()
             except (redis.ConnectionError, redis.TimeoutError, OSError) as err:
@@ -69,11 +72,16 @@ class LeaseWatcher:
             log.warning("kv-registry unreachable: %s", err.code().name)
 
 
+LEASE_EXPIRIES = Counter("kervan_lease_expiries", "Worker leases that expired (each worker declared dead)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m control_plane.lease_watch", description=__doc__.split("\n\n")[0])
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
     ap.add_argument("--registry", required=True, help="HOST:PORT of the kv-registry")
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between reconciliations")
+    ap.add_argument("--host", default="127.0.0.1", help="where --metrics-port listens")
+    add_metrics_argument(ap)
     return parse_args_with_env(ap, "control_plane", argv)
 
 
@@ -85,6 +93,9 @@ async def serve(args: argparse.Namespace) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
+        metrics_port = serve_metrics(args.metrics_port, args.host)
+        if metrics_port is not None:
+            print(f"control-plane metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
         print("control-plane membership watch ready", flush=True)
         try:
             await task

@@ -127,3 +127,55 @@ async def test_the_openai_http_front_serves_the_cluster(cluster, llama):
     assert logprobs.tokens == [str(t) for t in alone.token_ids]
     assert logprobs.token_logprobs == pytest.approx(alone.logprobs, abs=1e-4)
     await wait_idle(cluster)
+
+
+def scrape(address: str) -> str:
+    import urllib.request
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in a /metrics text (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+async def test_every_service_serves_prometheus_metrics_that_move_with_traffic(cluster):
+    """`kervan up --metrics`: each service's /metrics parses, passes `promtool check
+    metrics` (Debian's, unpacked by .ci/run) and counts one request's way through."""
+    import shutil
+    import subprocess
+    names = ["router", "scheduler", "kv-registry", "control-plane", "prefill-0", "decode-0", "decode-1"]
+    before = {n: await asyncio.to_thread(scrape, cluster.addresses[f"{n}-metrics"]) for n in names}
+    prompt = make_prompts([45], seed=45)[0]  # uncached: prefilled remotely, its KV pushed to a decode worker
+    out = await complete(cluster, token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert out.usage["completion_tokens"] == 6
+    await wait_idle(cluster)
+    after = {n: await asyncio.to_thread(scrape, cluster.addresses[f"{n}-metrics"]) for n in names}
+
+    def moved(service: str, name: str, **labels: str) -> float:
+        return sample(after[service], name, **labels) - sample(before[service], name, **labels)
+
+    assert moved("router", "kervan_generation_tokens_total") == 6
+    assert moved("router", "kervan_prompt_tokens_total") == 45
+    assert moved("router", "kervan_time_to_first_token_seconds_count") == 1
+    assert moved("router", "kervan_inter_token_latency_seconds_count") == 5
+    assert moved("router", "kervan_request_success_total", finished_reason="length") == 1
+    assert moved("scheduler", "kervan_placements_total", reason="remote") == 1
+    assert moved("kv-registry", "kervan_redis_round_trips_total") > 0
+    assert moved("prefill-0", "kervan_prefix_cache_queries_total") == 45
+    assert moved("prefill-0", "kervan_kv_transfer_bytes_total", direction="pushed") > 0
+    assert sum(moved(d, "kervan_kv_transfer_bytes_total", direction="received") for d in ("decode-0", "decode-1")) \
+        == moved("prefill-0", "kervan_kv_transfer_bytes_total", direction="pushed")
+    assert sample(after["decode-0"], "kervan_kv_cache_usage_perc") >= 0
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("no promtool here (.ci/run unpacks Debian's)")
+    for name, text in after.items():
+        check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+        assert check.returncode == 0, f"{name}: {check.stdout}{check.stderr}"

@@ -30,6 +30,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kervan.sampling import InvalidRequest
+from services.common.metrics import RPC_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +97,10 @@ def retry_after_s(err: grpc.aio.AioRpcError) -> float | None:
     return None
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception, request: object = None) -> None:
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, request: object = None,
+                 method: str = "") -> None:
     code = status_for(exc)
+    RPC_ERRORS.labels(method, code.name).inc()
     if isinstance(exc, Overloaded):
         await context.abort_with_status(overloaded_status(exc))
     if code == grpc.StatusCode.INTERNAL:
@@ -111,7 +114,7 @@ def _passes_through(exc: BaseException) -> bool:
     return isinstance(exc, (asyncio.CancelledError, grpc.aio.AbortError)) or isinstance(exc, grpc.RpcError)
 
 
-def _guard_unary(inner):
+def _guard_unary(inner, method: str):
     """Wrap a behaviour that returns one response (unary-unary or stream-unary)."""
     async def behaviour(request_or_iterator, context):
         try:
@@ -119,15 +122,15 @@ def _guard_unary(inner):
         except Exception as exc:
             if _passes_through(exc):
                 raise
-            await _abort(context, exc, request_or_iterator)
+            await _abort(context, exc, request_or_iterator, method)
     return behaviour
 
 
-def _guard_stream(inner):
+def _guard_stream(inner, method: str):
     """Wrap a behaviour that yields responses (unary-stream), or one that writes them with
     ``context.write`` and returns nothing (the health service's ``Watch``)."""
     if not inspect.isasyncgenfunction(inner):
-        return _guard_unary(inner)
+        return _guard_unary(inner, method)
 
     async def behaviour(request, context):
         try:
@@ -136,7 +139,7 @@ def _guard_stream(inner):
         except Exception as exc:
             if _passes_through(exc):
                 raise
-            await _abort(context, exc, request)
+            await _abort(context, exc, request, method)
     return behaviour
 
 
@@ -146,10 +149,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         codec = (handler.request_deserializer, handler.response_serializer)
+        method = details.method
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_guard_unary(handler.unary_unary), *codec)
+            return grpc.unary_unary_rpc_method_handler(_guard_unary(handler.unary_unary, method), *codec)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_guard_stream(handler.unary_stream), *codec)
+            return grpc.unary_stream_rpc_method_handler(_guard_stream(handler.unary_stream, method), *codec)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_guard_unary(handler.stream_unary), *codec)
+            return grpc.stream_unary_rpc_method_handler(_guard_unary(handler.stream_unary, method), *codec)
         return handler

@@ -8,8 +8,10 @@ import redis.asyncio as redis
 
 from kervan.block_hash import HASH_NAME
 from services.common.config import parse_args as parse_args_with_env
+from services.common.metrics import add_metrics_argument, serve_metrics
 from services.common.server import Service, run, serve_until_signal, start_server
 from services.kv_registry.index import PrefixIndex
+from services.kv_registry.metrics import CountingConnection
 from services.kv_registry.servicer import KvRegistryServicer
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 
@@ -26,18 +28,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--redis-max-connections", type=int, default=16,
                     help="Redis connections at most (more concurrent calls wait for one); bounds the open sockets, "
                          "which a pool without a bound grows to every burst's peak, after each Redis restart")
+    add_metrics_argument(ap)
     return parse_args_with_env(ap, "kv_registry", argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
     client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
-        args.redis, max_connections=args.redis_max_connections, timeout=5))
+        args.redis, max_connections=args.redis_max_connections, timeout=5, connection_class=CountingConnection))
     await client.ping()
     index = PrefixIndex(client, args.ttl)
     await index.forget_all()  # rebuild from the workers' dumps, asked for on their next heartbeat
     servicer = KvRegistryServicer(index, args.block_size, HASH_NAME)
     handle = await start_server([Service(SERVICE_NAME, lambda s: (
         kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(servicer, s)))], args.host, args.port)
+    metrics_port = serve_metrics(args.metrics_port, args.host)
+    if metrics_port is not None:
+        print(f"kv-registry metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
     print(f"kv-registry ready on {args.host}:{handle.port}", flush=True)
     await serve_until_signal(handle, client.aclose)
 

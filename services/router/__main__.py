@@ -15,6 +15,7 @@ import grpc
 
 from kervan.tokenizer import Tokenizer
 from services.common.config import parse_args as parse_args_with_env
+from services.common.metrics import add_metrics_argument, serve_metrics
 from services.common.server import Service, run, serve_until_signal, start_server
 from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2_grpc
 from services.router.chat_template import ChatTemplate
@@ -47,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--http-port", type=int, default=None,
                     help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                          "/v1/models, /health) on this port, on --host (0: a free port, printed at start)")
+    add_metrics_argument(ap)
     return parse_args_with_env(ap, "router", argv)
 
 
@@ -82,6 +84,9 @@ async def serve(args: argparse.Namespace) -> None:
                             ChatTemplate.from_dir(model_dir))
         http_port = await front.start(args.host, args.http_port)
         print(f"router HTTP (OpenAI API) on http://{args.host}:{http_port}/v1", flush=True)
+    metrics_port = serve_metrics(args.metrics_port, args.host)
+    if metrics_port is not None:
+        print(f"router metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
     print(f"router ready on {args.host}:{handle.port}", flush=True)
 
     async def drain() -> None:  # HTTP first: its requests are calls to this router's gRPC server

@@ -35,6 +35,7 @@ from kervan.sampling import FORKED_SAMPLES
 from services.common.convert import max_tokens_of
 from services.common.errors import Overloaded, Unavailable, retry_after_s
 from services.proto import common_pb2, worker_pb2
+from services.router import metrics
 from services.router.routes import ScheduledRoutes, StaticRoutes
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,7 @@ class RequestRunner:
             why = reason or f"migration limit ({self.policy.max_migrations}) reached"
             raise Unavailable(f"{lost} after {len(state.delivered)} tokens; {why}") from None
         state.attempt += 1
+        metrics.MIGRATIONS.inc()
         log.info("request %s: %s after %d tokens; migrating (attempt %d)", rid, lost, len(state.delivered),
                  state.attempt)
 

@@ -8,6 +8,7 @@ import time
 
 from kervan.tokenizer import Tokenizer
 from services.proto import common_pb2, router_pb2, worker_pb2
+from services.router import metrics
 from services.router.detokenizer import Detokenizer
 from services.router.stop_strings import StopWatch
 
@@ -53,9 +54,14 @@ class SampleStream:
 
     def _delta(self, update: worker_pb2.TokenUpdate, attempt: int) -> router_pb2.GenerateResponse:
         now = time.perf_counter()
+        if self.last_token_at is not None:
+            gap = (now - self.last_token_at) / len(update.token_ids)
+            for _ in update.token_ids:
+                metrics.INTER_TOKEN_LATENCY.observe(gap)
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
         self.completion_tokens += len(update.token_ids)
+        metrics.GENERATION_TOKENS.inc(len(update.token_ids))
         text = self.detok.add(list(update.token_ids), final=bool(update.finish_reason)) if self.detok else ""
         return self._response(delta=router_pb2.TokenDelta(
             sample_index=self.sample_index, index=update.index, token_ids=update.token_ids, text=text,
@@ -69,6 +75,13 @@ class SampleStream:
         usage = common_pb2.Usage(prompt_tokens=self.num_prompt_tokens, cached_prompt_tokens=cached_prompt_tokens,
                                  completion_tokens=self.completion_tokens, time_to_first_token_s=ttft,
                                  time_per_output_token_s=tpot)
+        if self.first_token_at:
+            metrics.TIME_TO_FIRST_TOKEN.observe(ttft)
+        if self.completion_tokens > 1:
+            metrics.TIME_PER_OUTPUT_TOKEN.observe(tpot)
+        metrics.E2E_LATENCY.observe(time.perf_counter() - self.start)
+        metrics.REQUEST_SUCCESS.labels(common_pb2.FinishReason.Name(finish_reason).removeprefix(
+            "FINISH_REASON_").lower()).inc()
         return self._response(finished=router_pb2.Finished(sample_index=self.sample_index,
                                                             finish_reason=finish_reason, usage=usage))
 

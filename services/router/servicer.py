@@ -20,6 +20,7 @@ from kervan.tokenizer import Tokenizer
 from services.common.convert import sampling_from_proto
 from services.common.errors import AlreadyExists, NotFound, Overloaded, retry_after_s
 from services.proto import router_pb2, router_pb2_grpc
+from services.router import metrics
 from services.router.routes import ScheduledRoutes, StaticRoutes
 from services.router.runner import MigrationPolicy, RequestRunner
 from services.router.sample_stream import SampleStream
@@ -61,6 +62,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         start = time.perf_counter()
         rid, prompt, params = self._admit(request)
         self.in_flight.add(rid)
+        metrics.IN_FLIGHT.inc()
+        metrics.PROMPT_TOKENS.inc(len(prompt))
         try:
             streams: dict[int, SampleStream] = {}
             cached = 0  # prompt tokens served from a cache, as the first attempt's worker said
@@ -83,6 +86,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 await updates.aclose()
         finally:
             self.in_flight.discard(rid)
+            metrics.IN_FLIGHT.dec()
 
     def _admit(self, request: router_pb2.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
         """The request id, prompt and sampling of a request this router takes; raises for

@@ -7,6 +7,7 @@ import argparse
 import grpc
 
 from services.common.config import parse_args as parse_args_with_env
+from services.common.metrics import add_metrics_argument, serve_metrics
 from services.common.server import Service, run, serve_until_signal, start_server
 from services.proto import kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.placement import POLICIES, PlacementConfig
@@ -38,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefix-window-s", type=float, default=3.0,
                     help="how long a placed prompt's blocks count as the worker's before its KV events can show them")
     ap.add_argument("--seed", type=int, default=None, help="seed of the random draws (random policy, temperature)")
+    add_metrics_argument(ap)
     return parse_args_with_env(ap, "scheduler", argv)
 
 
@@ -51,6 +53,9 @@ async def serve(args: argparse.Namespace) -> None:
                                  RecentPlacements(args.load_window_s, args.prefix_window_s), args.seed)
     handle = await start_server([Service(SERVICE_NAME, lambda s: (
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)))], args.host, args.port)
+    metrics_port = serve_metrics(args.metrics_port, args.host)
+    if metrics_port is not None:
+        print(f"scheduler metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
     print(f"scheduler ready on {args.host}:{handle.port}", flush=True)
     await serve_until_signal(handle, channel.close)
 

@@ -15,6 +15,7 @@ import grpc
 from kervan.sampling import RequestLimits
 from services.common.errors import Overloaded, Unavailable
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler import metrics
 from services.scheduler.placement import AllBusy, Candidate, PlacementConfig, Size, place
 from services.scheduler.recent import RecentPlacements
 
@@ -49,6 +50,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                   n=request.n or 1))
         except AllBusy as busy:
             self.refused += not request.dry_run
+            metrics.REFUSALS.inc(not request.dry_run)
             raise Overloaded(f"{busy}; retry later") from None
         if decision is None:
             model = f" for model {request.model!r}" if request.model else ""
@@ -65,6 +67,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                             blocks=num_blocks - decision.decode.matched_blocks + 1, block_hashes=hashes)
             self.placements += 1
             self.by_reason[decision.reason] += 1
+            metrics.PLACEMENTS.labels(decision.reason).inc()
             self.by_worker.update({c.worker_id for c in (decision.decode, decision.prefill) if c})
         return scheduler_pb2.PlaceResponse(
             decode_address=decision.decode.address,

@@ -14,12 +14,15 @@ import threading
 from pathlib import Path
 
 import grpc
+from prometheus_client import REGISTRY
 
 from services.common.config import parse_args as parse_args_with_env
+from services.common.metrics import add_metrics_argument, serve_metrics
 from services.common.server import Service, configure_logging, run, serve_until_signal, start_server
 from services.proto import kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.worker.async_engine import AsyncEngine
 from services.worker.membership import Membership
+from services.worker.metrics import EngineCollector
 from services.worker.servicer import WorkerServicer
 from worker.config import ConfigError
 from worker.platform import DTYPE_CHOICES, dtype_name
@@ -60,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start")
     ap.add_argument("--max-waiting", type=int, default=256,
                     help="requests queued beyond a full batch before new ones get RESOURCE_EXHAUSTED")
+    add_metrics_argument(ap)
     return parse_args_with_env(ap, "worker", argv)
 
 
@@ -75,6 +79,10 @@ async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: 
                                 args.advertise_address or f"{args.host}:{handle.port}", args.role, model_dir.name)
         await membership.register()  # fail at start, not later, if the mesh refuses this worker
         membership_task = asyncio.get_running_loop().create_task(membership.run())
+    if args.metrics_port is not None:
+        REGISTRY.register(EngineCollector(async_engine))
+        metrics_port = serve_metrics(args.metrics_port, args.host)
+        print(f"worker metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
     print(f"worker ready on {args.host}:{handle.port}", flush=True)
 
     async def on_drain() -> None:

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from services.common.errors import Overloaded, Unavailable
 from services.common.load import Load
-from worker import Engine, InvalidRequest, RequestLimits, RequestOutput, SamplingParams
+from worker import Engine, EngineStats, InvalidRequest, RequestLimits, RequestOutput, SamplingParams
 from worker.parallel.group import GroupFailed
 
 log = logging.getLogger(__name__)
@@ -174,6 +174,10 @@ class AsyncEngine:
     @property
     def limits(self) -> RequestLimits:
         return self.engine.limits
+
+    def stats(self) -> EngineStats:
+        """The engine's stats as of its thread's last step (safe from any thread)."""
+        return self._stats
 
     def load(self) -> Load:
         """The load as of the engine thread's last step, with the requests admitted now."""

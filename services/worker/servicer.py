@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -18,7 +19,7 @@ from kervan.sampling import FORKED_SAMPLES
 from services.common.convert import finish_to_proto, load_to_proto, sampling_from_proto
 from services.common.errors import FailedPrecondition, Unavailable
 from services.proto import worker_pb2, worker_pb2_grpc
-from services.worker import kv_transfer
+from services.worker import kv_transfer, metrics
 from services.worker.async_engine import AsyncEngine
 from worker import ImportedKV, InvalidRequest, RequestOutput
 
@@ -54,6 +55,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         async for update in self.engine.generate(rid, prompt, dataclasses.replace(params, max_tokens=1), hold_kv=True):
             out = update  # the last one: the prompt's first token
         first = out.outputs[0]
+        metrics.count_prefix_cache(len(prompt), out.num_cached_tokens)
         response = worker_pb2.PrefillResponse(first_token=first.token_ids[0],
                                               first_logprob=first.logprobs[0] if first.logprobs else 0.0,
                                               cached_prompt_tokens=out.num_cached_tokens)
@@ -78,8 +80,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         else:
             export = None
             handle, messages = kv_transfer.stream_messages(request.request_id, data, self.lease_s)
+        start = time.perf_counter()
         try:
             receipt = await stub.PushKv(messages, timeout=self.lease_s)
+            metrics.KV_TRANSFER_TIME.observe(time.perf_counter() - start)
+            metrics.KV_TRANSFER_BYTES.labels("pushed").inc(receipt.num_bytes)
         except grpc.aio.AioRpcError as err:
             if export is not None:
                 export.discard()
@@ -109,6 +114,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._require("decode", "both")
         head, data = await kv_transfer.receive(request_iterator, self.staging.max_bytes)
         self.staging.put(head, data)
+        metrics.KV_TRANSFER_BYTES.labels("received").inc(head.num_bytes)
         return worker_pb2.PushKvResponse(handle=head.handle, num_bytes=head.num_bytes)
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
@@ -136,7 +142,11 @@ async def _updates(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[worke
     """Engine outputs -> one TokenUpdate per sample that progressed; each sample's end once."""
     done: set[int] = set()
     first = True
+    counted = False
     async for out in outputs:
+        if not counted:  # the prompt's prefix-cache lookup, once
+            metrics.count_prefix_cache(len(out.prompt_token_ids), out.num_cached_tokens)
+            counted = True
         for c in out.outputs:
             if c.index in done or not (c.new_token_ids or c.finish_reason):
                 continue

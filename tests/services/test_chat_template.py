@@ -13,8 +13,10 @@ from services.router.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 # raise_exception, tojson, a system message moved first
 LLAMA3_LIKE = (
     "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}{{ raise_exception('bad role') }}{% endif %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('bad role') }}{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 QWEN_LIKE = (

@@ -1,0 +1,44 @@
+"""A worker's Prometheus metrics: its engine's load, read when scraped (``EngineCollector``),
+prefix-cache queries and hits, and the KV it moves."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from services.common.metrics import LATENCY_BUCKETS
+
+PREFIX_CACHE_QUERIES = Counter("kervan_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+PREFIX_CACHE_HITS = Counter("kervan_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+KV_TRANSFER_BYTES = Counter("kervan_kv_transfer_bytes", "Bytes of KV handed between workers, pushed or received",
+                            ["direction"])
+KV_TRANSFER_TIME = Histogram("kervan_kv_transfer_seconds", "Time to push one request's KV to a decode worker",
+                             buckets=LATENCY_BUCKETS)
+
+
+class EngineCollector(Collector):
+    """The engine's load, as of its last step, at each scrape (no work per step)."""
+
+    def __init__(self, async_engine):
+        self.engine = async_engine
+
+    def collect(self):
+        stats = self.engine.engine.stats()
+        load = self.engine.load()
+        yield GaugeMetricFamily("kervan_num_requests_running", "Sequences the engine is running",
+                                value=load.num_running)
+        yield GaugeMetricFamily("kervan_num_requests_waiting", "Sequences waiting for the engine",
+                                value=load.num_waiting)
+        yield GaugeMetricFamily("kervan_prefill_queue_tokens", "Prompt tokens admitted and not yet prefilled",
+                                value=load.num_prefill_tokens)
+        used = 1.0 - load.num_free_blocks / load.num_blocks if load.num_blocks else 0.0
+        yield GaugeMetricFamily("kervan_kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", value=used)
+        yield CounterMetricFamily("kervan_num_preemptions", "Sequences preempted (their KV dropped)",
+                                  value=stats.num_preemptions)
+        yield CounterMetricFamily("kervan_requests_aborted", "Requests the worker aborted", value=load.num_aborted)
+
+
+def count_prefix_cache(prompt_tokens: int, cached_tokens: int) -> None:
+    PREFIX_CACHE_QUERIES.inc(prompt_tokens)
+    PREFIX_CACHE_HITS.inc(cached_tokens)
