@@ -35,8 +35,6 @@ class ClusterSpec:
     num_decode: int = 1
     num_both: int = 0
     router_port: int = 0  # 0: a free port
-    http_port: int | None = None  # the router's OpenAI-compatible HTTP API (None: off, 0: a free port)
-    metrics: bool = False  # every service serves Prometheus metrics on a free port (addresses["NAME-metrics"])
     redis_url: str | None = None  # None: start a private redis-server
     block_size: int = 16
     dtype: str = "auto"
@@ -47,6 +45,8 @@ class ClusterSpec:
     router_args: tuple[str, ...] = ()  # extra flags for the router, e.g. ("--max-migrations", "0")
     registry_args: tuple[str, ...] = ()  # extra flags for the kv-registry, e.g. ("--ttl", "2")
     worker_args: tuple[str, ...] = ()  # extra flags for every worker, e.g. ("--max-waiting", "8")
+    http_port: int | None = None  # the router's OpenAI-compatible HTTP API (None: off, 0: a free port)
+    metrics: bool = False  # every service serves Prometheus metrics on a free port (addresses["NAME-metrics"])
     # every worker a worker group of these sizes
     tensor_parallel: int = 1
     expert_parallel: int = 1

@@ -107,15 +107,23 @@ def kervan(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_kervan_up_serves_kervan_generate_text_token_ids_stop_strings_and_json_until_ctrl_c():
     """The README's cluster commands: ``kervan up`` in the background, ``kervan generate``
     against it, Ctrl-C stops every process."""
-    up = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "up", "--port", "0"], stderr=subprocess.PIPE,
-                          stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    up = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "up", "--port", "0", "--http-port", "0",
+                           "--metrics"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                          start_new_session=True)
     try:
         lines = []
-        while not (match := re.search(r"router on (\S+)", lines[-1] if lines else "")):
+        while not lines or "Ctrl-C stops the cluster" not in lines[-1]:
             line = up.stderr.readline()
             assert line, "".join(lines)[-3000:]
             lines.append(line)
-        addr = match.group(1)
+        printed = "".join(lines)
+        addr = re.search(r"router on (\S+)", printed).group(1)
+        assert len(re.findall(r"metrics: http://\S+/metrics", printed)) == 6, printed  # every service but redis
+        import openai  # the README's OpenAI example, against the HTTP front
+        base_url = re.search(r"OpenAI-compatible API on (\S+)", printed).group(1)
+        chat = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0).chat.completions.create(
+            model="kervan-tiny-llama-v1", max_tokens=8, messages=[{"role": "user", "content": "Tell me a story."}])
+        assert chat.choices[0].message.content and chat.usage.completion_tokens <= 8
         children = children_of(up.pid)
         assert len(children) == 7, children  # redis, kv-registry, control plane, scheduler, 2 workers, router
         log_dir = Path(re.search(r"logs in (\S+)", "".join(lines)).group(1))
