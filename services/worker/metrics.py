@@ -11,6 +11,8 @@ from services.common.metrics import LATENCY_BUCKETS
 
 PREFIX_CACHE_QUERIES = Counter("kervan_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
 PREFIX_CACHE_HITS = Counter("kervan_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+QUEUE_TIME = Histogram("kervan_request_queue_time_seconds", "From a request's arrival at the engine to its first "
+                       "step", buckets=LATENCY_BUCKETS)
 KV_TRANSFER_BYTES = Counter("kervan_kv_transfer_bytes", "Bytes of KV handed between workers, pushed or received",
                             ["direction"])
 KV_TRANSFER_TIME = Histogram("kervan_kv_transfer_seconds", "Time to push one request's KV to a decode worker",
@@ -39,6 +41,9 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("kervan_requests_aborted", "Requests the worker aborted", value=load.num_aborted)
 
 
-def count_prefix_cache(prompt_tokens: int, cached_tokens: int) -> None:
+def count_admission(prompt_tokens: int, cached_tokens: int, queue_time_s: float | None) -> None:
+    """A request's first output: its prefix-cache lookup and how long it queued."""
     PREFIX_CACHE_QUERIES.inc(prompt_tokens)
     PREFIX_CACHE_HITS.inc(cached_tokens)
+    if queue_time_s is not None:
+        QUEUE_TIME.observe(queue_time_s)

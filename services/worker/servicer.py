@@ -55,7 +55,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         async for update in self.engine.generate(rid, prompt, dataclasses.replace(params, max_tokens=1), hold_kv=True):
             out = update  # the last one: the prompt's first token
         first = out.outputs[0]
-        metrics.count_prefix_cache(len(prompt), out.num_cached_tokens)
+        metrics.count_admission(len(prompt), out.num_cached_tokens, out.queue_time_s)
         response = worker_pb2.PrefillResponse(first_token=first.token_ids[0],
                                               first_logprob=first.logprobs[0] if first.logprobs else 0.0,
                                               cached_prompt_tokens=out.num_cached_tokens)
@@ -144,8 +144,8 @@ async def _updates(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[worke
     first = True
     counted = False
     async for out in outputs:
-        if not counted:  # the prompt's prefix-cache lookup, once
-            metrics.count_prefix_cache(len(out.prompt_token_ids), out.num_cached_tokens)
+        if not counted:  # the prompt's prefix-cache lookup and queue time, once
+            metrics.count_admission(len(out.prompt_token_ids), out.num_cached_tokens, out.queue_time_s)
             counted = True
         for c in out.outputs:
             if c.index in done or not (c.new_token_ids or c.finish_reason):

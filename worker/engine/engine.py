@@ -211,7 +211,7 @@ class Engine:
         if finished:
             del self.groups[request_id]
         return RequestOutput(request_id, first.token_ids[:first.num_prompt_tokens], completions,
-                             max(first.num_cached_tokens, 0), finished)
+                             max(first.num_cached_tokens, 0), finished, first.queue_time_s)
 
     def stats(self) -> EngineStats:
         running = self.scheduler.running

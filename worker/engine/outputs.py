@@ -24,6 +24,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = False
+    queue_time_s: float | None = None  # from arrival to first scheduled; None until then
 
     # a single-sample request reads like its only completion
     @property

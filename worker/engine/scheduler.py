@@ -15,6 +15,7 @@ that had to preempt. (Not to be confused with the mesh-level placement in
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -110,6 +111,8 @@ class StepScheduler:
             n = min(req.num_tokens - start, budget)
             self.waiting.popleft()
             req.status = SequenceStatus.RUNNING
+            if req.queue_time_s is None:  # a preempted sequence's second admission does not count
+                req.queue_time_s = time.monotonic() - req.arrival_time
             req.num_computed_tokens = start
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens

@@ -11,6 +11,7 @@ place among the request's samples."""
 from __future__ import annotations
 
 import enum
+import time
 
 import torch
 
@@ -64,6 +65,8 @@ class Sequence:
         # kv_heads, block_size * head_dim]), written into this engine's blocks on admission
         self.imported_kv: torch.Tensor | None = None
         self.hold_kv = False  # keep the blocks after finishing, until released (prefill side)
+        self.arrival_time = time.monotonic()
+        self.queue_time_s: float | None = None  # arrival to first scheduled (set once, by the scheduler)
 
     @property
     def generator(self) -> torch.Generator | None:
