@@ -26,7 +26,7 @@ class EngineCollector(Collector):
         self.engine = async_engine
 
     def collect(self):
-        stats = self.engine.engine.stats()
+        stats = self.engine.stats()
         load = self.engine.load()
         yield GaugeMetricFamily("kervan_num_requests_running", "Sequences the engine is running",
                                 value=load.num_running)
