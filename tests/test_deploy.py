@@ -61,7 +61,10 @@ def manifests() -> list[tuple[str, dict]]:
 def test_every_kubernetes_manifest_passes_strict_validation():
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for name, doc in manifests():
-        kubernetes_validate.validate(doc, "1.33.0", strict=True)  # raises, naming the field, when invalid
+        try:
+            kubernetes_validate.validate(doc, "1.33.0", strict=True)  # raises, naming the field, when invalid
+        except kubernetes_validate.ValidationError as exc:
+            raise AssertionError(f"{name}: {doc['kind']} {doc['metadata']['name']}: {exc}") from None
 
 
 def test_the_kustomization_builds_and_deployments_are_run_as_an_operator_expects():
