@@ -65,6 +65,10 @@ def test_every_kubernetes_manifest_passes_strict_validation():
             kubernetes_validate.validate(doc, "1.33.0", strict=True)  # raises, naming the field, when invalid
         except kubernetes_validate.ValidationError as exc:
             raise AssertionError(f"{name}: {doc['kind']} {doc['metadata']['name']}: {exc}") from None
+    [(_, router)] = [(n, d) for n, d in manifests() if d["kind"] == "Deployment" and d["metadata"]["name"] == "router"]
+    typo = {**router, "spec": {**router["spec"], "replica": 2}}  # the check would catch a misspelt field
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(typo, "1.33.0", strict=True)
 
 
 def test_the_kustomization_builds_and_deployments_are_run_as_an_operator_expects():
