@@ -23,6 +23,7 @@ from prometheus_client import Counter
 
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
+from services.common.tracing import configure_tracing
 from services.kv_registry.index import LEASE_PREFIX
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 
@@ -108,6 +109,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     from services.common.server import run
     args = parse_args(argv)
+    configure_tracing("kervan-lease-watch")
     run(lambda: serve(args))
 
 

@@ -10,6 +10,7 @@ from kervan.block_hash import HASH_NAME
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
 from services.common.server import Service, run, serve_until_signal, start_server
+from services.common.tracing import configure_tracing
 from services.kv_registry.index import PrefixIndex
 from services.kv_registry.metrics import CountingConnection
 from services.kv_registry.servicer import KvRegistryServicer
@@ -50,6 +51,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    configure_tracing("kervan-kv-registry")
     run(lambda: serve(args))
 
 

@@ -17,6 +17,7 @@ from kervan.tokenizer import Tokenizer
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
 from services.common.server import Service, run, serve_until_signal, start_server
+from services.common.tracing import configure_tracing
 from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2_grpc
 from services.router.chat_template import ChatTemplate
 from services.router.http_front import OpenAIFront
@@ -103,6 +104,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    configure_tracing("kervan-router")
     run(lambda: serve(args))
 
 

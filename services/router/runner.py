@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import trace
 
 from kervan.sampling import FORKED_SAMPLES
 from services.common.convert import max_tokens_of
@@ -179,6 +180,9 @@ class RequestRunner:
             raise Unavailable(f"{lost} after {len(state.delivered)} tokens; {why}") from None
         state.attempt += 1
         metrics.MIGRATIONS.inc()
+        trace.get_current_span().add_event("kervan.migration", {"kervan.attempt": state.attempt,
+                                                                "kervan.lost_worker": lost.address,
+                                                                "kervan.delivered_tokens": len(state.delivered)})
         log.info("request %s: %s after %d tokens; migrating (attempt %d)", rid, lost, len(state.delivered),
                  state.attempt)
 

@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from kervan.sampling import InvalidRequest, SamplingParams
 from kervan.tokenizer import Tokenizer
@@ -64,6 +65,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.in_flight.add(rid)
         metrics.IN_FLIGHT.inc()
         metrics.PROMPT_TOKENS.inc(len(prompt))
+        span = trace.get_current_span()  # the gRPC server span (a no-op one without tracing)
+        span.set_attributes({"gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.limits.name,
+                             "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature":
+                             params.temperature, "gen_ai.usage.input_tokens": len(prompt), "kervan.request_id": rid,
+                             "kervan.n": params.n})
         try:
             streams: dict[int, SampleStream] = {}
             cached = 0  # prompt tokens served from a cache, as the first attempt's worker said
@@ -84,6 +90,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 await context.abort(err.code(), err.details() or "worker failed")
             finally:
                 await updates.aclose()
+                span.set_attributes({"gen_ai.usage.output_tokens": sum(x.completion_tokens for x in streams.values()),
+                                     "kervan.cached_prompt_tokens": cached})
         finally:
             self.in_flight.discard(rid)
             metrics.IN_FLIGHT.dec()

@@ -9,6 +9,7 @@ import grpc
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
 from services.common.server import Service, run, serve_until_signal, start_server
+from services.common.tracing import configure_tracing
 from services.proto import kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.placement import POLICIES, PlacementConfig
 from services.scheduler.recent import RecentPlacements
@@ -62,6 +63,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    configure_tracing("kervan-scheduler")
     run(lambda: serve(args))
 
 

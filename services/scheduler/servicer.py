@@ -11,6 +11,7 @@ import time
 from collections import Counter
 
 import grpc
+from opentelemetry import trace
 
 from kervan.sampling import RequestLimits
 from services.common.errors import Overloaded, Unavailable
@@ -69,6 +70,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             self.by_reason[decision.reason] += 1
             metrics.PLACEMENTS.labels(decision.reason).inc()
             self.by_worker.update({c.worker_id for c in (decision.decode, decision.prefill) if c})
+        trace.get_current_span().set_attributes({
+            "kervan.request_id": request.request_id, "kervan.placement.reason": decision.reason,
+            "kervan.placement.decode_worker": decision.decode.worker_id,
+            "kervan.placement.prefill_worker": decision.prefill.worker_id if decision.prefill else "",
+            "kervan.placement.cached_blocks": decision.cached_blocks,
+            "kervan.placement.scores": [f"{w}={v:.2f}" for w, v in sorted(decision.scores.items())]})
         return scheduler_pb2.PlaceResponse(
             decode_address=decision.decode.address,
             prefill_address=decision.prefill.address if decision.prefill else "",

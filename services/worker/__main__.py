@@ -19,6 +19,7 @@ from prometheus_client import REGISTRY
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
 from services.common.server import Service, configure_logging, run, serve_until_signal, start_server
+from services.common.tracing import configure_tracing
 from services.proto import kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.worker.async_engine import AsyncEngine
 from services.worker.membership import Membership
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     configure_logging()
+    configure_tracing(f"kervan-{args.role}-worker")
     log.info("platform: %s", current_platform().summary())
     model_dir = Path(args.model) if args.model else ensure_default_model()
     try:

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from kervan.sampling import FORKED_SAMPLES
 from services.common.convert import finish_to_proto, load_to_proto, sampling_from_proto
@@ -56,6 +57,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             out = update  # the last one: the prompt's first token
         first = out.outputs[0]
         metrics.count_admission(len(prompt), out.num_cached_tokens, out.queue_time_s)
+        _first_output_event(out)
         response = worker_pb2.PrefillResponse(first_token=first.token_ids[0],
                                               first_logprob=first.logprobs[0] if first.logprobs else 0.0,
                                               cached_prompt_tokens=out.num_cached_tokens)
@@ -138,6 +140,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             await channel.close()
 
 
+def _first_output_event(out: RequestOutput) -> None:
+    """On the call's span: the engine's first output (queued, prefilled, first token)."""
+    trace.get_current_span().add_event("kervan.first_token", {
+        "kervan.queue_time_s": out.queue_time_s or 0.0, "kervan.cached_prompt_tokens": out.num_cached_tokens,
+        "gen_ai.usage.input_tokens": len(out.prompt_token_ids)})
+
+
 async def _updates(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[worker_pb2.TokenUpdate]:
     """Engine outputs -> one TokenUpdate per sample that progressed; each sample's end once."""
     done: set[int] = set()
@@ -146,6 +155,7 @@ async def _updates(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[worke
     async for out in outputs:
         if not counted:  # the prompt's prefix-cache lookup and queue time, once
             metrics.count_admission(len(out.prompt_token_ids), out.num_cached_tokens, out.queue_time_s)
+            _first_output_event(out)
             counted = True
         for c in out.outputs:
             if c.index in done or not (c.new_token_ids or c.finish_reason):

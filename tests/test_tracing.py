@@ -1,0 +1,105 @@
+"""One request is one OpenTelemetry trace across every process of a disaggregated
+cluster: router, scheduler, kv-registry (and its Redis calls), prefill worker (and
+the KV push) and decode worker, exported over OTLP (the standard ``OTEL_*`` variables)
+to a real OTLP trace receiver in this test; GenAI attributes on the router's span,
+the placement on the scheduler's, the engine's first output as an event."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from concurrent import futures
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from control_plane.launcher import Cluster, ClusterSpec
+from tests.cluster_helpers import complete
+from tests.conftest import make_prompts
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace receiver that keeps every span with its service's name."""
+
+    def __init__(self):
+        self.spans: list[tuple[str, object]] = []
+
+    def Export(self, request, context):
+        for resource_spans in request.resource_spans:
+            attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+            for scope in resource_spans.scope_spans:
+                self.spans += [(attrs.get("service.name", ""), span) for span in scope.spans]
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+@pytest.fixture
+def receiver():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    sink = Receiver()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield sink, port
+    server.stop(0)
+
+
+def attributes(span) -> dict:
+    out = {}
+    for a in span.attributes:
+        kind = a.value.WhichOneof("value")
+        out[a.key] = getattr(a.value, kind) if kind != "array_value" else [
+            v.string_value for v in a.value.array_value.values]
+    return out
+
+
+async def test_one_request_is_one_trace_across_every_process(llama, tmp_path, receiver, monkeypatch):
+    sink, port = receiver
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # export every 0.2 s, not 5
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1, dtype="float32", num_kv_blocks=256,
+                                  scheduler_args=("--min-remote-prefill-blocks", "1")), tmp_path)
+    await asyncio.to_thread(cluster.start, 240)
+    try:
+        prompt = make_prompts([40], seed=46)[0]  # uncached: prefilled on the prefill worker, KV pushed
+        out = await complete(cluster, token_ids=prompt, max_tokens=5, temperature=0.0, ignore_eos=True,
+                             request_id="traced-1")
+        assert out.usage["completion_tokens"] == 5
+        expected = {"kervan-router", "kervan-scheduler", "kervan-kv-registry", "kervan-prefill-worker",
+                    "kervan-decode-worker"}
+        deadline = time.monotonic() + 30
+        while True:
+            roots = [s for name, s in sink.spans if name == "kervan-router"
+                     and attributes(s).get("kervan.request_id") == "traced-1"]
+            trace_id = roots[0].trace_id if roots else None
+            in_trace = [(name, s) for name, s in sink.spans if s.trace_id == trace_id]
+            if roots and expected <= {name for name, _ in in_trace} and any(
+                    s.name.endswith("PushKv") for _, s in in_trace):
+                break
+            assert time.monotonic() < deadline, sorted({(n, s.name) for n, s in sink.spans})
+            await asyncio.sleep(0.2)
+    finally:
+        await asyncio.to_thread(cluster.stop)  # each service flushes what it still batched as it exits
+    in_trace = [(name, s) for name, s in sink.spans if s.trace_id == trace_id]
+    by_id = {s.span_id: s for _, s in in_trace}
+    [root] = [s for _, s in in_trace if not s.parent_span_id]  # one root: the router's Generate
+    assert root is roots[0] and root.name.lstrip("/") == "kervan.v1.RouterService/Generate"
+    for _, s in in_trace:  # connected: every other span's parent is in the same trace
+        assert s is root or s.parent_span_id in by_id, s.name
+    names = defaultdict(set)
+    for service, s in in_trace:
+        names[service].add(s.name.lstrip("/"))  # the gRPC instrumentation names spans "/service/method"
+    assert {"kervan.v1.SchedulerService/Place"} <= names["kervan-scheduler"]
+    assert "kervan.v1.KvRegistryService/Match" in names["kervan-kv-registry"]
+    assert any(not n.startswith("kervan.v1") for n in names["kervan-kv-registry"])  # its Redis calls
+    assert "kervan.v1.WorkerService/Prefill" in names["kervan-prefill-worker"]
+    assert {"kervan.v1.WorkerService/PushKv", "kervan.v1.WorkerService/Decode"} <= names["kervan-decode-worker"]
+    genai = attributes(root)
+    assert genai["gen_ai.operation.name"] == "text_completion" and genai["gen_ai.usage.input_tokens"] == 40
+    assert genai["gen_ai.usage.output_tokens"] == 5 and genai["gen_ai.request.max_tokens"] == 5
+    [place] = [s for service, s in in_trace if service == "kervan-scheduler" and s.name.endswith("/Place")]
+    assert attributes(place)["kervan.placement.reason"] == "remote"
+    [prefill] = [s for _, s in in_trace if s.name.endswith("WorkerService/Prefill") and s.kind == 2]  # server
+    assert [e.name for e in prefill.events] == ["kervan.first_token"]
