@@ -36,12 +36,13 @@ def test_the_compose_cluster_is_valid_compose_with_health_gated_startup():
     out = subprocess.run([*compose, "-f", str(path), "config", "--format", "json"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     services = json.loads(out.stdout)["services"]
-    assert set(KERVAN_SERVICES + ["redis", "prometheus"]) <= set(services)
+    assert set(KERVAN_SERVICES + ["redis", "prometheus", "otel-collector", "jaeger"]) <= set(services)
     for name in KERVAN_SERVICES:
         service = services[name]
         assert service["command"][0].split(".")[0] in ("services", "control_plane")
         assert "/opt/kervan/cache" in [v["target"] for v in service["volumes"]]  # the named model cache
         assert all(dep["condition"] == "service_healthy" for dep in service["depends_on"].values())
+        assert service["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"  # traces
         if name != "lease-watch":  # a gRPC server: its health check is a grpc.health.v1 Check
             assert service["healthcheck"]["test"][1:4] == ["python3", "-m", "control_plane.probe"], name
     published = [p for s in services.values() for p in s.get("ports", [])]
@@ -80,7 +81,9 @@ def test_the_kustomization_builds_and_deployments_are_run_as_an_operator_expects
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     assert all(d["metadata"].get("namespace") == "kervan" for d in docs if d["kind"] != "Namespace")
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
-    assert set(KERVAN_SERVICES + ["redis"]) == set(deployments)
+    assert set(KERVAN_SERVICES + ["redis", "otel-collector"]) == set(deployments)
+    services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    assert {"otel-collector", "kv-registry", "scheduler", "router", "redis"} <= services
     for name in KERVAN_SERVICES:
         pod = deployments[name]["spec"]["template"]["spec"]
         [container] = pod["containers"]
@@ -88,6 +91,8 @@ def test_the_kustomization_builds_and_deployments_are_run_as_an_operator_expects
         assert container["securityContext"]["runAsNonRoot"] and not container["securityContext"][
             "allowPrivilegeEscalation"], name
         assert pod["terminationGracePeriodSeconds"] >= 30, name  # longer than a drain's 5 s grace
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317", name
         if name != "lease-watch":  # native gRPC probes against grpc.health.v1
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert "grpc" in container[probe], (name, probe)
