@@ -7,6 +7,9 @@
      -> KV push -> decode worker, all over loopback, each its own process), and
    - the same services around one aggregated worker;
    output tokens/s, time to first token and inter-token latency (p50, p99).
+   With ``--topologies mesh,mesh_traced``: the full mesh again with OpenTelemetry on
+   (``OTEL_EXPORTER_OTLP_ENDPOINT`` pointing at an OTLP receiver in this process that
+   counts the spans), against the mesh with nothing configured: what tracing costs.
 2. KV transfer: the prompt KV of the default model pushed to a decode worker in
    another process through the shared-memory and the gRPC-stream paths, against a
    plain shared-memory copy of the same bytes (copy in, copy out) in this process.
@@ -18,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -151,6 +156,41 @@ def kv_transfer_report(model_dir: Path, dtype: str, num_tokens: int, rounds: int
             "shared_memory_vs_plain": round(shm / plain, 2), "grpc_stream_vs_plain": round(stream / plain, 2)}
 
 
+class SpanCounter:
+    """An OTLP/gRPC trace receiver in this process that counts the spans it is sent."""
+
+    def __init__(self):
+        from concurrent import futures
+
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+        counter = self
+        self.count = 0
+
+        class Service(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):
+                counter.count += sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    @contextlib.contextmanager
+    def exporting(self):
+        """OTEL_* variables pointing here while the block runs (processes started in it keep them)."""
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for key in env:
+                del os.environ[key]
+
+    def stop(self) -> None:
+        self.server.stop(0)
+
+
 def median_entry(results: list[dict]) -> dict:
     return sorted(results, key=lambda r: r["output_tokens_per_s"])[len(results) // 2]
 
@@ -182,13 +222,19 @@ def main() -> None:
     # second isolates what the services cost from what splitting the cores between two
     # engines costs. Both stay up (idle workers sleep) while the systems take turns.
     shapes = {"mesh": dict(num_prefill=1, num_decode=1),
-              "mesh_aggregated": dict(num_prefill=0, num_decode=0, num_both=1)}
+              "mesh_aggregated": dict(num_prefill=0, num_decode=0, num_both=1),
+              "mesh_traced": dict(num_prefill=1, num_decode=1)}
     clusters = {name: Cluster(ClusterSpec(model_dir, **shapes[name], dtype=args.dtype), new_log_dir())
                 for name in args.topologies.split(",")}
+    receiver = SpanCounter() if "mesh_traced" in clusters else None
     results: dict[int, dict[str, list[dict]]] = {c: {name: [] for name in ["engine", *clusters]} for c in concurrencies}
     try:
-        for cluster in clusters.values():
-            cluster.start()
+        for name, cluster in clusters.items():
+            if name == "mesh_traced":  # its processes inherit the OTEL_* variables, the others do not
+                with receiver.exporting():
+                    cluster.start()
+            else:
+                cluster.start()
         for r in range(args.rounds):
             for conc in concurrencies:  # fresh prompts every round: no prefix hit from an earlier one
                 num = 8 if conc == 1 else args.requests
@@ -199,6 +245,8 @@ def main() -> None:
     finally:
         for cluster in clusters.values():
             cluster.stop()
+        if receiver is not None:
+            receiver.stop()
     del engine
     report = {"benchmark": "mesh_throughput", "model": str(model_dir), "machine": machine(args.dtype),
               "threads_per_process": torch.get_num_threads(),
@@ -213,6 +261,12 @@ def main() -> None:
                       for m, e in zip(by_system[name], by_system["engine"])]
             entry[f"{name}_vs_engine_throughput"] = round(sorted(ratios)[len(ratios) // 2], 2)
             entry[f"{name}_vs_engine_rounds"] = [round(x, 2) for x in ratios]
+    if receiver is not None:
+        report["spans_received_from_mesh_traced"] = receiver.count
+        for conc, entry in report["concurrency"].items():
+            ratios = [t["output_tokens_per_s"] / m["output_tokens_per_s"]
+                      for t, m in zip(results[conc]["mesh_traced"], results[conc]["mesh"])]
+            entry["mesh_traced_vs_mesh_throughput"] = round(sorted(ratios)[len(ratios) // 2], 3)
     report["kv_transfer"] = kv_transfer_report(model_dir, args.dtype, args.kv_tokens, rounds=5)
     top = report["concurrency"].get(32)
     if top:

@@ -81,9 +81,12 @@ def test_the_kustomization_builds_and_deployments_are_run_as_an_operator_expects
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     assert all(d["metadata"].get("namespace") == "kervan" for d in docs if d["kind"] != "Namespace")
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
-    assert set(KERVAN_SERVICES + ["redis", "otel-collector"]) == set(deployments)
+    assert set(KERVAN_SERVICES + ["redis", "otel-collector", "jaeger"]) == set(deployments)
     services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
-    assert {"otel-collector", "kv-registry", "scheduler", "router", "redis"} <= services
+    assert {"otel-collector", "jaeger", "kv-registry", "scheduler", "router", "redis"} <= services
+    [collector] = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "otel-collector"]
+    exporters = yaml.safe_load(collector["data"]["config.yaml"])["exporters"]
+    assert {e["endpoint"].split(":")[0] for e in exporters.values()} <= services  # the backend is deployed
     for name in KERVAN_SERVICES:
         pod = deployments[name]["spec"]["template"]["spec"]
         [container] = pod["containers"]

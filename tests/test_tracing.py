@@ -2,7 +2,9 @@
 cluster: router, scheduler, kv-registry (and its Redis calls), prefill worker (and
 the KV push) and decode worker, exported over OTLP (the standard ``OTEL_*`` variables)
 to a real OTLP trace receiver in this test; GenAI attributes on the router's span,
-the placement on the scheduler's, the engine's first output as an event."""
+the placement on the scheduler's, the engine's first output as an event. A request
+whose decode worker is killed mid-stream stays one trace: the migration is an event
+on its root, and its continuation on the other worker hangs from the same root."""
 
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ async def test_one_request_is_one_trace_across_every_process(llama, tmp_path, re
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # export every 0.2 s, not 5
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1, dtype="float32", num_kv_blocks=256,
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=2, dtype="float32", num_kv_blocks=256,
                                   scheduler_args=("--min-remote-prefill-blocks", "1")), tmp_path)
     await asyncio.to_thread(cluster.start, 240)
     try:
@@ -80,6 +82,7 @@ async def test_one_request_is_one_trace_across_every_process(llama, tmp_path, re
                 break
             assert time.monotonic() < deadline, sorted({(n, s.name) for n, s in sink.spans})
             await asyncio.sleep(0.2)
+        migrated = await migrated_trace(cluster, sink)
     finally:
         await asyncio.to_thread(cluster.stop)  # each service flushes what it still batched as it exits
     in_trace = [(name, s) for name, s in sink.spans if s.trace_id == trace_id]
@@ -103,3 +106,35 @@ async def test_one_request_is_one_trace_across_every_process(llama, tmp_path, re
     assert attributes(place)["kervan.placement.reason"] == "remote"
     [prefill] = [s for _, s in in_trace if s.name.endswith("WorkerService/Prefill") and s.kind == 2]  # server
     assert [e.name for e in prefill.events] == ["kervan.first_token"]
+
+    # the migrated request: one trace, its root noting the move, the survivor's spans under it
+    root, _ = migrated
+    spans = [(name, s) for name, s in sink.spans if s.trace_id == root.trace_id]  # with what the stop flushed
+    [event] = [e for e in root.events if e.name == "kervan.migration"]
+    assert {a.key for a in event.attributes} >= {"kervan.attempt", "kervan.lost_worker"}
+    ids = {s.span_id for _, s in spans}
+    orphans = [(n, s.name) for n, s in spans if s is not root and s.parent_span_id not in ids]
+    assert not orphans, orphans
+    assert any(service == "kervan-decode-worker" and s.kind == 2 for service, s in spans)  # the continuation
+
+
+async def migrated_trace(cluster, sink):
+    """Kill decode-0 under streams that delivered tokens; returns (root span, spans of its
+    trace) of a request that migrated."""
+    import subprocess
+
+    from tests.chaos.checker import streams_decoding_on
+    prompts = make_prompts([20, 21, 22, 23], seed=47)
+    tasks = await streams_decoding_on(cluster.router_address, cluster.addresses["decode-0"], prompts, 300, 120)
+    subprocess.run(["kill", "-9", str(cluster.procs["decode-0"].pid)], check=True)
+    await asyncio.gather(*tasks)
+    deadline = time.monotonic() + 30
+    while True:
+        roots = [s for name, s in sink.spans if name == "kervan-router" and not s.parent_span_id
+                 and any(e.name == "kervan.migration" for e in s.events)]
+        for root in roots:
+            spans = [(name, s) for name, s in sink.spans if s.trace_id == root.trace_id]
+            if any(name == "kervan-decode-worker" and s.kind == 2 for name, s in spans):
+                return root, spans
+        assert time.monotonic() < deadline, f"{len(roots)} migrated roots, none with its continuation yet"
+        await asyncio.sleep(0.2)
