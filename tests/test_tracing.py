@@ -105,7 +105,10 @@ async def test_one_request_is_one_trace_across_every_process(llama, tmp_path, re
     [place] = [s for service, s in in_trace if service == "kervan-scheduler" and s.name.endswith("/Place")]
     assert attributes(place)["kervan.placement.reason"] == "remote"
     [prefill] = [s for _, s in in_trace if s.name.endswith("WorkerService/Prefill") and s.kind == 2]  # server
-    assert [e.name for e in prefill.events] == ["kervan.first_token"]
+    # the engine's side: the prompt's chunks (the scheduler's 2,048-token budget: one here), then the first token
+    assert [e.name for e in prefill.events] == ["kervan.prefill_chunk", "kervan.first_token"]
+    chunk = {a.key: a.value.int_value for a in prefill.events[0].attributes if a.key != "kervan.chunk.step_ms"}
+    assert chunk == {"kervan.chunk.start": 0, "kervan.chunk.tokens": 40}
 
     # the migrated request: one trace, its root noting the move, the survivor's spans under it
     root, _ = migrated

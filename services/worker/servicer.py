@@ -141,8 +141,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
 
 def _first_output_event(out: RequestOutput) -> None:
-    """On the call's span: the engine's first output (queued, prefilled, first token)."""
-    trace.get_current_span().add_event("kervan.first_token", {
+    """On the call's span, the engine's side of the request up to its first output: an
+    event per prompt chunk computed (at the step's start, with its duration), then the
+    first token (with the queue time and the cached prompt tokens)."""
+    span = trace.get_current_span()
+    for start, tokens, began, ended in out.prefill_chunks:
+        span.add_event("kervan.prefill_chunk", {"kervan.chunk.start": start, "kervan.chunk.tokens": tokens,
+                                                "kervan.chunk.step_ms": (ended - began) / 1e6}, timestamp=began)
+    span.add_event("kervan.first_token", {
         "kervan.queue_time_s": out.queue_time_s or 0.0, "kervan.cached_prompt_tokens": out.num_cached_tokens,
         "gen_ai.usage.input_tokens": len(out.prompt_token_ids)})
 

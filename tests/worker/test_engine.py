@@ -250,3 +250,18 @@ def test_max_model_len_is_the_models_limit_cut_to_what_the_kv_cache_holds(llama)
         make_engine(llama[1], num_kv_blocks=20, max_model_len=100)
     with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings 512"):
         make_engine(llama[1], max_model_len=600)
+
+
+def test_outputs_carry_the_queue_time_and_the_prompt_chunks_as_computed(llama):
+    """What a worker's trace and metrics report: how long a request waited for its first
+    step, and each chunk of its prompt with its step's times."""
+    engine = make_engine(llama[1], max_num_batched_tokens=16)
+    engine.add_request(make_prompts([35], seed=48)[0], SamplingParams(max_tokens=2, temperature=0),
+                       request_id="r")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    first = outs[0]
+    assert first.queue_time_s is not None and first.queue_time_s >= 0
+    assert [(start, n) for start, n, _, _ in first.prefill_chunks] == [(0, 16), (16, 16), (32, 3)]
+    assert all(began <= ended for _, _, began, ended in first.prefill_chunks)

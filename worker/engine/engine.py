@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,7 +137,13 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.sequences:
             return []
+        started = time.time_ns()
         result = self.runner.execute(batch)
+        ended = time.time_ns()
+        for scheduled in batch.sequences:  # each prompt chunk's place in the request's timeline
+            seq = scheduled.sequence
+            if scheduled.num_computed < seq.num_prompt_tokens:
+                seq.prefill_chunks.append((scheduled.num_computed, scheduled.num_new_tokens, started, ended))
         progressed = self.scheduler.update(batch, result.samples)
         touched: dict[str, None] = {}
         for req in progressed:
@@ -211,7 +218,8 @@ class Engine:
         if finished:
             del self.groups[request_id]
         return RequestOutput(request_id, first.token_ids[:first.num_prompt_tokens], completions,
-                             max(first.num_cached_tokens, 0), finished, first.queue_time_s)
+                             max(first.num_cached_tokens, 0), finished, first.queue_time_s,
+                             list(first.prefill_chunks))
 
     def stats(self) -> EngineStats:
         running = self.scheduler.running

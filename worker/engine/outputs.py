@@ -25,6 +25,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = False
     queue_time_s: float | None = None  # from arrival to first scheduled; None until then
+    # the prompt's chunks as computed: (first token, tokens, step start, step end; ns since the epoch)
+    prefill_chunks: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     # a single-sample request reads like its only completion
     @property

@@ -67,6 +67,8 @@ class Sequence:
         self.hold_kv = False  # keep the blocks after finishing, until released (prefill side)
         self.arrival_time = time.monotonic()
         self.queue_time_s: float | None = None  # arrival to first scheduled (set once, by the scheduler)
+        # prompt chunks computed: (first token, tokens, step start, step end; ns since the epoch)
+        self.prefill_chunks: list[tuple[int, int, int, int]] = []
 
     @property
     def generator(self) -> torch.Generator | None:
