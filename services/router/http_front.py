@@ -138,9 +138,9 @@ class OpenAIFront:
             return StreamingResponse(answer.stream(first, events), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            await answer.take(*first)
+            answer.take(*first)
             async for prompt_index, response in events:
-                await answer.take(prompt_index, response)
+                answer.take(prompt_index, response)
         except grpc.aio.AioRpcError as err:
             return rpc_error_response(err)
         finally:
@@ -158,7 +158,7 @@ class _Answer:
         self.prompt_tokens: dict[int, tuple[int, int]] = {}  # prompt -> (tokens, cached)
         self.completion_tokens = 0
 
-    async def take(self, prompt_index: int, response: router_pb2.GenerateResponse) -> dict | None:
+    def take(self, prompt_index: int, response: router_pb2.GenerateResponse) -> dict | None:
         """Add one response; returns the chunk a stream sends for it (None: nothing new)."""
         which = response.WhichOneof("kind")
         if which == "delta":
@@ -197,12 +197,12 @@ class _Answer:
                     yield _sse({**self._head("chat.completion.chunk"), "choices": [
                         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}]})
-            chunk = await self.take(*first)
+            chunk = self.take(*first)
             if chunk:
                 yield _sse(chunk)
             try:
                 async for prompt_index, response in events:
-                    chunk = await self.take(prompt_index, response)
+                    chunk = self.take(prompt_index, response)
                     if chunk:
                         yield _sse(chunk)
             except grpc.aio.AioRpcError as err:  # after the first chunk the status is sent: say it in the stream
@@ -253,13 +253,6 @@ def _with_id(request: router_pb2.GenerateRequest, rid: str) -> router_pb2.Genera
 
 async def _merged(calls: list) -> AsyncIterator[tuple[int, router_pb2.GenerateResponse]]:
     """(prompt index, response) from every call, as they come; closing it cancels them all."""
-    if len(calls) == 1:
-        try:
-            async for response in calls[0]:
-                yield 0, response
-        finally:
-            calls[0].cancel()
-        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, call) -> None:

@@ -71,8 +71,6 @@ def parse_chat(body: dict, served_model: str, render) -> OpenAIRequest:
 
 
 def _request(body: dict, served_model: str, prompts: list, logprobs: bool, max_tokens_key: str) -> OpenAIRequest:
-    if not isinstance(body, dict):
-        raise InvalidRequest("the body must be a JSON object")
     for key in UNSUPPORTED:
         if body.get(key) not in (None, {}, [], ""):
             raise InvalidRequest(f"{key} is not supported")
@@ -147,18 +145,18 @@ def _ids(value: object) -> list[int]:
 
 
 def _int(body: dict, key: str, default):
-    value = body.get(key, default)
-    if value is None or value is default:
-        return value
+    value = body.get(key)
+    if value is None:
+        return default
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequest(f"{key} must be an integer, got {value!r}")
     return value
 
 
 def _number(body: dict, key: str, default):
-    value = body.get(key, default)
-    if value is None or value is default:
-        return value
+    value = body.get(key)
+    if value is None:
+        return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequest(f"{key} must be a number, got {value!r}")
     return float(value)

@@ -87,6 +87,8 @@ async def test_errors_are_openai_json_with_the_grpc_paths_status(front):
         await client.completions.create(model="no-such-model", prompt="hi", max_tokens=5)
     with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported"):
         await client.completions.create(model=model, prompt="hi", presence_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match="n must be an integer"):  # a type, checked before gRPC
+        await client.completions.create(model=model, prompt="hi", extra_body={"n": "2"})
     with pytest.raises(openai.BadRequestError, match="needs a role"):
         await client.chat.completions.create(model=model, messages=[{"content": "hi"}])
     status, body = await http(port, "POST", "/v1/completions", b"{not json")

@@ -73,8 +73,8 @@ class ShmComm:
         self.sent: dict[int, int] = {}  # pipeline: destination -> tensors put in its inbox
         self._typed: dict[torch.dtype, torch.Tensor] = {}
 
-    def fits(self, x: torch.Tensor) -> bool:
-        return x.numel() * x.element_size() <= self.slot_bytes
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= self.slot_bytes
 
     def fits_rows(self, max_rows: int, row_bytes: int) -> bool:
         return self.header_bytes + max_rows * row_bytes <= self.slot_bytes
@@ -119,12 +119,12 @@ class ShmComm:
         self.sent[dst] = sent + 1
         line[0] = sent + 1  # stored after the data (x86 keeps store order)
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, idle_sleep_s: float = 0.0) -> torch.Tensor:
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Pipeline: the next tensor in this rank's inbox (a copy)."""
         line = self.inbox_lines[self.rank]
         self.taken += 1
-        self._wait_until(lambda: line[0] >= self.taken, "a tensor from the previous stage", idle_sleep_s)
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self._wait_until(lambda: line[0] >= self.taken, "a tensor from the previous stage")
+        nbytes = math.prod(shape) * dtype.itemsize
         out = self.inboxes[self.rank, :nbytes].clone().view(dtype).view(shape)
         line[1] = self.taken
         return out

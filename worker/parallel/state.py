@@ -122,8 +122,8 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over the ranks of the tensor-parallel stage (identity without one)."""
     if _STATE.tp_size == 1:
         return x
-    TRAFFIC["all_reduce"] += x.numel() * x.element_size() * (_STATE.width - 1)
-    if _SHM is not None and _SHM.fits(x):
+    TRAFFIC["all_reduce"] += _nbytes(x) * (_STATE.width - 1)
+    if _SHM is not None and _SHM.fits(_nbytes(x)):
         return _SHM.all_reduce(x)
     import torch.distributed as dist
     dist.all_reduce(x)
@@ -133,8 +133,8 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if _STATE.tp_size == 1:
         return x
-    TRAFFIC["all_gather"] += x.numel() * x.element_size() * (_STATE.width - 1)
-    if _SHM is not None and _SHM.fits(x):
+    TRAFFIC["all_gather"] += _nbytes(x) * (_STATE.width - 1)
+    if _SHM is not None and _SHM.fits(_nbytes(x)):
         return _SHM.all_gather_last_dim(x)
     import torch.distributed as dist
     parts = [torch.empty_like(x) for _ in range(_STATE.tp_size)]
@@ -164,6 +164,10 @@ def all_gather_rows(x: torch.Tensor, max_rows: int) -> torch.Tensor:
     return _dist_all_to_all(x.repeat(world, *[1] * (x.dim() - 1)), [len(x)] * world)[0]
 
 
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
 def _row_bytes(x: torch.Tensor) -> int:
     return math.prod(x.shape[1:]) * x.element_size()
 
@@ -180,21 +184,21 @@ def _dist_all_to_all(x: torch.Tensor, send_counts: list[int]) -> tuple[torch.Ten
 
 def send_to(dst: int, x: torch.Tensor) -> None:
     """Pipeline: hand ``x`` to rank ``dst`` (which knows its shape and dtype)."""
-    TRAFFIC["pipeline"] += x.numel() * x.element_size()
-    if _SHM is not None and _SHM.fits(x):
+    TRAFFIC["pipeline"] += _nbytes(x)
+    if _SHM is not None and _SHM.fits(_nbytes(x)):
         _SHM.send_to(dst, x)
         return
     import torch.distributed as dist
     dist.send(x.contiguous(), dst)
 
 
-def recv_from(src: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
-              idle_sleep_s: float = 0.0) -> torch.Tensor:
+def recv_from(src: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+              ) -> torch.Tensor:
     """Pipeline: the next tensor rank ``src`` hands this one (on ``device``: NCCL
     receives into device memory)."""
-    out = torch.empty(shape, dtype=dtype, device=device)
-    if _SHM is not None and _SHM.fits(out):
-        return _SHM.recv(shape, dtype, idle_sleep_s)
+    if _SHM is not None and _SHM.fits(math.prod(shape) * dtype.itemsize):
+        return _SHM.recv(shape, dtype)
     import torch.distributed as dist
+    out = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(out, src)
     return out

@@ -54,8 +54,8 @@ class ModelRunner:
     def _uses_graphs(self) -> bool:
         """CUDA graphs for decode steps: on CUDA, one process, a model whose forward
         never waits on the host (not the MoE dispatch), unless ``enforce_eager``."""
-        return (self.device.type == "cuda" and not self.config.enforce_eager and self.group is None
-                and get_parallel_state().world == 1 and not self.model.moes)
+        return (self.device.type == "cuda" and not self.config.enforce_eager and get_parallel_state().world == 1
+                and not self.model.moes)
 
     def _capture_graphs(self) -> CudaGraphRunner:
         bs = self.config.block_size
