@@ -155,6 +155,8 @@ async def test_every_service_serves_prometheus_metrics_that_move_with_traffic(cl
     prompt = make_prompts([45], seed=45)[0]  # uncached: prefilled remotely, its KV pushed to a decode worker
     out = await complete(cluster, token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
     assert out.usage["completion_tokens"] == 6
+    with pytest.raises(grpc.aio.AioRpcError):  # a client mistake: counted by method and status
+        await complete(cluster, token_ids=[1, 10**6], max_tokens=2)
     await wait_idle(cluster)
     after = {n: await asyncio.to_thread(scrape, cluster.addresses[f"{n}-metrics"]) for n in names}
 
@@ -167,6 +169,8 @@ async def test_every_service_serves_prometheus_metrics_that_move_with_traffic(cl
     assert moved("router", "kervan_inter_token_latency_seconds_count") == 5
     assert moved("router", "kervan_request_success_total", finished_reason="length") == 1
     assert moved("scheduler", "kervan_placements_total", reason="remote") == 1
+    assert moved("router", "kervan_rpc_errors_total", method="/kervan.v1.RouterService/Generate",
+                 code="INVALID_ARGUMENT") == 1
     assert moved("kv-registry", "kervan_redis_round_trips_total") > 0
     assert moved("prefill-0", "kervan_prefix_cache_queries_total") == 45
     assert moved("prefill-0", "kervan_request_queue_time_seconds_count") == 1

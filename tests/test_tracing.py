@@ -99,6 +99,8 @@ async def test_one_request_is_one_trace_across_every_process(llama, tmp_path, re
     assert any(not n.startswith("kervan.v1") for n in names["kervan-kv-registry"])  # its Redis calls
     assert "kervan.v1.WorkerService/Prefill" in names["kervan-prefill-worker"]
     assert {"kervan.v1.WorkerService/PushKv", "kervan.v1.WorkerService/Decode"} <= names["kervan-decode-worker"]
+    # health checks (the launcher's, every second) are left out of the traces
+    assert not [s.name for _, s in sink.spans if "grpc.health" in s.name]
     genai = attributes(root)
     assert genai["gen_ai.operation.name"] == "text_completion" and genai["gen_ai.usage.input_tokens"] == 40
     assert genai["gen_ai.usage.output_tokens"] == 5 and genai["gen_ai.request.max_tokens"] == 5
@@ -141,3 +143,18 @@ async def migrated_trace(cluster, sink):
                 return root, spans
         assert time.monotonic() < deadline, f"{len(roots)} migrated roots, none with its continuation yet"
         await asyncio.sleep(0.2)
+
+
+def test_tracing_is_off_unless_an_otlp_endpoint_is_set(monkeypatch):
+    from services.common.tracing import tracing_requested
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED",
+                 "OTEL_TRACES_EXPORTER"):
+        monkeypatch.delenv(name, raising=False)
+    assert not tracing_requested()  # nothing set: nothing installed, spans are no-ops
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:4317")
+    assert tracing_requested()
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert not tracing_requested()
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert not tracing_requested()
