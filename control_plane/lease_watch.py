@@ -94,9 +94,7 @@ async def serve(args: argparse.Namespace) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
-        metrics_port = serve_metrics(args.metrics_port, args.host)
-        if metrics_port is not None:
-            print(f"control-plane metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
+        serve_metrics(args.metrics_port, args.host, "control-plane")
         print("control-plane membership watch ready", flush=True)
         try:
             await task

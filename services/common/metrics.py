@@ -20,13 +20,13 @@ RPC_ERRORS = Counter("kervan_rpc_errors", "gRPC calls answered with an error sta
                      ["method", "code"])
 
 
-def serve_metrics(port: int | None, host: str = "127.0.0.1") -> int | None:
-    """Serve ``/metrics`` on ``host:port`` in a daemon thread (0: a free port); returns
-    the port, or None when ``port`` is None (metrics off)."""
+def serve_metrics(port: int | None, host: str, service: str) -> None:
+    """Serve ``/metrics`` on ``host:port`` in a daemon thread (0: a free port) and print
+    where; nothing when ``port`` is None (metrics off)."""
     if port is None:
-        return None
+        return
     server, _ = start_http_server(port, addr=host)
-    return server.server_address[1]
+    print(f"{service} metrics on http://{host}:{server.server_address[1]}/metrics", flush=True)
 
 
 def add_metrics_argument(ap) -> None:

@@ -42,9 +42,7 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = KvRegistryServicer(index, args.block_size, HASH_NAME)
     handle = await start_server([Service(SERVICE_NAME, lambda s: (
         kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(servicer, s)))], args.host, args.port)
-    metrics_port = serve_metrics(args.metrics_port, args.host)
-    if metrics_port is not None:
-        print(f"kv-registry metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
+    serve_metrics(args.metrics_port, args.host, "kv-registry")
     print(f"kv-registry ready on {args.host}:{handle.port}", flush=True)
     await serve_until_signal(handle, client.aclose)
 

@@ -85,9 +85,7 @@ async def serve(args: argparse.Namespace) -> None:
                             ChatTemplate.from_dir(model_dir))
         http_port = await front.start(args.host, args.http_port)
         print(f"router HTTP (OpenAI API) on http://{args.host}:{http_port}/v1", flush=True)
-    metrics_port = serve_metrics(args.metrics_port, args.host)
-    if metrics_port is not None:
-        print(f"router metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
+    serve_metrics(args.metrics_port, args.host, "router")
     print(f"router ready on {args.host}:{handle.port}", flush=True)
 
     async def drain() -> None:  # HTTP first: its requests are calls to this router's gRPC server

@@ -54,9 +54,7 @@ async def serve(args: argparse.Namespace) -> None:
                                  RecentPlacements(args.load_window_s, args.prefix_window_s), args.seed)
     handle = await start_server([Service(SERVICE_NAME, lambda s: (
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)))], args.host, args.port)
-    metrics_port = serve_metrics(args.metrics_port, args.host)
-    if metrics_port is not None:
-        print(f"scheduler metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
+    serve_metrics(args.metrics_port, args.host, "scheduler")
     print(f"scheduler ready on {args.host}:{handle.port}", flush=True)
     await serve_until_signal(handle, channel.close)
 

@@ -82,8 +82,7 @@ async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: 
         membership_task = asyncio.get_running_loop().create_task(membership.run())
     if args.metrics_port is not None:
         REGISTRY.register(EngineCollector(async_engine))
-        metrics_port = serve_metrics(args.metrics_port, args.host)
-        print(f"worker metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
+        serve_metrics(args.metrics_port, args.host, "worker")
     print(f"worker ready on {args.host}:{handle.port}", flush=True)
 
     async def on_drain() -> None:
