@@ -52,14 +52,15 @@ async def populate(index: PrefixIndex, rng: random.Random, num_workers: int, tot
     registered = 0
     for w in range(num_workers):
         wid = f"decode@10.0.0.{w}:50051"
-        await index.register(WorkerRecord(worker_id=wid, address=wid.split("@")[1], role="decode", model="m",
-                                          incarnation=f"inc{w}", block_size=16, hash_name=HASH_NAME))
+        token = await index.register(WorkerRecord(worker_id=wid, address=wid.split("@")[1], role="decode", model="m",
+                                                  incarnation="", block_size=16, hash_name=HASH_NAME,
+                                                  max_model_len=4096, max_n=16))
         held = [h for chain in chains for h in chain[:rng.randint(0, len(chain))]]
         held += [rng.randbytes(32) for _ in range(per_worker - len(held))]
         seq = 0
         for i in range(0, len(held), 20_000):
             seq += 1
-            await index.apply(wid, f"inc{w}", [BlockStored(seq, held[i:i + 20_000], None, [], 16)])
+            await index.apply(wid, token, [BlockStored(seq, held[i:i + 20_000], None, [], 16)])
             async with index.r.pipeline(transaction=False) as pipe:  # the baseline's layout
                 for h in held[i:i + 20_000]:
                     pipe.sadd(f"{SETS}{h.hex()}", wid)

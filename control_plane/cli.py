@@ -86,14 +86,17 @@ def complete(prompt: str, model_dir: str | None, max_tokens: int, temperature: f
 @click.option("--stop", multiple=True, help="a string that ends the answer (repeatable)")
 @click.option("--timeout", type=float, default=120.0, show_default=True, help="deadline in seconds")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object with token_ids, finish_reason, usage")
+@click.option("--tls-ca", default=None, envvar="KERVAN_TLS_CA", help="the router's CA (PEM): connect with TLS")
+@click.option("--api-key", default=None, envvar="KERVAN_API_KEY", help="for a router that requires one")
 def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos, stop, timeout,
-             as_json) -> None:
+             as_json, tls_ca, api_key) -> None:
     """Send PROMPT to a running Kervan router and stream the answer."""
     import asyncio
 
     import grpc
 
     from control_plane.client import Completion, accumulate, build_request, stream
+    from services.common.security import MeshSecurity
 
     if (prompt is None) == (token_ids is None):
         raise click.UsageError("give a PROMPT or --token-ids (one of them)")
@@ -103,7 +106,7 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
     completion = Completion()
 
     async def run() -> None:
-        async for msg in stream(addr, request, timeout):
+        async for msg in stream(addr, request, timeout, MeshSecurity.from_files(None, None, tls_ca), api_key):
             text = accumulate(completion, msg)
             if text and not as_json:
                 click.echo(text, nl=False)
@@ -134,6 +137,10 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
 @click.option("--http-port", default=None, type=int,
               help="also serve the OpenAI-compatible HTTP API on this port (0: any free port)")
 @click.option("--metrics", is_flag=True, help="every service serves Prometheus metrics (on free ports, printed)")
+@click.option("--tls", is_flag=True,
+              help="mutual TLS between all services, with a throw-away CA and certificates made in the run's directory")
+@click.option("--api-key-file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="the router requires 'authorization: Bearer <key>' with a key from this file")
 @click.option("--tensor-parallel", default=1, show_default=True,
               help="every worker a group of N ranks each holding 1/N of every layer (the mesh sees one worker)")
 @click.option("--expert-parallel", default=1, show_default=True,
@@ -141,13 +148,13 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
 @click.option("--pipeline-parallel", default=1, show_default=True,
               help="every worker a group of N pipeline stages each holding 1/N of the layers")
 def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens,
-       http_port, metrics, tensor_parallel, expert_parallel, pipeline_parallel) -> None:
+       http_port, metrics, tls, api_key_file, tensor_parallel, expert_parallel, pipeline_parallel) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C."""
     import asyncio
     from pathlib import Path
 
     from control_plane.client import Completion, accumulate, build_request, stream
-    from control_plane.launcher import Cluster, ClusterSpec, new_log_dir, wait_for_signal
+    from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
     from worker.default_model import ensure_default_model
     from worker.platform import DtypeError, parse_dtype
 
@@ -158,7 +165,8 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
     model = Path(model_dir) if model_dir else ensure_default_model()
     try:
         spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, dtype=dtype,
-                           http_port=http_port, metrics=metrics,
+                           http_port=http_port, metrics=metrics, tls=tls,
+                           api_key_file=Path(api_key_file) if api_key_file else None,
                            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                            pipeline_parallel=pipeline_parallel)
     except ValueError as exc:
@@ -173,21 +181,25 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
         raise click.ClickException(str(exc)) from None
     try:
         click.echo(f"Kervan is up in {time.perf_counter() - start:.1f}s: router on {cluster.router_address}", err=True)
+        scheme = "https" if tls else "http"
         if "router-http" in cluster.addresses:
-            click.echo(f"OpenAI-compatible API on http://{cluster.addresses['router-http']}/v1", err=True)
+            click.echo(f"OpenAI-compatible API on {scheme}://{cluster.addresses['router-http']}/v1", err=True)
         for name, address in cluster.addresses.items():
             if name.endswith("-metrics"):
                 click.echo(f"{name.removesuffix('-metrics')} metrics: http://{address}/metrics", err=True)
         if request_text is None:
-            click.echo(f'try: kervan generate --addr {cluster.router_address} "Once upon a time"', err=True)
-            click.echo("Ctrl-C stops the cluster", err=True)
-            wait_for_signal()
+            flags = f" --tls-ca {cluster.tls_dir / 'ca.pem'}" if tls else ""
+            flags += " --api-key <key>" if api_key_file else ""
+            click.echo(f'try: kervan generate --addr {cluster.router_address}{flags} "Once upon a time"', err=True)
+            click.echo("Ctrl-C stops the cluster (crashed services are restarted until then)", err=True)
+            cluster.supervise_until_signal()
             return
         completion = Completion()
 
         async def ask() -> None:
             request = build_request(request_text, max_tokens=max_tokens, seed=0)
-            async for msg in stream(cluster.router_address, request, timeout=120):
+            async for msg in stream(cluster.router_address, request, timeout=120, security=cluster.client_security,
+                                    api_key=cluster.api_key):
                 click.echo(accumulate(completion, msg), nl=False)
 
         click.echo(request_text, nl=False)

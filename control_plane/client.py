@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import grpc
-
+from services.common.security import PLAINTEXT, MeshSecurity
 from services.proto import common_pb2, router_pb2, router_pb2_grpc
 
 FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
@@ -41,10 +40,15 @@ class Completion:
     usage: dict = field(default_factory=dict)
 
 
-async def stream(address: str, request: router_pb2.GenerateRequest, timeout: float | None = None
+async def stream(address: str, request: router_pb2.GenerateRequest, timeout: float | None = None,
+                 security: MeshSecurity = PLAINTEXT, api_key: str | None = None
                  ) -> AsyncIterator[router_pb2.GenerateResponse]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        async for msg in router_pb2_grpc.RouterServiceStub(channel).Generate(request, timeout=timeout):
+    """``security``: the router's CA for a router with TLS (no client certificate
+    needed); ``api_key``: for a router that requires one."""
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+    async with security.channel(address) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        async for msg in stub.Generate(request, timeout=timeout, metadata=metadata):
             yield msg
 
 

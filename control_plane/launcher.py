@@ -5,17 +5,29 @@
 Every service is its own process on 127.0.0.1 with a port chosen here; the
 launcher waits until each reports SERVING on the standard health service before
 starting the services that depend on it, prints the router's address, and on
-Ctrl-C or SIGTERM stops them all (SIGTERM, then SIGKILL after a grace period),
-leaving no process behind. Logs go to one file per service."""
+Ctrl-C, SIGTERM or SIGHUP stops them all (SIGTERM, then SIGKILL after a grace
+period), leaving no process behind. Until then it restarts a service that dies,
+on the same port, after a back-off that doubles with each crash (1 s to 30 s).
+Children die with the launcher, even one SIGKILLed, so no orphan keeps a port: the
+services watch a pipe the launcher holds (``services/common/lifeline.py``), and
+redis-server gets ``PR_SET_PDEATHSIG`` when started from the main thread.
+
+The private Redis gets a random password; it and the Redis URL reach the
+services that need them in their environment, never on a command line (which
+any local user can read). With ``tls``, a throw-away CA in the run's directory
+issues each role its certificate, and every channel is mutual TLS."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,7 +37,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.redis_server import redis_argv, wait_listening
+from services.common.lifeline import ENV as ENV_LIFELINE
+from services.common.security import PLAINTEXT, MeshSecurity
 from worker.platform import usable_cores
+
+PR_SET_PDEATHSIG = 1
+# resolved here: a forked child must not load libraries before exec
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
+RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest wait before restarting a crashed service
 
 
 @dataclass(frozen=True)
@@ -51,6 +70,8 @@ class ClusterSpec:
     tensor_parallel: int = 1
     expert_parallel: int = 1
     pipeline_parallel: int = 1
+    tls: bool = False  # mutual TLS between all services (a throw-away CA in the run's directory)
+    api_key_file: Path | None = None  # the router requires one of these keys
 
     def __post_init__(self) -> None:
         sizes = self.parallel_sizes()
@@ -95,21 +116,55 @@ class Cluster:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
     spawned: Counter[str] = field(default_factory=Counter)  # workers started so far, by role
+    client_security: MeshSecurity = PLAINTEXT  # the launcher's own (an admin certificate with TLS)
+    redis_url: str | None = None  # the URL the services use (with the private Redis's password)
+    redis_password: str | None = None
+    authority: object = None  # with tls: the run's CertificateAuthority (it can issue more certificates)
+    restarts: Counter[str] = field(default_factory=Counter)  # crashed services restarted, by name
+    _launch: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)  # how each was started
+    _tls_flags: dict[str, list[str]] = field(default_factory=dict)  # role -> its --tls-* flags
+    _restart_due: dict[str, float] = field(default_factory=dict)
+    _lifeline: tuple[int, int] | None = None  # the pipe whose closing tells children the launcher is gone
 
     @property
     def router_address(self) -> str:
         return self.addresses["router"]
 
+    @property
+    def tls_dir(self) -> Path:
+        return self.log_dir / "tls"
+
+    @property
+    def api_key(self) -> str | None:
+        """The first key of the spec's key file (what ``--request`` sends)."""
+        if self.spec.api_key_file is None:
+            return None
+        from services.common.auth import ApiKeys
+        return ApiKeys.from_file(self.spec.api_key_file).keys[0].secret.decode()
+
+    def _make_certificates(self) -> None:
+        from control_plane.certificates import CertificateAuthority
+        from services.common.security import ROLES
+        ca = self.authority = CertificateAuthority(self.tls_dir)
+        for role in ROLES:
+            self._tls_flags[role] = ca.issue(role).flags()
+        admin = ca.issue("admin")
+        self.client_security = MeshSecurity.from_files(str(admin.cert), str(admin.key), str(admin.ca))
+
     def start(self, timeout: float = 180.0) -> None:
         """Start every service in dependency order; raises if one dies or never serves."""
         try:
-            redis_url = self.spec.redis_url or self._start_redis()
-            self._start("kv-registry", "services.kv_registry", "--redis", redis_url,
-                        "--block-size", str(self.spec.block_size), *self.spec.registry_args)
+            if self.spec.tls:
+                self._make_certificates()
+            redis_url = self.redis_url = self.spec.redis_url or self._start_redis()
+            self._start("kv-registry", "services.kv_registry", "--block-size", str(self.spec.block_size),
+                        *self.spec.registry_args, env={"KERVAN_KV_REGISTRY_REDIS": redis_url})
             self._wait_serving(["kv-registry"], timeout)
-            self._spawn("control-plane", [sys.executable, "-m", "control_plane.lease_watch", "--redis", redis_url,
+            self._spawn("control-plane", [sys.executable, "-m", "control_plane.lease_watch",
                                           *self._metrics_args("control-plane"),
-                                          "--registry", self.addresses["kv-registry"]])
+                                          *self._tls_flags.get("control-plane", []),
+                                          "--registry", self.addresses["kv-registry"]],
+                        env={"KERVAN_CONTROL_PLANE_REDIS": redis_url})
             self._start("scheduler", "services.scheduler", "--registry", self.addresses["kv-registry"],
                         *self.spec.scheduler_args)
             roles = [role for role, n in (("prefill", self.spec.num_prefill), ("decode", self.spec.num_decode),
@@ -123,6 +178,8 @@ class Cluster:
                 port = self.spec.http_port or free_port()
                 self.addresses["router-http"] = f"127.0.0.1:{port}"
                 http = ["--http-port", str(port)]
+            if self.spec.api_key_file is not None:
+                http += ["--api-key-file", str(self.spec.api_key_file)]
             self._start("router", "services.router", "--scheduler", self.addresses["scheduler"],
                         "--model", str(self.spec.model_dir), "--block-size", str(self.spec.block_size),
                         *http, *self.spec.router_args, port=self.spec.router_port)
@@ -171,17 +228,19 @@ class Cluster:
 
     def _start_redis(self) -> str:
         port = free_port()
-        self._spawn("redis", redis_argv(port, self.log_dir))
+        password = self.redis_password = secrets.token_hex(16)
+        self._spawn("redis", redis_argv(port, self.log_dir, password))
         self.addresses["redis"] = f"127.0.0.1:{port}"
         wait_listening(port, self.procs["redis"])
-        return f"redis://127.0.0.1:{port}/0"
+        return f"redis://:{password}@127.0.0.1:{port}/0"
 
     def _start(self, name: str, module: str, *args: str, port: int = 0, env: dict[str, str] | None = None,
                cores: set[int] | None = None) -> None:
         port = port or free_port()
         self.addresses[name] = f"127.0.0.1:{port}"
+        role = "worker" if module == "services.worker" else name
         self._spawn(name, [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
-                           *self._metrics_args(name), *args], env, cores)
+                           *self._metrics_args(name), *self._tls_flags.get(role, []), *args], env, cores)
 
     def _metrics_args(self, name: str) -> list[str]:
         if not self.spec.metrics:
@@ -192,17 +251,55 @@ class Cluster:
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
                cores: set[int] | None = None) -> None:
-        log = open(self.log_dir / f"{name}.log", "wb")
+        if self._lifeline is None:
+            self._lifeline = os.pipe()  # the write end stays here, never written, never inherited
+        self._launch[name] = (argv, {**(env or {})})
+        log = open(self.log_dir / f"{name}.log", "ab")
+        launcher = os.getpid()
+        on_main_thread = threading.current_thread() is threading.main_thread()
         # a new session: Ctrl-C in the terminal reaches the launcher only, which stops children in order
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True, env={**os.environ, **(env or {})},
-                                            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+        self.procs[name] = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, **(env or {}), ENV_LIFELINE: str(self._lifeline[0])}, pass_fds=(self._lifeline[0],),
+            preexec_fn=lambda: _child_setup(launcher, cores, on_main_thread))
         log.close()
+
+    def restart_crashed(self, now: float | None = None) -> list[str]:
+        """Restarts each service that exited since it was started, once its back-off has
+        passed (doubling with each crash of that service); returns the names restarted."""
+        now = time.monotonic() if now is None else now
+        restarted = []
+        for name, proc in list(self.procs.items()):
+            if proc.poll() is None:
+                continue
+            due = self._restart_due.setdefault(name, now + min(RESTART_BACKOFF_S[0] * 2 ** self.restarts[name],
+                                                               RESTART_BACKOFF_S[1]))
+            if now < due:
+                continue
+            del self._restart_due[name]
+            self.restarts[name] += 1
+            with open(self.log_dir / f"{name}.log", "ab") as log:
+                log.write(f"--- exited with {proc.returncode}; restart {self.restarts[name]} ---\n".encode())
+            argv, env = self._launch[name]
+            self._spawn(name, argv, env)
+            restarted.append(name)
+        return restarted
+
+    def supervise_until_signal(self, poll_s: float = 0.5) -> None:
+        """Restart crashed services until SIGINT, SIGTERM or SIGHUP."""
+        received: list[int] = []
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, lambda s, f: received.append(s))
+        while not received:
+            for name in self.restart_crashed():
+                print(f"kervan: {name} exited; restarted it (restart {self.restarts[name]})", file=sys.stderr,
+                      flush=True)
+            time.sleep(poll_s)
 
     def _wait_serving(self, names: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for name in names:
-            with grpc.insecure_channel(self.addresses[name]) as channel:
+            with self.client_security.sync_channel(self.addresses[name]) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
                 while True:
                     self._check_alive()
@@ -235,6 +332,10 @@ class Cluster:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+        if self._lifeline is not None:
+            for fd in self._lifeline:
+                os.close(fd)
+            self._lifeline = None
 
 
 def free_port() -> int:
@@ -250,10 +351,12 @@ def new_log_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=base))
 
 
-def wait_for_signal() -> None:
-    """Block until SIGINT or SIGTERM."""
-    received = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda s, f: received.append(s))
-    while not received:
-        signal.pause() if hasattr(signal, "pause") else time.sleep(0.5)
+def _child_setup(launcher: int, cores: set[int] | None, death_signal: bool) -> None:
+    """In a child before exec: on the given cores; SIGTERM when the launcher's thread
+    ends (only the main thread's end is the launcher's)."""
+    if death_signal and _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher:  # the launcher died before prctl took effect
+            os._exit(1)
+    if cores:
+        os.sched_setaffinity(0, cores)

@@ -23,6 +23,7 @@ from prometheus_client import Counter
 
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
+from services.common.security import MeshSecurity, add_security_arguments
 from services.common.tracing import configure_tracing
 from services.kv_registry.index import LEASE_PREFIX
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
@@ -31,6 +32,10 @@ log = logging.getLogger(__name__)
 
 
 class LeaseWatcher:
+    """``client`` gives the notifications: a subscription waits for messages without a
+    read timeout (a quiet mesh sends none); a dead connection is found by its health
+    checks."""
+
     def __init__(self, client: redis.Redis, registry: kv_registry_pb2_grpc.KvRegistryServiceStub,
                  interval_s: float = 1.0):
         self.r = client
@@ -78,17 +83,20 @@ LEASE_EXPIRIES = Counter("kervan_lease_expiries", "Worker leases that expired (e
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m control_plane.lease_watch", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0",
+                    help="Redis URL (a password: in KERVAN_CONTROL_PLANE_REDIS rather than on the command line)")
     ap.add_argument("--registry", required=True, help="HOST:PORT of the kv-registry")
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between reconciliations")
     ap.add_argument("--host", default="127.0.0.1", help="where --metrics-port listens")
     add_metrics_argument(ap)
+    add_security_arguments(ap)
     return parse_args_with_env(ap, "control_plane", argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    client = redis.Redis.from_url(args.redis)
-    async with grpc.aio.insecure_channel(args.registry) as channel:
+    security = MeshSecurity.from_args(args)
+    client = redis.Redis.from_url(args.redis, socket_connect_timeout=2, health_check_interval=5)
+    async with security.channel(args.registry) as channel:
         watcher = LeaseWatcher(client, kv_registry_pb2_grpc.KvRegistryServiceStub(channel), args.interval)
         task = asyncio.ensure_future(watcher.run())
         loop = asyncio.get_running_loop()

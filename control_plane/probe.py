@@ -1,6 +1,7 @@
 """``python -m control_plane.probe HOST:PORT``: exit 0 when the gRPC server there
 answers ``grpc.health.v1`` SERVING, else 1 (what ``grpc_health_probe`` does, for
-container health checks; Kubernetes has native gRPC probes)."""
+container health checks; Kubernetes has native gRPC probes, but not over TLS: a mesh
+with TLS probes with this and its certificate)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,21 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.security import MeshSecurity
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m control_plane.probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("address", help="HOST:PORT of a Kervan service")
     ap.add_argument("--service", default="", help="the health service name to check ('': the server as a whole)")
     ap.add_argument("--timeout", type=float, default=2.0)
+    ap.add_argument("--tls-cert", default=None, help="a mesh certificate (PEM), for a service that requires one")
+    ap.add_argument("--tls-key", default=None)
+    ap.add_argument("--tls-ca", default=None, help="the mesh's CA (PEM): TLS")
     args = ap.parse_args(argv)
+    security = MeshSecurity.from_files(args.tls_cert, args.tls_key, args.tls_ca)
     try:
-        with grpc.insecure_channel(args.address) as channel:
+        with security.sync_channel(args.address) as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout).status
     except grpc.RpcError as err:

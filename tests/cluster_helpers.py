@@ -55,13 +55,12 @@ async def wait_cached(cluster, prompt, num_blocks, worker_id: str | None = None)
     raise AssertionError("registry never saw the prompt's blocks")
 
 
-WORKERS = ("prefill-0", "decode-0", "decode-1")  # the session cluster's
-
-
 async def worker_loads(cluster):
+    """Every worker's load, through the launcher's own credentials (an admin certificate
+    on a mesh with TLS)."""
     loads = {}
-    for name in WORKERS:
-        async with grpc.aio.insecure_channel(cluster.addresses[name]) as ch:
+    for name in [n for n in cluster.procs if n.split("-")[0] in ("prefill", "decode", "both")]:
+        async with cluster.client_security.channel(cluster.addresses[name]) as ch:
             loads[name] = (await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())).load
     return loads
 

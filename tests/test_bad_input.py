@@ -148,13 +148,15 @@ async def test_worker_refuses(cluster, worker, method, request_, status, words):
 
 
 async def test_push_kv_refuses_foreign_segments_and_bad_headers(cluster):
+    digest = b"\0" * 32
     bad_headers = [
-        (worker_pb2.KvHeader(handle="h", request_id="x", shm_name="/dev/shm/../etc/passwd", num_bytes=8,
-                             dtype="bfloat16", shape=[8]), "shm_name"),
-        (worker_pb2.KvHeader(handle="h", request_id="x", shm_name="kervan-kv-missing", num_bytes=8,
-                             dtype="bfloat16", shape=[4]), "does not exist"),
-        (worker_pb2.KvHeader(handle="h", request_id="x", num_bytes=1 << 40, dtype="bfloat16", shape=[1]),
+        (worker_pb2.KvHeader(request_id="x", shm_name="/dev/shm/../etc/passwd", num_bytes=8,
+                             dtype="bfloat16", shape=[8], prompt_digest=digest), "shm_name"),
+        (worker_pb2.KvHeader(request_id="x", shm_name="kervan-kv-missing", num_bytes=8,
+                             dtype="bfloat16", shape=[4], prompt_digest=digest), "does not exist"),
+        (worker_pb2.KvHeader(request_id="x", num_bytes=1 << 40, dtype="bfloat16", shape=[1], prompt_digest=digest),
          "exceeds"),
+        (worker_pb2.KvHeader(request_id="x", num_bytes=8, dtype="bfloat16", shape=[4]), "digest"),
     ]
     async with grpc.aio.insecure_channel(cluster.addresses["decode-0"]) as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)
@@ -164,8 +166,8 @@ async def test_push_kv_refuses_foreign_segments_and_bad_headers(cluster):
             await expect(lambda: stub.PushKv(one(), timeout=30), INVALID, words)
 
         async def pickle_dtype():  # only raw tensors of allow-listed dtypes; never pickle
-            yield worker_pb2.PushKvRequest(header=worker_pb2.KvHeader(handle="h", request_id="x", num_bytes=4,
-                                                                      dtype="object", shape=[1]))
+            yield worker_pb2.PushKvRequest(header=worker_pb2.KvHeader(request_id="x", num_bytes=4, dtype="object",
+                                                                      shape=[1], prompt_digest=digest))
             yield worker_pb2.PushKvRequest(chunk=b"\x80\x04N.")
         await expect(lambda: stub.PushKv(pickle_dtype(), timeout=30), INVALID, "dtype")
 

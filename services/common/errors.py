@@ -148,12 +148,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None
-        codec = (handler.request_deserializer, handler.response_serializer)
         method = details.method
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_guard_unary(handler.unary_unary, method), *codec)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_guard_stream(handler.unary_stream, method), *codec)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_guard_unary(handler.stream_unary, method), *codec)
-        return handler
+        return rewrap(handler, lambda inner: _guard_unary(inner, method), lambda inner: _guard_stream(inner, method))
+
+
+def rewrap(handler: grpc.RpcMethodHandler, wrap_unary, wrap_stream) -> grpc.RpcMethodHandler:
+    """The same handler with its behaviour wrapped: ``wrap_unary`` for behaviours that
+    return one response, ``wrap_stream`` for those that yield them (stream-stream as is)."""
+    codec = (handler.request_deserializer, handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), *codec)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), *codec)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), *codec)
+    return handler

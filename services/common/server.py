@@ -10,28 +10,49 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.auth import ANY_ROLE, ApiKeys, AuthInterceptor
 from services.common.errors import ErrorInterceptor
 from services.common.runtime import SERVICE_NAME as RUNTIME_SERVICE
 from services.common.runtime import RuntimeServicer
+from services.common.security import PLAINTEXT, MeshSecurity
 from services.proto import runtime_pb2_grpc
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
+# Channels between services: HTTP/2 pings every 2 s, 2 s to answer: a peer that
+# died without closing its connections, or a network that drops everything, fails
+# the calls in about 4 s (then the router migrates them) instead of leaving them
+# hanging. gRPC core waits
+# for a ping's ack ``ping_timeout_ms`` (60 s by default), whatever the keepalive
+# timeout says: without it a blackholed connection took 61 s to fail.
+KEEPALIVE = [("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),
+             ("grpc.http2.ping_timeout_ms", 2000), ("grpc.keepalive_permit_without_calls", 1),
+             ("grpc.http2.max_pings_without_data", 0)]
+
+
+
 
 @dataclass
 class Service:
-    """One gRPC service to host: its full name, and how to add it to a server."""
+    """One gRPC service to host: its full name, how to add it to a server, and which
+    mesh roles may call its methods (method name, or ``*`` for the rest -> roles;
+    empty: any role)."""
 
     name: str
     register: Callable[[grpc.aio.Server], None]
+    callers: Mapping[str, Collection[str]] = field(default_factory=dict)
+
+    def method_callers(self) -> dict[str, Collection[str]]:
+        return {f"/{self.name}/" + ("" if method == ANY_ROLE else method): roles
+                for method, roles in self.callers.items()}
 
 
 @dataclass
@@ -53,12 +74,21 @@ class Server:
 
 
 async def start_server(services: list[Service], host: str = "127.0.0.1", port: int = 0,
-                       max_message_bytes: int = MAX_MESSAGE_BYTES) -> Server:
+                       max_message_bytes: int = MAX_MESSAGE_BYTES, security: MeshSecurity = PLAINTEXT,
+                       api_keys: ApiKeys | None = None, public: bool = False) -> Server:
     """Start serving (health NOT_SERVING until ``set_serving(True)``); port 0 picks a free one.
-    Larger messages are refused with RESOURCE_EXHAUSTED before any servicer sees them."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=[
+    Larger messages are refused with RESOURCE_EXHAUSTED before any servicer sees them.
+    With TLS, callers must present a mesh certificate, unless ``public`` (the router:
+    its clients verify it, and present ``api_keys`` when it has some)."""
+    security.check_listen(host, "the gRPC server")
+    callers = {k: v for s in services for k, v in s.method_callers().items()}
+    auth = AuthInterceptor(callers, mesh_tls=security.tls and not public, api_keys=api_keys)
+    server = grpc.aio.server(interceptors=[auth, ErrorInterceptor()], options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        # a second process cannot bind a port a live one holds (gRPC allows it by default): a
+        # replacement started too early fails instead of sharing the port with the old one
+        ("grpc.so_reuseport", 0),
         # accept the keepalive pings peers use to notice a dead or unreachable server
         ("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.http2.max_ping_strikes", 0),
         ("grpc.keepalive_permit_without_calls", 1)])
@@ -70,7 +100,9 @@ async def start_server(services: list[Service], host: str = "127.0.0.1", port: i
     names = [s.name for s in services]
     reflection.enable_server_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                          RUNTIME_SERVICE, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = (server.add_secure_port(address, security.server_credentials(require_client_cert=not public))
+             if security.tls else server.add_insecure_port(address))
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()
@@ -108,7 +140,11 @@ def configure_logging() -> None:
 
 
 def run(main: Callable[[], Awaitable[None]]) -> None:
-    """Run a service's async main on uvloop (on the calling thread)."""
+    """Run a service's async main on uvloop (on the calling thread); a service started
+    by a launcher stops when the launcher is gone (``lifeline.py``)."""
     import uvloop
+
+    from services.common.lifeline import watch_lifeline
     configure_logging()
+    watch_lifeline()
     uvloop.run(main())

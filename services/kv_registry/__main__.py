@@ -9,11 +9,12 @@ import redis.asyncio as redis
 from kervan.block_hash import HASH_NAME
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
+from services.common.security import MeshSecurity, add_security_arguments
 from services.common.server import Service, run, serve_until_signal, start_server
 from services.common.tracing import configure_tracing
 from services.kv_registry.index import PrefixIndex
 from services.kv_registry.metrics import CountingConnection
-from services.kv_registry.servicer import KvRegistryServicer
+from services.kv_registry.servicer import CALLERS, KvRegistryServicer
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 
 SERVICE_NAME = kv_registry_pb2.DESCRIPTOR.services_by_name["KvRegistryService"].full_name
@@ -21,7 +22,12 @@ SERVICE_NAME = kv_registry_pb2.DESCRIPTOR.services_by_name["KvRegistryService"].
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m services.kv_registry", description=__doc__)
-    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0",
+                    help="Redis URL: redis://[[user]:password@]host:port/db, rediss:// for TLS (with ?ssl_ca_certs=); "
+                         "pass a password in KERVAN_KV_REGISTRY_REDIS rather than on the command line")
+    ap.add_argument("--redis-timeout", type=float, default=2.0,
+                    help="seconds a Redis command may take before the call fails UNAVAILABLE (a slow or "
+                         "partitioned Redis must not hang handlers)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block across the mesh")
@@ -30,18 +36,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="Redis connections at most (more concurrent calls wait for one); bounds the open sockets, "
                          "which a pool without a bound grows to every burst's peak, after each Redis restart")
     add_metrics_argument(ap)
+    add_security_arguments(ap)
     return parse_args_with_env(ap, "kv_registry", argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
+    security = MeshSecurity.from_args(args)
     client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
-        args.redis, max_connections=args.redis_max_connections, timeout=5, connection_class=CountingConnection))
+        args.redis, max_connections=args.redis_max_connections, timeout=args.redis_timeout,
+        socket_timeout=args.redis_timeout, socket_connect_timeout=args.redis_timeout,
+        connection_class=CountingConnection))
     await client.ping()
     index = PrefixIndex(client, args.ttl)
     await index.forget_all()  # rebuild from the workers' dumps, asked for on their next heartbeat
     servicer = KvRegistryServicer(index, args.block_size, HASH_NAME)
     handle = await start_server([Service(SERVICE_NAME, lambda s: (
-        kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(servicer, s)))], args.host, args.port)
+        kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(servicer, s)), CALLERS)], args.host, args.port,
+        security=security)
     serve_metrics(args.metrics_port, args.host, "kv-registry")
     print(f"kv-registry ready on {args.host}:{handle.port}", flush=True)
     await serve_until_signal(handle, client.aclose)

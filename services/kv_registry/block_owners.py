@@ -2,7 +2,8 @@
 
 Every registered worker gets a slot (the lowest free one); ``blk:{hash}`` is a
 bitmap with the owners' slot bits set, deleted when its last bit clears (KV events
-write them in ``scripts.APPLY``). A longest-prefix match is then one round trip of
+write them in ``scripts.APPLY``, registration and purges in ``scripts.REGISTER``
+and ``scripts.PURGE``). A longest-prefix match is then one round trip of
 one MGET (plus the slot table and the unknown set, pipelined) and a walk of AND-ed
 integers on the client: a 128-block prompt moves ~128 short strings, where a set
 per block (SMEMBERS of each) moved every owner's id for every block and cost
@@ -11,28 +12,6 @@ several times more (the registry benchmark measures both)."""
 from __future__ import annotations
 
 import redis.asyncio as redis
-from redis.asyncio.client import Pipeline
-
-# KEYS[1]: the slot table (worker id -> slot); ARGV[1]: the worker id. Returns its slot.
-_ALLOCATE = """
-local have = redis.call('HGET', KEYS[1], ARGV[1])
-if have then return tonumber(have) end
-local used = {}
-for _, s in ipairs(redis.call('HVALS', KEYS[1])) do used[tonumber(s)] = true end
-local slot = 0
-while used[slot] do slot = slot + 1 end
-redis.call('HSET', KEYS[1], ARGV[1], slot)
-return slot
-"""
-
-# KEYS: block bitmaps; ARGV[1]: the slot to clear. Empty bitmaps are deleted.
-_CLEAR = """
-for _, key in ipairs(KEYS) do
-  redis.call('SETBIT', key, ARGV[1], 0)
-  if redis.call('BITCOUNT', key) == 0 then redis.call('DEL', key) end
-end
-return #KEYS
-"""
 
 
 class BlockOwners:
@@ -40,22 +19,9 @@ class BlockOwners:
         self.r = client
         self.slots_key = f"{prefix}slots"
         self.block_prefix = f"{prefix}blk:"  # + a block hash in hex: its owners' bitmap
-        self._allocate = client.register_script(_ALLOCATE)
-        self._clear = client.register_script(_CLEAR)
 
     def key(self, block_hex: str) -> str:
         return self.block_prefix + block_hex
-
-    async def allocate_slot(self, worker_id: str) -> int:
-        return int(await self._allocate(keys=[self.slots_key], args=[worker_id]))
-
-    async def release_slot(self, worker_id: str) -> None:
-        await self.r.hdel(self.slots_key, worker_id)
-
-    async def remove(self, pipe: Pipeline, slot: int, block_hexes: list[str], chunk: int = 4096) -> None:
-        """Queue the clearing of ``slot`` in the blocks' bitmaps on ``pipe``."""
-        for i in range(0, len(block_hexes), chunk):
-            await self._clear(keys=[self.key(h) for h in block_hexes[i:i + chunk]], args=[slot], client=pipe)
 
     async def match(self, block_hashes: list[bytes], unknown_key: str) -> tuple[dict[str, int], list[str]]:
         """Worker id -> how many leading blocks of the prompt it holds; the unknown workers."""

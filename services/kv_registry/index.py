@@ -14,13 +14,15 @@ Keys (``kervan:`` prefix):
     unknown               set of worker ids whose block sets the registry cannot
                           vouch for (a gap in their events, or the registry
                           restarted) until a full dump replaces them
+    fence                 counter of fencing tokens: each registration's incarnation
 
 A worker whose ``w:{id}`` key expired is dead: its ownership is purged the next
 time the live set is read. A worker the registry cannot account for is
 "unknown", never "empty": its last known blocks still answer matches, flagged,
 and its next heartbeat or publish is told to send a full dump. A block lives in
 one tier per worker at a time (a move is sent as removal, then store). Updates go
-in pipelines; a prefix match is one round trip."""
+in pipelines; a prefix match is one round trip. Registration and purges are each
+one Lua script (``scripts.py``), so no purge can interleave with a registration."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from dataclasses import asdict, dataclass, fields
 import redis.asyncio as redis
 
 from kervan.kv_events import BlockRemoved, BlockStored, KVEvent
-from services.common.errors import FailedPrecondition
+from services.common.errors import AlreadyExists, FailedPrecondition
 from services.common.load import SCALARS, Load
 from services.kv_registry import scripts
 from services.kv_registry.block_owners import BlockOwners
@@ -72,6 +74,8 @@ class PrefixIndex:
         self.owners = BlockOwners(client, P)
         self._renew = client.register_script(scripts.RENEW)
         self._apply = client.register_script(scripts.APPLY)
+        self._register = client.register_script(scripts.REGISTER)
+        self._purge = client.register_script(scripts.PURGE)
 
     async def match(self, block_hashes: list[bytes]) -> tuple[dict[str, int], list[str]]:
         """Worker id -> how many leading blocks of the prompt it holds, and the workers
@@ -84,24 +88,31 @@ class PrefixIndex:
         if workers:
             await self.r.sadd(f"{P}unknown", *workers)
 
-    async def register(self, worker: WorkerRecord) -> None:
-        key = f"{LEASE_PREFIX}{worker.worker_id}"
-        previous = await self.r.hget(key, "incarnation")
-        if previous is not None and previous.decode() != worker.incarnation:
-            await self.purge(worker.worker_id)  # a restarted process starts with an empty cache
-        slot = await self.owners.allocate_slot(worker.worker_id)
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.delete(key, f"{P}seq:{worker.worker_id}")
-            pipe.hset(key, mapping={k: str(v) for k, v in {**asdict(worker), **{k: 0 for k in SCALARS},
-                                                            "slot": slot}.items()})
-            pipe.expire(key, self.ttl_s)
-            pipe.sadd(f"{P}workers", worker.worker_id)
-            pipe.srem(f"{P}unknown", worker.worker_id)  # a fresh process: known to be empty
-            await pipe.execute()
+    async def register(self, worker: WorkerRecord) -> str:
+        """Registers a worker under a new fencing token (its incarnation), returned;
+        refuses an id whose lease is live (another process holds it)."""
+        fields = {k: str(v) for k, v in {**asdict(worker), **{k: 0 for k in SCALARS}}.items() if k != "incarnation"}
+        answer = await self._register(keys=self._keys(worker.worker_id) + [f"{P}fence"],
+                                      args=[worker.worker_id, self.owners.block_prefix, self.ttl_s,
+                                            *(x for kv in fields.items() for x in kv)])
+        if answer == -1:
+            raise AlreadyExists(f"worker id {worker.worker_id!r} is held by a live process (its lease has "
+                                f"{await self.r.ttl(LEASE_PREFIX + worker.worker_id)}s left)")
+        return answer[0].decode() if isinstance(answer[0], bytes) else str(answer[0])
 
     async def deregister(self, worker_id: str, incarnation: str) -> None:
-        await self._check(worker_id, incarnation)
-        await self.purge(worker_id)
+        if not await self.purge(worker_id, incarnation):
+            raise StaleIncarnation(worker_id, incarnation)
+
+    async def purge(self, worker_id: str, incarnation: str = "") -> bool:
+        """Drops the worker if it is still in the state the caller saw: registered with
+        ``incarnation``, or (``""``) with its lease expired. True if it was dropped."""
+        return bool(await self._purge(keys=self._keys(worker_id),
+                                      args=[worker_id, self.owners.block_prefix, incarnation]))
+
+    def _keys(self, worker_id: str) -> list[str]:
+        return [f"{LEASE_PREFIX}{worker_id}", f"{P}seq:{worker_id}", f"{P}workers", f"{P}unknown",
+                f"{P}own:{worker_id}", self.owners.slots_key]
 
     async def heartbeat(self, worker_id: str, incarnation: str, load: Load) -> bool:
         """Renew and record load; True when the registry needs the worker's full dump."""
@@ -162,25 +173,3 @@ class PrefixIndex:
             live.append((worker, Load(**{k: int(f.get(k, 0)) for k in SCALARS})))
         return live
 
-    async def purge(self, worker_id: str) -> None:
-        await self._drop_ownership(worker_id)
-        await self.r.delete(f"{LEASE_PREFIX}{worker_id}", f"{P}seq:{worker_id}")
-        await self.r.srem(f"{P}workers", worker_id)
-        await self.r.srem(f"{P}unknown", worker_id)
-        await self.owners.release_slot(worker_id)
-
-    async def _drop_ownership(self, worker_id: str) -> None:
-        own = f"{P}own:{worker_id}"
-        slot = await self.r.hget(self.owners.slots_key, worker_id)
-        hashes = [h.decode() for h in await self.r.hkeys(own)]
-        async with self.r.pipeline(transaction=False) as pipe:
-            if slot is not None and hashes:
-                await self.owners.remove(pipe, int(slot), hashes)
-            pipe.delete(own)
-            await pipe.execute()
-
-    async def _check(self, worker_id: str, incarnation: str) -> None:
-        """Raises StaleIncarnation unless ``incarnation`` is the registered one."""
-        current = await self.r.hget(f"{LEASE_PREFIX}{worker_id}", "incarnation")
-        if current is None or current.decode() != incarnation:
-            raise StaleIncarnation(worker_id, incarnation)

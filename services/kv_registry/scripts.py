@@ -61,3 +61,57 @@ redis.call('SET', KEYS[3], last)
 if replace then redis.call('SREM', KEYS[4], ARGV[2]) elseif gap then redis.call('SADD', KEYS[4], ARGV[2]) end
 return {last, redis.call('SISMEMBER', KEYS[4], ARGV[2]), gap and 1 or 0}
 """
+
+# Lua shared by REGISTER and PURGE: drop everything the registry holds for a worker
+# (its blocks' owner bits, its keys, its slot). Keys as in those two scripts.
+_DROP = """
+local function drop(worker_id, prefix)
+  local slot = redis.call('HGET', KEYS[6], worker_id)
+  if slot then
+    for _, h in ipairs(redis.call('HKEYS', KEYS[5])) do
+      local key = prefix .. h
+      redis.call('SETBIT', key, slot, 0)
+      if redis.call('BITCOUNT', key) == 0 then redis.call('DEL', key) end
+    end
+  end
+  redis.call('DEL', KEYS[5], KEYS[1], KEYS[2])
+  redis.call('SREM', KEYS[3], worker_id)
+  redis.call('SREM', KEYS[4], worker_id)
+  redis.call('HDEL', KEYS[6], worker_id)
+end
+"""
+
+# KEYS: w:{id}, seq:{id}, workers, unknown, own:{id}, slots, fence; ARGV: worker id,
+# block key prefix, ttl, then the record's field/value pairs. A live lease under the
+# id refuses the call (-1): two processes must not share an id. Leftovers of an
+# expired one are dropped; the worker gets the lowest free slot and a new fencing
+# token (INCR, and Redis's clock for a Redis that restarted empty). Returns {token, slot}.
+REGISTER = _DROP + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+drop(ARGV[1], ARGV[2])
+local used = {}
+for _, s in ipairs(redis.call('HVALS', KEYS[6])) do used[tonumber(s)] = true end
+local slot = 0
+while used[slot] do slot = slot + 1 end
+redis.call('HSET', KEYS[6], ARGV[1], slot)
+local token = redis.call('INCR', KEYS[7]) .. '.' .. redis.call('TIME')[1]
+redis.call('HSET', KEYS[1], 'incarnation', token, 'slot', slot, unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('SADD', KEYS[3], ARGV[1])
+return {token, slot}
+"""
+
+# KEYS as REGISTER's (without fence); ARGV: worker id, block key prefix, the
+# incarnation the caller saw ('' : the lease had expired). Purges only if the worker
+# is still in that state, so a worker that re-registered meanwhile keeps its slot
+# and keys. Returns 1 if purged, else 0.
+PURGE = _DROP + """
+local current = redis.call('HGET', KEYS[1], 'incarnation')
+if ARGV[3] == '' then
+  if current then return 0 end
+elseif current ~= ARGV[3] then
+  return 0
+end
+drop(ARGV[1], ARGV[2])
+return 1
+"""

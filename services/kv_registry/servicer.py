@@ -1,6 +1,10 @@
 """KvRegistryService: protobuf in, ``PrefixIndex`` call, protobuf out; it also checks that a
 registering worker agrees with the mesh (block size, hash function) and, through
-``Generations``, notices a Redis that restarted empty."""
+``Generations``, notices a Redis that restarted empty.
+
+Every count and size a caller sends is bounded before Redis sees it (one Lua script
+runs alone in Redis: a million hashes in one call would stall every other client),
+and the fencing tokens stay private: ``ListWorkers`` never lists them."""
 
 from __future__ import annotations
 
@@ -8,10 +12,26 @@ from dataclasses import asdict, fields
 
 from kervan.sampling import InvalidRequest
 from services.common.convert import event_from_proto, load_from_proto, load_to_proto, tier_from_proto
-from services.common.errors import FailedPrecondition
+from services.common.errors import FailedPrecondition, Overloaded
 from services.kv_registry.generation import Generations
 from services.kv_registry.index import PrefixIndex, WorkerRecord
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
+
+# which mesh roles may call what (services/common/auth.py): only workers write
+CALLERS = {"ListWorkers": ("scheduler", "control-plane", "worker", "admin"), "Match": ("scheduler", "admin"),
+           "*": ("worker",)}
+MAX_ID_CHARS = 256
+MAX_HASH_BYTES = 64
+MAX_EVENTS = 4096  # per PublishEvents
+MAX_HASHES = 1 << 18  # per call: a worker's whole cache in a dump (4M tokens at 16 per block)
+MAX_MATCH_HASHES = 1 << 16
+
+
+def check_hashes(hashes, limit: int, what: str) -> None:
+    if len(hashes) > limit:
+        raise Overloaded(f"{what} carries {len(hashes)} block hashes, more than {limit}; send fewer per call")
+    if any(not 0 < len(h) <= MAX_HASH_BYTES for h in hashes):
+        raise InvalidRequest(f"{what}: a block hash is 1-{MAX_HASH_BYTES} bytes")
 
 
 class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
@@ -28,12 +48,14 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
             raise FailedPrecondition(
                 f"worker {w.worker_id!r} hashes blocks of {w.block_size} tokens with {w.hash_name!r}; this mesh uses "
                 f"{self.block_size} tokens with {self.hash_name!r}")
-        if not (w.worker_id and w.address and w.incarnation and w.max_model_len and w.max_n) or \
+        if not (w.worker_id and w.address and w.max_model_len and w.max_n) or \
                 w.role not in ("prefill", "decode", "both"):
-            raise InvalidRequest("worker_id, address, incarnation, max_model_len, max_n and a role of prefill, "
-                                 "decode or both are required")
-        await self.index.register(WorkerRecord(**{f.name: getattr(w, f.name) for f in fields(WorkerRecord)}))
-        return kv_registry_pb2.RegisterResponse(ttl_s=self.index.ttl_s)
+            raise InvalidRequest("worker_id, address, max_model_len, max_n and a role of prefill, decode or both "
+                                 "are required")
+        if max(len(w.worker_id), len(w.address), len(w.model)) > MAX_ID_CHARS:
+            raise InvalidRequest(f"worker_id, address and model are at most {MAX_ID_CHARS} characters")
+        token = await self.index.register(WorkerRecord(**{f.name: getattr(w, f.name) for f in fields(WorkerRecord)}))
+        return kv_registry_pb2.RegisterResponse(ttl_s=self.index.ttl_s, incarnation=token)
 
     async def Deregister(self, request, context) -> kv_registry_pb2.DeregisterResponse:
         await self.index.deregister(request.worker_id, request.incarnation)
@@ -44,11 +66,16 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
         return kv_registry_pb2.HeartbeatResponse(needs_full_dump=dump)
 
     async def PublishEvents(self, request, context) -> kv_registry_pb2.PublishEventsResponse:
+        if len(request.events) > MAX_EVENTS:
+            raise Overloaded(f"PublishEvents carries {len(request.events)} events, more than {MAX_EVENTS}")
+        check_hashes([h for e in request.events for h in (e.stored.block_hashes or e.removed.block_hashes)],
+                     MAX_HASHES, "PublishEvents")
         events = [event_from_proto(e) for e in request.events]
         last, dump = await self.index.apply(request.worker_id, request.incarnation, events)
         return kv_registry_pb2.PublishEventsResponse(last_seq=last, needs_full_dump=dump)
 
     async def ReportBlocks(self, request, context) -> kv_registry_pb2.ReportBlocksResponse:
+        check_hashes([h for t in request.tiers for h in t.block_hashes], MAX_HASHES, "ReportBlocks")
         tiers: dict[str, list[bytes]] = {}
         for t in request.tiers:
             tiers.setdefault(tier_from_proto(t.tier), []).extend(t.block_hashes)
@@ -56,6 +83,7 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
         return kv_registry_pb2.ReportBlocksResponse(num_blocks=n)
 
     async def Match(self, request, context) -> kv_registry_pb2.MatchResponse:
+        check_hashes(request.block_hashes, MAX_MATCH_HASHES, "Match")
         matched, unknown = await self.index.match(list(request.block_hashes))
         return kv_registry_pb2.MatchResponse(matched_blocks=matched, unknown_workers=unknown)
 
@@ -64,7 +92,7 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
         out = kv_registry_pb2.ListWorkersResponse()
         for record, load in await self.index.live_workers():
             out.workers.add(
-                info=kv_registry_pb2.WorkerInfo(**asdict(record)),
+                info=kv_registry_pb2.WorkerInfo(**{**asdict(record), "incarnation": ""}),
                 load=load_to_proto(load))
         back = {w.info.worker_id for w in out.workers}
         if not self.generations.rebuilding and any(w.info.worker_id not in back for w in self._last_live):

@@ -48,10 +48,12 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("ttl_s",)
+    __slots__ = ("ttl_s", "incarnation")
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ttl_s: int
-    def __init__(self, ttl_s: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, ttl_s: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "incarnation", "load")

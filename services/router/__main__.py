@@ -11,12 +11,12 @@ import argparse
 import json
 from pathlib import Path
 
-import grpc
-
 from kervan.tokenizer import Tokenizer
+from services.common.auth import ApiKeys
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
-from services.common.server import Service, run, serve_until_signal, start_server
+from services.common.security import MeshSecurity, add_security_arguments
+from services.common.server import KEEPALIVE, Service, run, serve_until_signal, start_server
 from services.common.tracing import configure_tracing
 from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2_grpc
 from services.router.chat_template import ChatTemplate
@@ -49,7 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--http-port", type=int, default=None,
                     help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                          "/v1/models, /health) on this port, on --host (0: a free port, printed at start)")
+    ap.add_argument("--api-key-file", default=None,
+                    help="clients must send 'authorization: Bearer <key>' with a key from this file (one per line, "
+                         "optionally 'expires=<ISO time>'); health and reflection stay open")
     add_metrics_argument(ap)
+    add_security_arguments(ap)
     return parse_args_with_env(ap, "router", argv)
 
 
@@ -61,11 +65,16 @@ def model_limits(model_dir: Path) -> ModelLimits:
 async def serve(args: argparse.Namespace) -> None:
     from worker.default_model import ensure_default_model
 
+    security = MeshSecurity.from_args(args)
+    try:
+        api_keys = ApiKeys.from_file(args.api_key_file) if args.api_key_file else None
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--api-key-file: {exc}") from None
     model_dir = Path(args.model) if args.model else ensure_default_model()
-    channels = Channels()
+    channels = Channels(security)
     scheduler_channel = None
     if args.scheduler:
-        scheduler_channel = grpc.aio.insecure_channel(args.scheduler)
+        scheduler_channel = security.channel(args.scheduler, KEEPALIVE)
         routes = ScheduledRoutes(scheduler_pb2_grpc.SchedulerServiceStub(scheduler_channel), args.block_size, channels)
     elif args.worker:
         routes = StaticRoutes(Placement(worker=channels.stub(args.worker), worker_address=args.worker))
@@ -78,13 +87,15 @@ async def serve(args: argparse.Namespace) -> None:
                               MigrationPolicy(args.max_migrations, args.stall_timeout_s))
     handle = await start_server(
         [Service(SERVICE_NAME, lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s))],
-        args.host, args.port, max_message_bytes=args.max_request_bytes)
+        args.host, args.port, max_message_bytes=args.max_request_bytes, security=security, api_keys=api_keys,
+        public=True)
     front = None
     if args.http_port is not None:
         front = OpenAIFront(f"127.0.0.1:{handle.port}", model_limits(model_dir).name, Tokenizer.from_dir(model_dir),
-                            ChatTemplate.from_dir(model_dir))
-        http_port = await front.start(args.host, args.http_port)
-        print(f"router HTTP (OpenAI API) on http://{args.host}:{http_port}/v1", flush=True)
+                            ChatTemplate.from_dir(model_dir), security, api_keys)
+        http_port = await front.start(args.host, args.http_port, tls_cert=args.tls_cert, tls_key=args.tls_key)
+        scheme = "https" if security.tls else "http"
+        print(f"router HTTP (OpenAI API) on {scheme}://{args.host}:{http_port}/v1", flush=True)
     serve_metrics(args.metrics_port, args.host, "router")
     print(f"router ready on {args.host}:{handle.port}", flush=True)
 

@@ -11,7 +11,11 @@ HTTP front has the gRPC path's validation, admission, placement and migration, a
 its status codes become HTTP ones (INVALID_ARGUMENT 400, NOT_FOUND 404,
 ALREADY_EXISTS 409, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504,
 anything else 500) in OpenAI's error body. A streaming client that disconnects
-cancels its calls, which aborts the request on the workers and frees its KV."""
+cancels its calls, which aborts the request on the workers and frees its KV.
+
+With API keys, every route but ``/health`` needs ``Authorization: Bearer <key>``
+(401 before the body is read); the header goes on to the gRPC call. With TLS the
+front serves HTTPS with the router's certificate."""
 
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ from starlette.routing import Route
 
 from kervan.sampling import InvalidRequest
 from kervan.tokenizer import Tokenizer
+from services.common.auth import ApiKeys
+from services.common.security import PLAINTEXT, MeshSecurity
 from services.proto import router_pb2, router_pb2_grpc
 from services.router.chat_template import ChatTemplate
 from services.router.openai_protocol import (
@@ -62,8 +68,9 @@ def rpc_error_response(err: grpc.aio.AioRpcError) -> JSONResponse:
 
 class OpenAIFront:
     def __init__(self, router_address: str, model_name: str, tokenizer: Tokenizer | None,
-                 chat_template: ChatTemplate):
-        self.channel = grpc.aio.insecure_channel(router_address)
+                 chat_template: ChatTemplate, security: MeshSecurity = PLAINTEXT, api_keys: ApiKeys | None = None):
+        self.channel = security.channel(router_address)
+        self.api_keys = api_keys
         self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -78,11 +85,13 @@ class OpenAIFront:
         self.server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
 
-    async def start(self, host: str, port: int, grace_s: float = 5.0) -> int:
-        """Serve on ``host:port`` (0: a free port); returns the port. ``stop`` gives the
-        requests in flight ``grace_s`` seconds."""
+    async def start(self, host: str, port: int, grace_s: float = 5.0, tls_cert: str | None = None,
+                    tls_key: str | None = None) -> int:
+        """Serve on ``host:port`` (0: a free port), HTTPS when given a certificate and key;
+        returns the port. ``stop`` gives the requests in flight ``grace_s`` seconds."""
         self.server = _Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off",
-                                             access_log=False, timeout_graceful_shutdown=grace_s))
+                                             access_log=False, timeout_graceful_shutdown=grace_s,
+                                             ssl_certfile=tls_cert, ssl_keyfile=tls_key))
         self._task = asyncio.get_running_loop().create_task(self.server.serve())
         while not self.server.started:
             if self._task.done():
@@ -99,7 +108,15 @@ class OpenAIFront:
     async def health(self, request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
+    def _refusal(self, request: Request) -> JSONResponse | None:
+        if self.api_keys is None:
+            return None
+        why = self.api_keys.check({"authorization": request.headers.get("authorization", "")})
+        return None if why is None else error_response(401, why, "invalid_api_key")
+
     async def models(self, request: Request) -> JSONResponse:
+        if (refused := self._refusal(request)) is not None:
+            return refused
         return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
                                                          "created": self.created, "owned_by": "kervan"}]})
 
@@ -111,6 +128,8 @@ class OpenAIFront:
                                  lambda body: parse_chat(body, self.model_name, self.chat_template.render))
 
     async def _serve(self, request: Request, kind: str, parse):
+        if (refused := self._refusal(request)) is not None:
+            return refused
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -123,7 +142,8 @@ class OpenAIFront:
             return error_response(400, str(exc), "invalid_argument")
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        calls = [self.stub.Generate(_with_id(p, f"{rid}-{i}" if len(parsed.prompts) > 1 else rid))
+        metadata = [("authorization", request.headers["authorization"])] if self.api_keys is not None else None
+        calls = [self.stub.Generate(_with_id(p, f"{rid}-{i}" if len(parsed.prompts) > 1 else rid), metadata=metadata)
                  for i, p in enumerate(parsed.prompts)]
         events = _merged(calls)
         try:

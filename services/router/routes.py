@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import grpc
 
 from kervan.block_hash import hash_blocks
+from services.common.security import PLAINTEXT, MeshSecurity
+from services.common.server import KEEPALIVE
 from services.proto import scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
 
 
@@ -26,23 +28,14 @@ class Placement:
     prefill_address: str = ""
 
 
-# HTTP/2 pings every 2 s, 2 s to answer: a worker that died without closing its
-# connections, or a network that drops everything, fails the calls in about 4 s
-# (then the router migrates them) instead of leaving them hanging. gRPC core waits
-# for a ping's ack ``ping_timeout_ms`` (60 s by default), whatever the keepalive
-# timeout says: without it a blackholed connection took 61 s to fail.
-KEEPALIVE = [("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),
-             ("grpc.http2.ping_timeout_ms", 2000), ("grpc.keepalive_permit_without_calls", 1),
-             ("grpc.http2.max_pings_without_data", 0)]
-
-
 class Channels:
-    def __init__(self):
+    def __init__(self, security: MeshSecurity = PLAINTEXT):
+        self.security = security
         self._channels: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
         if address not in self._channels:
-            channel = grpc.aio.insecure_channel(address, options=KEEPALIVE)
+            channel = self.security.channel(address, KEEPALIVE)
             self._channels[address] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
         return self._channels[address][1]
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-import grpc
-
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
-from services.common.server import Service, run, serve_until_signal, start_server
+from services.common.security import MeshSecurity, add_security_arguments
+from services.common.server import KEEPALIVE, Service, run, serve_until_signal, start_server
 from services.common.tracing import configure_tracing
 from services.proto import kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.placement import POLICIES, PlacementConfig
@@ -41,11 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="how long a placed prompt's blocks count as the worker's before its KV events can show them")
     ap.add_argument("--seed", type=int, default=None, help="seed of the random draws (random policy, temperature)")
     add_metrics_argument(ap)
+    add_security_arguments(ap)
     return parse_args_with_env(ap, "scheduler", argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    channel = grpc.aio.insecure_channel(args.registry)
+    security = MeshSecurity.from_args(args)
+    channel = security.channel(args.registry, KEEPALIVE)
     servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(channel),
                                  PlacementConfig(policy=args.policy, overlap_weight=args.overlap_weight,
                                                  eviction_weight=args.eviction_weight, temperature=args.temperature,
@@ -53,7 +54,8 @@ async def serve(args: argparse.Namespace) -> None:
                                                  max_prefill_queue_tokens=args.max_prefill_queue_tokens),
                                  RecentPlacements(args.load_window_s, args.prefix_window_s), args.seed)
     handle = await start_server([Service(SERVICE_NAME, lambda s: (
-        scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)))], args.host, args.port)
+        scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)), {"*": ("router", "admin")})],
+        args.host, args.port, security=security)
     serve_metrics(args.metrics_port, args.host, "scheduler")
     print(f"scheduler ready on {args.host}:{handle.port}", flush=True)
     await serve_until_signal(handle, channel.close)

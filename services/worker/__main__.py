@@ -13,18 +13,20 @@ import signal
 import threading
 from pathlib import Path
 
-import grpc
 from prometheus_client import REGISTRY
 
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
+from services.common.security import MeshSecurity, add_security_arguments
 from services.common.server import Service, configure_logging, run, serve_until_signal, start_server
 from services.common.tracing import configure_tracing
 from services.proto import kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.worker.async_engine import AsyncEngine
+from services.worker.decode_peers import DecodePeers
+from services.worker.kv_transfer import sweep_stale_segments
 from services.worker.membership import Membership
 from services.worker.metrics import EngineCollector
-from services.worker.servicer import WorkerServicer
+from services.worker.servicer import CALLERS, WorkerServicer
 from worker.config import ConfigError
 from worker.platform import DTYPE_CHOICES, dtype_name
 
@@ -40,7 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--role", choices=["both", "prefill", "decode"], default="both")
     ap.add_argument("--kv-transport", choices=["auto", "shm", "grpc"], default="auto",
                     help="how a prefill worker pushes KV: shared memory (same host), gRPC stream, or auto")
-    ap.add_argument("--kv-lease", type=float, default=30.0, help="seconds a KV handoff may take")
+    ap.add_argument("--kv-lease", type=float, default=30.0,
+                    help="seconds a KV handoff may take, and the longest received KV waits for its Decode")
+    ap.add_argument("--max-concurrent-pushes", type=int, default=16,
+                    help="KV pushes received at once beyond which more get RESOURCE_EXHAUSTED")
     ap.add_argument("--registry", default=None, help="HOST:PORT of the kv-registry to join (optional)")
     ap.add_argument("--advertise-address", default=None,
                     help="HOST:PORT others reach this worker at, when not the one it binds (a proxy, a Service)")
@@ -65,19 +70,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-waiting", type=int, default=256,
                     help="requests queued beyond a full batch before new ones get RESOURCE_EXHAUSTED")
     add_metrics_argument(ap)
+    add_security_arguments(ap)
     return parse_args_with_env(ap, "worker", argv)
 
 
 async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: Path, stop: asyncio.Event) -> None:
-    servicer = WorkerServicer(async_engine, args.role, args.kv_transport, args.kv_lease)
-    handle = await start_server(
-        [Service(SERVICE_NAME, lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, s))],
-        args.host, args.port)
-    membership = membership_task = registry_channel = None
+    security = MeshSecurity.from_args(args)
+    registry_channel = registry = None
     if args.registry:
-        registry_channel = grpc.aio.insecure_channel(args.registry)
-        membership = Membership(kv_registry_pb2_grpc.KvRegistryServiceStub(registry_channel), async_engine,
-                                args.advertise_address or f"{args.host}:{handle.port}", args.role, model_dir.name)
+        registry_channel = security.channel(args.registry)
+        registry = kv_registry_pb2_grpc.KvRegistryServiceStub(registry_channel)
+    servicer = WorkerServicer(async_engine, args.role, args.kv_transport, args.kv_lease,
+                              DecodePeers(registry, security), args.max_concurrent_pushes)
+    handle = await start_server(
+        [Service(SERVICE_NAME, lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, s), CALLERS)],
+        args.host, args.port, security=security)
+    membership = membership_task = None
+    if registry is not None:
+        membership = Membership(registry, async_engine, args.advertise_address or f"{args.host}:{handle.port}",
+                                args.role, model_dir.name)
         await membership.register()  # fail at start, not later, if the mesh refuses this worker
         membership_task = asyncio.get_running_loop().create_task(membership.run())
     if args.metrics_port is not None:
@@ -111,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging()
     configure_tracing(f"kervan-{args.role}-worker")
     log.info("platform: %s", current_platform().summary())
+    sweep_stale_segments()
     model_dir = Path(args.model) if args.model else ensure_default_model()
     try:
         engine = Engine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,

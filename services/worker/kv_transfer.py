@@ -10,13 +10,26 @@ Only raw tensor bytes plus an explicit shape and a dtype from a short allow-list
 cross the wire: nothing is pickled. Copies here use numpy (a plain memcpy): this
 code runs on the gRPC thread, and torch work there would start a second OpenMP
 team that slows the engine thread's matmuls. The receiver keeps what it got in
-``KvStaging`` under a handle until ``Decode`` takes it or its lease runs out."""
+``KvStaging`` under a handle it mints, bound to the request and to the prompt's
+digest, until ``Decode`` takes it or its lease runs out.
+
+What a sender may make the receiver commit is bounded before it is committed: the
+header's size is reserved against the staging budget (or refused) before a byte
+is buffered, the lease is at most the receiver's own, and a push past the
+receiver's concurrency cap is refused at once.
+
+Segments are named ``kervan-kv-<creator pid>-<random>``: one whose creator has
+died (SIGKILLed mid-handoff) is swept when a worker starts."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
@@ -24,10 +37,14 @@ import numpy as np
 import torch
 
 from kervan.sampling import InvalidRequest
+from services.common.errors import Overloaded
 from services.proto import worker_pb2
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 SHM_PREFIX = "kervan-kv-"  # the receiver opens (and unlinks) only segments named so
+SHM_DIR = "/dev/shm"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -36,23 +53,23 @@ def _as_bytes(data: torch.Tensor) -> torch.Tensor:
     return data.contiguous().view(torch.uint8).reshape(-1)
 
 
-def header(handle: str, request_id: str, data: torch.Tensor, lease_s: float, shm_name: str = "") -> worker_pb2.KvHeader:
-    return worker_pb2.KvHeader(handle=handle, request_id=request_id, shape=list(data.shape),
+def prompt_digest(prompt: Sequence[int]) -> bytes:
+    return hashlib.sha256(np.asarray(prompt, dtype="<u4").tobytes()).digest()
+
+
+def header(request_id: str, prompt: Sequence[int], data: torch.Tensor, lease_s: float, shm_name: str = ""
+           ) -> worker_pb2.KvHeader:
+    return worker_pb2.KvHeader(request_id=request_id, shape=list(data.shape),
                                dtype=DTYPE_NAMES[data.dtype], num_bytes=data.numel() * data.element_size(),
-                               shm_name=shm_name, lease_ms=int(lease_s * 1000))
+                               shm_name=shm_name, lease_ms=int(lease_s * 1000), prompt_digest=prompt_digest(prompt))
 
 
-def stream_messages(request_id: str, data: torch.Tensor, lease_s: float
-                    ) -> tuple[str, AsyncIterator[worker_pb2.PushKvRequest]]:
+async def stream_messages(head: worker_pb2.KvHeader, data: torch.Tensor) -> AsyncIterator[worker_pb2.PushKvRequest]:
     """The PushKv messages for the gRPC-stream path: header, then chunks."""
-    handle = uuid.uuid4().hex
     raw = _as_bytes(data).numpy()
-
-    async def messages():
-        yield worker_pb2.PushKvRequest(header=header(handle, request_id, data, lease_s))
-        for start in range(0, raw.size, CHUNK_BYTES):
-            yield worker_pb2.PushKvRequest(chunk=raw[start:start + CHUNK_BYTES].tobytes())
-    return handle, messages()
+    yield worker_pb2.PushKvRequest(header=head)
+    for start in range(0, raw.size, CHUNK_BYTES):
+        yield worker_pb2.PushKvRequest(chunk=raw[start:start + CHUNK_BYTES].tobytes())
 
 
 class SharedMemoryExport:
@@ -61,7 +78,7 @@ class SharedMemoryExport:
 
     def __init__(self, data: torch.Tensor):
         raw = _as_bytes(data)
-        self.shm = shared_memory.SharedMemory(name=SHM_PREFIX + uuid.uuid4().hex, create=True,
+        self.shm = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}", create=True,
                                               size=max(1, raw.numel()))
         # the receiver owns the segment's end; don't let this process's tracker unlink it
         resource_tracker.unregister(self.shm._name, "shared_memory")
@@ -77,6 +94,37 @@ class SharedMemoryExport:
             shared_memory.SharedMemory(name=self.name).unlink()
         except FileNotFoundError:
             pass
+
+
+def sweep_stale_segments(directory: str = SHM_DIR) -> int:
+    """Unlinks the KV segments whose creating process is gone; returns how many."""
+    swept = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:  # no /dev/shm (not Linux): nothing to sweep
+        return 0
+    for name in names:
+        pid = name.removeprefix(SHM_PREFIX).split("-", 1)[0]
+        if not name.startswith(SHM_PREFIX) or not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            swept += 1
+        except OSError:
+            pass
+    if swept:
+        log.warning("removed %d KV segments left in %s by processes that died mid-handoff", swept, directory)
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to judge
+        return True
+    return True
 
 
 def read_shared_memory(head: worker_pb2.KvHeader) -> torch.Tensor:
@@ -110,33 +158,53 @@ def tensor_from(head: worker_pb2.KvHeader, raw: torch.Tensor) -> torch.Tensor:
 @dataclass
 class _Staged:
     request_id: str
+    prompt_digest: bytes
     data: torch.Tensor
     expires_at: float
 
 
 class KvStaging:
-    """KV received for requests whose Decode has not arrived yet, each under a lease."""
+    """KV received for requests whose Decode has not arrived yet, each under a lease.
+    ``reserve`` commits a push's bytes against the budget when its header arrives;
+    ``put`` turns the reservation into a staged entry, ``release`` gives it back."""
 
-    def __init__(self, max_bytes: int = 2 << 30):
+    def __init__(self, max_bytes: int = 2 << 30, max_lease_s: float = 30.0):
         self.max_bytes = max_bytes
+        self.max_lease_s = max_lease_s
+        self.reserved = 0
         self._items: dict[str, _Staged] = {}
 
     @property
     def num_bytes(self) -> int:
         return sum(i.data.numel() * i.data.element_size() for i in self._items.values())
 
-    def put(self, head: worker_pb2.KvHeader, data: torch.Tensor) -> None:
+    def reserve(self, num_bytes: int) -> None:
         self.expire()
-        if self.num_bytes + head.num_bytes > self.max_bytes:
-            from services.common.errors import Overloaded
+        if num_bytes > self.max_bytes:
+            raise InvalidRequest(f"KV of {num_bytes} bytes exceeds this worker's staging ({self.max_bytes})")
+        if self.num_bytes + self.reserved + num_bytes > self.max_bytes:
             raise Overloaded("KV staging is full; retry later")
-        self._items[head.handle] = _Staged(head.request_id, data, time.monotonic() + head.lease_ms / 1000)
+        self.reserved += num_bytes
 
-    def take(self, handle: str, request_id: str) -> torch.Tensor:
+    def release(self, num_bytes: int) -> None:
+        self.reserved -= num_bytes
+
+    def put(self, head: worker_pb2.KvHeader, data: torch.Tensor) -> str:
+        """Stages a reserved push; returns the handle minted for it."""
+        self.release(head.num_bytes)
+        lease_s = min(head.lease_ms / 1000 or self.max_lease_s, self.max_lease_s)
+        handle = secrets.token_hex(16)
+        self._items[handle] = _Staged(head.request_id, head.prompt_digest, data, time.monotonic() + lease_s)
+        return handle
+
+    def take(self, handle: str, request_id: str, prompt: Sequence[int]) -> torch.Tensor:
         self.expire()
-        item = self._items.pop(handle, None)
+        item = self._items.get(handle)
         if item is None or item.request_id != request_id:
             raise InvalidRequest(f"kv_handle {handle!r} is unknown or its lease expired")
+        if item.prompt_digest != prompt_digest(prompt):
+            raise InvalidRequest(f"kv_handle {handle!r} holds KV pushed for another prompt")
+        del self._items[handle]
         return item.data
 
     def drop_request(self, request_id: str) -> None:
@@ -149,34 +217,41 @@ class KvStaging:
             del self._items[handle]
 
 
-async def receive(messages: AsyncIterator[worker_pb2.PushKvRequest], max_bytes: int
+async def receive(messages: AsyncIterator[worker_pb2.PushKvRequest], staging: KvStaging
                   ) -> tuple[worker_pb2.KvHeader, torch.Tensor]:
-    """Read one PushKv stream into (header, tensor)."""
+    """Read one PushKv stream into (header, tensor), its bytes reserved in ``staging``
+    from the header on (released if the stream fails; the caller ``put``s it)."""
     head = None
     buf = bytearray()
     size = 0
-    async for msg in messages:
-        if msg.WhichOneof("part") == "header":
-            if head is not None:
-                raise InvalidRequest("PushKv carries more than one header")
-            head = msg.header
-            if head.num_bytes > max_bytes:
-                raise InvalidRequest(f"KV of {head.num_bytes} bytes exceeds this worker's staging ({max_bytes})")
-            if not head.shm_name:
-                buf = bytearray(head.num_bytes)
+    try:
+        async for msg in messages:
+            if msg.WhichOneof("part") == "header":
+                if head is not None:
+                    raise InvalidRequest("PushKv carries more than one header")
+                if len(msg.header.prompt_digest) != 32:
+                    raise InvalidRequest("PushKv header needs the prompt's SHA-256 digest (32 bytes)")
+                staging.reserve(msg.header.num_bytes)
+                head = msg.header
+                if not head.shm_name:
+                    buf = bytearray(head.num_bytes)
+            else:
+                if head is None or head.shm_name:
+                    raise InvalidRequest("PushKv chunks must follow a header without shm_name")
+                if size + len(msg.chunk) > head.num_bytes:
+                    raise InvalidRequest(f"PushKv sent more than the {head.num_bytes} bytes its header announced")
+                buf[size:size + len(msg.chunk)] = msg.chunk
+                size += len(msg.chunk)
+        if head is None:
+            raise InvalidRequest("PushKv carried no header")
+        if head.shm_name:
+            raw = read_shared_memory(head)
+        elif size != head.num_bytes:
+            raise InvalidRequest(f"PushKv ended after {size} of {head.num_bytes} bytes")
         else:
-            if head is None or head.shm_name:
-                raise InvalidRequest("PushKv chunks must follow a header without shm_name")
-            if size + len(msg.chunk) > head.num_bytes:
-                raise InvalidRequest(f"PushKv sent more than the {head.num_bytes} bytes its header announced")
-            buf[size:size + len(msg.chunk)] = msg.chunk
-            size += len(msg.chunk)
-    if head is None:
-        raise InvalidRequest("PushKv carried no header")
-    if head.shm_name:
-        raw = read_shared_memory(head)
-    elif size != head.num_bytes:
-        raise InvalidRequest(f"PushKv ended after {size} of {head.num_bytes} bytes")
-    else:
-        raw = torch.frombuffer(buf, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-    return head, tensor_from(head, raw)
+            raw = torch.frombuffer(buf, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        return head, tensor_from(head, raw)
+    except BaseException:
+        if head is not None:
+            staging.release(head.num_bytes)
+        raise

@@ -4,14 +4,19 @@ sees queues as they build), and publish its KV events as they happen (polled fro
 engine thread every ``event_interval_s``). A registry that no longer recognises
 this incarnation (this worker was declared dead) is answered by registering again
 and sending a full dump of its cached blocks; so is a registry that lost track of
-them (a gap in the events, or a registry restart) and says so in a response."""
+them (a gap in the events, or a registry restart) and says so in a response.
+
+The incarnation is a fencing token the registry issues with each registration;
+every call names it, so a worker that lost its lease cannot write as the one that
+registered after it. An id still held by a live lease (this worker's previous
+process, SIGKILLed a moment ago) is refused: registration retries until that lease
+runs out, ``register_timeout_s`` at most."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
-import uuid
 
 import grpc
 
@@ -27,21 +32,33 @@ log = logging.getLogger(__name__)
 class Membership:
     def __init__(self, registry: kv_registry_pb2_grpc.KvRegistryServiceStub, engine: AsyncEngine, address: str,
                  role: str, model: str, heartbeat_s: float = 1.0, event_interval_s: float = 0.02,
-                 load_interval_s: float = 0.1):
+                 load_interval_s: float = 0.1, register_timeout_s: float = 30.0):
         self.registry = registry
         self.engine = engine
         self.info = kv_registry_pb2.WorkerInfo(
-            worker_id=f"{role}@{address}", address=address, role=role, model=model, incarnation=uuid.uuid4().hex,
+            worker_id=f"{role}@{address}", address=address, role=role, model=model,
             block_size=engine.block_size, hash_name=HASH_NAME, max_model_len=engine.limits.max_model_len,
             max_n=engine.limits.max_n)
         self.heartbeat_s = heartbeat_s
         self.event_interval_s = event_interval_s
         self.load_interval_s = load_interval_s
+        self.register_timeout_s = register_timeout_s
         self._reported = None
         self._dump_wanted = False
 
     async def register(self) -> None:
-        await self.registry.Register(kv_registry_pb2.RegisterRequest(worker=self.info), timeout=5)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.register_timeout_s
+        while True:
+            try:
+                reply = await self.registry.Register(kv_registry_pb2.RegisterRequest(worker=self.info), timeout=5)
+                break
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.ALREADY_EXISTS or loop.time() > deadline:
+                    raise
+                log.warning("%s; waiting for that lease to end", err.details())
+                await asyncio.sleep(0.5)
+        self.info.incarnation = reply.incarnation
 
     async def deregister(self) -> None:
         """Leave the mesh before draining, so that nothing new is placed here."""
@@ -52,9 +69,11 @@ class Membership:
             log.warning("could not deregister: %s", err.code().name)
 
     async def run(self) -> None:
-        """Heartbeats and event publishing until cancelled: two loops, so that lease
-        renewal never waits for the engine thread (a long step cannot starve it)."""
-        await self.register()
+        """Heartbeats and event publishing until cancelled (registering first unless
+        registered): two loops, so that lease renewal never waits for the engine thread
+        (a long step cannot starve it)."""
+        if not self.info.incarnation:
+            await self.register()
         await asyncio.gather(self._beat_loop(), self._event_loop())
 
     async def _beat_loop(self) -> None:

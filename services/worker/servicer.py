@@ -8,6 +8,7 @@ judged too short to prefill remotely."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import socket
 import time
@@ -18,23 +19,30 @@ from opentelemetry import trace
 
 from kervan.sampling import FORKED_SAMPLES
 from services.common.convert import finish_to_proto, load_to_proto, sampling_from_proto
-from services.common.errors import FailedPrecondition, Unavailable
+from services.common.errors import FailedPrecondition, Overloaded, Unavailable
 from services.proto import worker_pb2, worker_pb2_grpc
 from services.worker import kv_transfer, metrics
 from services.worker.async_engine import AsyncEngine
+from services.worker.decode_peers import DecodePeers
 from worker import ImportedKV, InvalidRequest, RequestOutput
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]", socket.gethostname()}
+# which mesh roles may call what (services/common/auth.py): KV comes only from workers
+CALLERS = {"PushKv": ("worker",), "GetLoad": ("router", "scheduler", "admin"), "*": ("router", "admin")}
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, engine: AsyncEngine, role: str = "both", kv_transport: str = "auto", lease_s: float = 30.0):
+    def __init__(self, engine: AsyncEngine, role: str = "both", kv_transport: str = "auto", lease_s: float = 30.0,
+                 peers: DecodePeers | None = None, max_concurrent_pushes: int = 16,
+                 staging_bytes: int = 2 << 30):
         self.engine = engine
         self.role = role
         self.kv_transport = kv_transport
-        self.lease_s = lease_s
-        self.staging = kv_transfer.KvStaging()
-        self._peers: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
+        self.lease_s = lease_s  # the longest a push may take, and its KV wait for Decode
+        self.staging = kv_transfer.KvStaging(staging_bytes, max_lease_s=lease_s)
+        self.peers = peers or DecodePeers()
+        self.max_concurrent_pushes = max_concurrent_pushes
+        self.num_pushes = 0
 
     def _require(self, *roles: str) -> None:
         if self.role not in roles:
@@ -73,28 +81,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self.engine.post(lambda e: e.release_kv(rid))
 
     async def _push(self, request: worker_pb2.PrefillRequest, data) -> tuple[str, int]:
-        stub = self._peer(request.decode_address)
+        stub = await self.peers.stub(request.decode_address)
+        prompt = request.prompt.ids
         if self._use_shared_memory(request):
             export = kv_transfer.SharedMemoryExport(data)
-            handle = f"{request.request_id}/{export.name}"
-            head = kv_transfer.header(handle, request.request_id, data, self.lease_s, export.name)
-            messages = _one(worker_pb2.PushKvRequest(header=head))
+            messages = _one(worker_pb2.PushKvRequest(header=kv_transfer.header(
+                request.request_id, prompt, data, self.lease_s, export.name)))
         else:
             export = None
-            handle, messages = kv_transfer.stream_messages(request.request_id, data, self.lease_s)
+            messages = kv_transfer.stream_messages(kv_transfer.header(request.request_id, prompt, data, self.lease_s),
+                                                   data)
         start = time.perf_counter()
+        pushed = False
         try:
             receipt = await stub.PushKv(messages, timeout=self.lease_s)
+            pushed = True
             metrics.KV_TRANSFER_TIME.observe(time.perf_counter() - start)
             metrics.KV_TRANSFER_BYTES.labels("pushed").inc(receipt.num_bytes)
         except grpc.aio.AioRpcError as err:
-            if export is not None:
-                export.discard()
             why = f"{err.code().name} {err.details()}"
-            raise Unavailable(f"KV push to {request.decode_address} failed: {why}") from None
+            raise Unavailable(f"KV push to the decode worker failed: {why}") from None
         finally:
-            if export is not None:
-                export.close()
+            if export is not None:  # a failed or cancelled push leaves no segment behind
+                export.close() if pushed else export.discard()
         return receipt.handle, receipt.num_bytes
 
     def _use_shared_memory(self, request: worker_pb2.PrefillRequest) -> bool:
@@ -104,25 +113,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return False
         return self.kv_transport == "shm" or request.decode_address.rsplit(":", 1)[0] in LOCAL_HOSTS
 
-    def _peer(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
-        if not address:
-            raise InvalidRequest("decode_address is empty")
-        if address not in self._peers:
-            channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
-            self._peers[address] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
-        return self._peers[address][1]
-
     async def PushKv(self, request_iterator, context) -> worker_pb2.PushKvResponse:
         self._require("decode", "both")
-        head, data = await kv_transfer.receive(request_iterator, self.staging.max_bytes)
-        self.staging.put(head, data)
+        if self.num_pushes >= self.max_concurrent_pushes:
+            raise Overloaded(f"{self.num_pushes} KV pushes in progress, this worker's limit; retry later")
+        self.num_pushes += 1
+        try:  # a sender that stalls mid-stream cannot hold its reservation past the lease
+            head, data = await asyncio.wait_for(kv_transfer.receive(request_iterator, self.staging), self.lease_s)
+        except asyncio.TimeoutError:
+            raise Unavailable(f"KV push did not finish within {self.lease_s:.0f}s") from None
+        finally:
+            self.num_pushes -= 1
+        handle = self.staging.put(head, data)
         metrics.KV_TRANSFER_BYTES.labels("received").inc(head.num_bytes)
-        return worker_pb2.PushKvResponse(handle=head.handle, num_bytes=head.num_bytes)
+        return worker_pb2.PushKvResponse(handle=handle, num_bytes=head.num_bytes)
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
         self._require("decode", "both")
         params = sampling_from_proto(request.sampling)
-        data = self.staging.take(request.kv_handle, request.request_id)
+        data = self.staging.take(request.kv_handle, request.request_id, request.prompt.ids)
         imported = ImportedKV(request.first_token, request.first_logprob, data)
         stream = self.engine.generate(request.request_id, list(request.prompt.ids), params, imported=imported)
         async for update in _updates(stream):
@@ -136,8 +145,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.GetLoadResponse(load=load_to_proto(self.engine.load()))
 
     async def close(self) -> None:
-        for channel, _ in self._peers.values():
-            await channel.close()
+        await self.peers.close()
 
 
 def _first_output_event(out: RequestOutput) -> None:

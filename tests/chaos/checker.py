@@ -125,7 +125,7 @@ def restart_redis(cluster) -> None:
     cluster.procs["redis"].wait()
     port = int(cluster.addresses["redis"].rsplit(":", 1)[1])
     with open(cluster.log_dir / "redis-restarted.log", "ab") as log:
-        cluster.procs["redis"] = subprocess.Popen(redis_argv(port, cluster.log_dir), stdout=log,
+        cluster.procs["redis"] = subprocess.Popen(redis_argv(port, cluster.log_dir, cluster.redis_password), stdout=log,
                                                   stderr=subprocess.STDOUT, start_new_session=True)
     wait_listening(port, cluster.procs["redis"])
 
@@ -137,7 +137,7 @@ async def wait_baseline(cluster, workers: list[str], redis_url: str | None = Non
     import redis.asyncio as redis
 
     from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
-    redis_url = redis_url or (f"redis://{cluster.addresses['redis']}/0" if "redis" in cluster.addresses else None)
+    redis_url = redis_url or cluster.redis_url
     deadline = time.monotonic() + timeout
     while True:
         loads = []

@@ -19,7 +19,7 @@ def test_redis_restarting_empty_starts_a_generation_and_requests_keep_flowing(ll
     cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, dtype="float32",
                                   num_kv_blocks=256, registry_args=("--ttl", "2")), tmp_path)
     cluster.start(timeout=240)
-    url = f"redis://{cluster.addresses['redis']}/0"
+    url = cluster.redis_url
     try:
         prompts = make_prompts([20 + i % 7 for i in range(32)], seed=80)
         expected = greedy_tokens(llama[1], prompts, 40)

@@ -69,13 +69,12 @@ async def test_the_scheduler_skips_full_workers_and_refuses_when_all_are_full(re
     to_scheduler = grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}")
     stub = scheduler_pb2_grpc.SchedulerServiceStub(to_scheduler)
     try:
-        for wid in ("a", "b"):
-            await index.register(WorkerRecord(worker_id=wid, address=f"127.0.0.1:{ord(wid)}", role="both", model="m",
-                                              incarnation="i1", block_size=16, hash_name="sha256",
-                                              max_model_len=4096, max_n=16))
+        tokens = {wid: await index.register(WorkerRecord(
+            worker_id=wid, address=f"127.0.0.1:{ord(wid)}", role="both", model="m", incarnation="", block_size=16,
+            hash_name="sha256", max_model_len=4096, max_n=16)) for wid in ("a", "b")}
 
         async def report(wid, requests):
-            await index.heartbeat(wid, "i1", Load(num_free_blocks=100, num_blocks=100, num_requests=requests,
+            await index.heartbeat(wid, tokens[wid], Load(num_free_blocks=100, num_blocks=100, num_requests=requests,
                                                   max_requests=4))
 
         def place(rid):

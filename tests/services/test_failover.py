@@ -81,11 +81,11 @@ async def register_ghosts(mesh: ScheduledMesh, prompt: list[int], num: int) -> l
     for k in range(num):
         sock_port = 1 + k  # privileged, never bound by a test: connection refused
         wid = f"both@127.0.0.1:{sock_port}"
-        await index.register(WorkerRecord(worker_id=wid, address=f"127.0.0.1:{sock_port}", role="both",
-                                          model=mesh.model_dir.name, incarnation="g", block_size=BLOCK_SIZE,
-                                          hash_name=HASH_NAME, max_model_len=4096, max_n=16))
-        await index.heartbeat(wid, "g", Load(num_free_blocks=256, num_blocks=256))
-        await index.apply(wid, "g", [BlockStored(1, hashes, None, [], BLOCK_SIZE)])
+        token = await index.register(WorkerRecord(
+            worker_id=wid, address=f"127.0.0.1:{sock_port}", role="both", model=mesh.model_dir.name, incarnation="",
+            block_size=BLOCK_SIZE, hash_name=HASH_NAME, max_model_len=4096, max_n=16))
+        await index.heartbeat(wid, token, Load(num_free_blocks=256, num_blocks=256))
+        await index.apply(wid, token, [BlockStored(1, hashes, None, [], BLOCK_SIZE)])
         ghosts.append(f"127.0.0.1:{sock_port}")
     return ghosts
 

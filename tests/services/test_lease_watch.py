@@ -35,10 +35,10 @@ async def watching(index: PrefixIndex, redis_client, interval_s: float):
 async def test_an_expired_lease_is_purged_at_once(redis_client):
     index = PrefixIndex(redis_client, ttl_s=1)
     async with watching(index, redis_client, interval_s=3600) as watcher:  # reconciles once, then notifications
-        await index.register(WorkerRecord(worker_id="w", address="127.0.0.1:1", role="decode", model="m",
-                                          incarnation="i1", block_size=16, hash_name=HASH_NAME, max_model_len=4096,
-                                          max_n=16))
-        await index.apply("w", "i1", [BlockStored(1, [b"\x01" * 32, b"\x02" * 32], None, [], 16)])
+        token = await index.register(WorkerRecord(worker_id="w", address="127.0.0.1:1", role="decode", model="m",
+                                                  incarnation="", block_size=16, hash_name=HASH_NAME,
+                                                  max_model_len=4096, max_n=16))
+        await index.apply("w", token, [BlockStored(1, [b"\x01" * 32, b"\x02" * 32], None, [], 16)])
         assert await redis_client.hlen("kervan:own:w") == 2
         for _ in range(100):  # the lease (1 s) expires; nobody heartbeats, nobody lists workers
             if not await redis_client.sismember("kervan:workers", "w"):
@@ -56,10 +56,10 @@ async def test_the_reconciliation_loop_purges_an_expired_worker_without_any_noti
                 break
             await asyncio.sleep(0.05)
         await redis_client.config_set("notify-keyspace-events", "")
-        await index.register(WorkerRecord(worker_id="w", address="127.0.0.1:1", role="decode", model="m",
-                                          incarnation="i1", block_size=16, hash_name=HASH_NAME, max_model_len=4096,
-                                          max_n=16))
-        await index.apply("w", "i1", [BlockStored(1, [b"\x01" * 32], None, [], 16)])
+        token = await index.register(WorkerRecord(worker_id="w", address="127.0.0.1:1", role="decode", model="m",
+                                                  incarnation="", block_size=16, hash_name=HASH_NAME,
+                                                  max_model_len=4096, max_n=16))
+        await index.apply("w", token, [BlockStored(1, [b"\x01" * 32], None, [], 16)])
         for _ in range(100):  # the lease (1 s) expires; only the loop can notice
             if not await redis_client.sismember("kervan:workers", "w"):
                 break

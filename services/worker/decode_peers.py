@@ -1,0 +1,76 @@
+"""The decode workers a prefill worker may push KV to, and its channels to them.
+
+``Prefill.decode_address`` comes from the caller: taken as is, it would have this
+worker open connections to any host the caller names, and keep a channel per
+name for ever. With a registry, only the addresses of live decode (or
+aggregated) workers are accepted; the live set is read at most every
+``refresh_s`` (and again at once for an address not in it, so a worker that just
+joined is found), and the channel to a worker that left is closed. Channels are
+bounded either way: past ``max_channels`` the least recently used one closes."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import grpc
+
+from services.common.errors import Unavailable
+from services.common.security import PLAINTEXT, MeshSecurity
+from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, worker_pb2_grpc
+from worker import InvalidRequest
+
+DECODE_ROLES = ("decode", "both")
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+
+
+class DecodePeers:
+    def __init__(self, registry: kv_registry_pb2_grpc.KvRegistryServiceStub | None = None,
+                 security: MeshSecurity = PLAINTEXT, refresh_s: float = 1.0, max_channels: int = 64):
+        self.registry = registry
+        self.security = security
+        self.refresh_s = refresh_s
+        self.max_channels = max_channels
+        self._live: set[str] = set()
+        self._read_at = float("-inf")
+        self._channels: OrderedDict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = OrderedDict()
+
+    async def stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
+        if not address:
+            raise InvalidRequest("decode_address is empty")
+        if self.registry is not None:
+            if address not in self._live or time.monotonic() - self._read_at > self.refresh_s:
+                await self._refresh()
+            if address not in self._live:
+                raise InvalidRequest(f"decode_address {address!r} is not a registered decode worker")
+        if address in self._channels:
+            self._channels.move_to_end(address)
+        else:
+            channel = self.security.channel(address, CHANNEL_OPTIONS)
+            self._channels[address] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
+            while len(self._channels) > self.max_channels:
+                _, (old, _) = self._channels.popitem(last=False)
+                await old.close()
+        return self._channels[address][1]
+
+    async def _refresh(self) -> None:
+        try:
+            reply = await self.registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), timeout=2)
+        except grpc.aio.AioRpcError as err:
+            if self._live:  # the last view, while the registry is away
+                return
+            raise Unavailable(f"cannot check decode_address: kv-registry {err.code().name}") from None
+        self._read_at = time.monotonic()
+        self._live = {w.info.address for w in reply.workers if w.info.role in DECODE_ROLES}
+        for address in [a for a in self._channels if a not in self._live]:
+            channel, _ = self._channels.pop(address)
+            await channel.close()
+
+    @property
+    def num_channels(self) -> int:
+        return len(self._channels)
+
+    async def close(self) -> None:
+        for channel, _ in self._channels.values():
+            await channel.close()
+        self._channels.clear()
