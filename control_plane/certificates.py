@@ -2,7 +2,10 @@
 
 One CA, and one certificate per mesh role whose CN is the role (what servers
 check, ``services/common/auth.py``), valid for loopback (``localhost``, 127.0.0.1,
-::1) and any extra host names, usable as both server and client certificate.
+::1), for ``MESH_NAME`` (what ``--tls-server-name`` checks where peers are dialled
+by IP address) and any extra host names, usable as both server and client
+certificate. ``python -m control_plane.certificates DIR`` writes a set for a
+deploy (``deploy/README.md``).
 Keys are ECDSA P-256 and written owner-only. Production meshes bring their own
 (cert-manager, SPIFFE/SPIRE, a corporate CA) with the same CNs."""
 
@@ -21,6 +24,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from services.common.security import ROLES
+
+MESH_NAME = "kervan-mesh"
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,8 @@ class CertificateAuthority:
         if role not in ROLES and not role.startswith("test-"):
             raise ValueError(f"role {role!r} is not one of {ROLES}")
         key = ec.generate_private_key(ec.SECP256R1())
-        names: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        names: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.DNSName(MESH_NAME),
+                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
                                          x509.IPAddress(ipaddress.ip_address("::1"))]
         for host in hosts:
             try:
@@ -90,3 +96,23 @@ class CertificateAuthority:
 
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m control_plane.certificates",
+                                 description="Write a mesh CA and a certificate per role (ROLE.pem, ROLE-key.pem).")
+    ap.add_argument("directory", type=Path)
+    ap.add_argument("--host", action="append", default=[],
+                    help="another name or address every certificate is valid for (repeatable), e.g. the "
+                         "router's public name")
+    ap.add_argument("--days", type=float, default=365.0)
+    args = ap.parse_args(argv)
+    ca = CertificateAuthority(args.directory, valid_days=args.days)
+    for role in ROLES:
+        ca.issue(role, args.host, args.days)
+    print(f"wrote {ca.ca_path} and a certificate per role ({', '.join(ROLES)}) in {args.directory}")
+
+
+if __name__ == "__main__":
+    main()

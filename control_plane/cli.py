@@ -80,7 +80,8 @@ def complete(prompt: str, model_dir: str | None, max_tokens: int, temperature: f
 
 @main.command()
 @click.argument("prompt", required=False)
-@click.option("--addr", default="127.0.0.1:8470", show_default=True, help="the router's HOST:PORT")
+@click.option("--addr", default="127.0.0.1:8470", show_default=True,
+              help="the router's HOST:PORT, or several routers' comma-separated (one that is down is skipped)")
 @click.option("--token-ids", default=None, help="comma-separated prompt token ids instead of text")
 @sampling_options
 @click.option("--stop", multiple=True, help="a string that ends the answer (repeatable)")
@@ -137,6 +138,10 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
 @click.option("--http-port", default=None, type=int,
               help="also serve the OpenAI-compatible HTTP API on this port (0: any free port)")
 @click.option("--metrics", is_flag=True, help="every service serves Prometheus metrics (on free ports, printed)")
+@click.option("--routers", "num_routers", default=1, show_default=True,
+              help="router replicas (each its own port; clients may list them all: --addr A,B)")
+@click.option("--schedulers", "num_schedulers", default=1, show_default=True,
+              help="scheduler replicas (every router balances over them and retries on another)")
 @click.option("--tls", is_flag=True,
               help="mutual TLS between all services, with a throw-away CA and certificates made in the run's directory")
 @click.option("--api-key-file", default=None, type=click.Path(exists=True, dir_okay=False),
@@ -148,7 +153,8 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
 @click.option("--pipeline-parallel", default=1, show_default=True,
               help="every worker a group of N pipeline stages each holding 1/N of the layers")
 def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens,
-       http_port, metrics, tls, api_key_file, tensor_parallel, expert_parallel, pipeline_parallel) -> None:
+       http_port, metrics, num_routers, num_schedulers, tls, api_key_file, tensor_parallel, expert_parallel,
+       pipeline_parallel) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C."""
     import asyncio
     from pathlib import Path
@@ -165,7 +171,8 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
     model = Path(model_dir) if model_dir else ensure_default_model()
     try:
         spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, dtype=dtype,
-                           http_port=http_port, metrics=metrics, tls=tls,
+                           http_port=http_port, metrics=metrics, tls=tls, num_routers=num_routers,
+                           num_schedulers=num_schedulers,
                            api_key_file=Path(api_key_file) if api_key_file else None,
                            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                            pipeline_parallel=pipeline_parallel)
@@ -180,7 +187,8 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
     except (RuntimeError, TimeoutError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     try:
-        click.echo(f"Kervan is up in {time.perf_counter() - start:.1f}s: router on {cluster.router_address}", err=True)
+        click.echo(f"Kervan is up in {time.perf_counter() - start:.1f}s: router on {cluster.router_addresses}",
+                   err=True)
         scheme = "https" if tls else "http"
         if "router-http" in cluster.addresses:
             click.echo(f"OpenAI-compatible API on {scheme}://{cluster.addresses['router-http']}/v1", err=True)
@@ -190,7 +198,7 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
         if request_text is None:
             flags = f" --tls-ca {cluster.tls_dir / 'ca.pem'}" if tls else ""
             flags += " --api-key <key>" if api_key_file else ""
-            click.echo(f'try: kervan generate --addr {cluster.router_address}{flags} "Once upon a time"', err=True)
+            click.echo(f'try: kervan generate --addr {cluster.router_addresses}{flags} "Once upon a time"', err=True)
             click.echo("Ctrl-C stops the cluster (crashed services are restarted until then)", err=True)
             cluster.supervise_until_signal()
             return
@@ -198,7 +206,7 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
 
         async def ask() -> None:
             request = build_request(request_text, max_tokens=max_tokens, seed=0)
-            async for msg in stream(cluster.router_address, request, timeout=120, security=cluster.client_security,
+            async for msg in stream(cluster.router_addresses, request, timeout=120, security=cluster.client_security,
                                     api_key=cluster.api_key):
                 click.echo(accumulate(completion, msg), nl=False)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from services.common import replicas
 from services.common.security import PLAINTEXT, MeshSecurity
 from services.proto import common_pb2, router_pb2, router_pb2_grpc
 
+ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
                 common_pb2.FINISH_REASON_ABORT: "abort"}
 
@@ -43,10 +45,12 @@ class Completion:
 async def stream(address: str, request: router_pb2.GenerateRequest, timeout: float | None = None,
                  security: MeshSecurity = PLAINTEXT, api_key: str | None = None
                  ) -> AsyncIterator[router_pb2.GenerateResponse]:
-    """``security``: the router's CA for a router with TLS (no client certificate
+    """``address``: a router, or several comma-separated (``services/common/replicas.py``:
+    a router that is down is skipped, and a call it failed before answering retried);
+    ``security``: the router's CA for a router with TLS (no client certificate
     needed); ``api_key``: for a router that requires one."""
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
-    async with security.channel(address) as channel:
+    async with security.channel(replicas.target(address), replicas.options(ROUTER_SERVICE)) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
         async for msg in stub.Generate(request, timeout=timeout, metadata=metadata):
             yield msg

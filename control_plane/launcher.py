@@ -72,6 +72,8 @@ class ClusterSpec:
     pipeline_parallel: int = 1
     tls: bool = False  # mutual TLS between all services (a throw-away CA in the run's directory)
     api_key_file: Path | None = None  # the router requires one of these keys
+    num_routers: int = 1  # replicas: "router", "router-1", ... (clients list them all: replicas.py)
+    num_schedulers: int = 1  # replicas: "scheduler", "scheduler-1", ... (every router lists them all)
 
     def __post_init__(self) -> None:
         sizes = self.parallel_sizes()
@@ -121,6 +123,7 @@ class Cluster:
     redis_password: str | None = None
     authority: object = None  # with tls: the run's CertificateAuthority (it can issue more certificates)
     restarts: Counter[str] = field(default_factory=Counter)  # crashed services restarted, by name
+    pids: list[int] = field(default_factory=list)  # every process started, dead ones included
     _launch: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)  # how each was started
     _tls_flags: dict[str, list[str]] = field(default_factory=dict)  # role -> its --tls-* flags
     _restart_due: dict[str, float] = field(default_factory=dict)
@@ -129,6 +132,11 @@ class Cluster:
     @property
     def router_address(self) -> str:
         return self.addresses["router"]
+
+    @property
+    def router_addresses(self) -> str:
+        """Every router, comma-separated: what a client given all of them connects to."""
+        return ",".join(self.addresses[n] for n in _replica_names("router", self.spec.num_routers))
 
     @property
     def tls_dir(self) -> Path:
@@ -165,25 +173,29 @@ class Cluster:
                                           *self._tls_flags.get("control-plane", []),
                                           "--registry", self.addresses["kv-registry"]],
                         env={"KERVAN_CONTROL_PLANE_REDIS": redis_url})
-            self._start("scheduler", "services.scheduler", "--registry", self.addresses["kv-registry"],
-                        *self.spec.scheduler_args)
+            schedulers = _replica_names("scheduler", self.spec.num_schedulers)
+            for name in schedulers:
+                self._start(name, "services.scheduler", "--registry", self.addresses["kv-registry"],
+                            *self.spec.scheduler_args)
             roles = [role for role, n in (("prefill", self.spec.num_prefill), ("decode", self.spec.num_decode),
                                           ("both", self.spec.num_both)) for _ in range(n)]
             if not set(roles) & {"decode", "both"}:
                 raise ValueError("a cluster needs at least one decode or aggregated (both) worker")
             workers = [self.spawn_worker(role) for role in roles]
-            self._wait_serving(["scheduler", *workers], timeout)
+            self._wait_serving([*schedulers, *workers], timeout)
             http = []
             if self.spec.http_port is not None:
                 port = self.spec.http_port or free_port()
                 self.addresses["router-http"] = f"127.0.0.1:{port}"
                 http = ["--http-port", str(port)]
-            if self.spec.api_key_file is not None:
-                http += ["--api-key-file", str(self.spec.api_key_file)]
-            self._start("router", "services.router", "--scheduler", self.addresses["scheduler"],
-                        "--model", str(self.spec.model_dir), "--block-size", str(self.spec.block_size),
-                        *http, *self.spec.router_args, port=self.spec.router_port)
-            self._wait_serving(["router"], timeout)
+            keys = ["--api-key-file", str(self.spec.api_key_file)] if self.spec.api_key_file is not None else []
+            routers = _replica_names("router", self.spec.num_routers)
+            for name in routers:
+                self._start(name, "services.router", "--scheduler", ",".join(self.addresses[s] for s in schedulers),
+                            "--model", str(self.spec.model_dir), "--block-size", str(self.spec.block_size),
+                            *(http if name == "router" else []), *keys, *self.spec.router_args,
+                            port=self.spec.router_port if name == "router" else 0)
+            self._wait_serving(routers, timeout)
         except BaseException:
             self.stop()
             raise
@@ -238,7 +250,7 @@ class Cluster:
                cores: set[int] | None = None) -> None:
         port = port or free_port()
         self.addresses[name] = f"127.0.0.1:{port}"
-        role = "worker" if module == "services.worker" else name
+        role = module.removeprefix("services.").replace("_", "-")  # the mesh role its certificate names
         self._spawn(name, [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
                            *self._metrics_args(name), *self._tls_flags.get(role, []), *args], env, cores)
 
@@ -262,6 +274,7 @@ class Cluster:
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             env={**os.environ, **(env or {}), ENV_LIFELINE: str(self._lifeline[0])}, pass_fds=(self._lifeline[0],),
             preexec_fn=lambda: _child_setup(launcher, cores, on_main_thread))
+        self.pids.append(self.procs[name].pid)
         log.close()
 
     def restart_crashed(self, now: float | None = None) -> list[str]:
@@ -336,6 +349,10 @@ class Cluster:
             for fd in self._lifeline:
                 os.close(fd)
             self._lifeline = None
+
+
+def _replica_names(service: str, num: int) -> list[str]:
+    return [service if k == 0 else f"{service}-{k}" for k in range(num)]
 
 
 def free_port() -> int:

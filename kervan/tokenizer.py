@@ -23,3 +23,11 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for (at least 1): a text of B bytes is
+        at least B / max_token_bytes tokens, known before encoding it."""
+        if not hasattr(self, "_max_token_bytes"):
+            self._max_token_bytes = max((len(t.encode()) for t in self._tok.get_vocab()), default=1) or 1
+        return self._max_token_bytes

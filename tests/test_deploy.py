@@ -72,6 +72,10 @@ def test_every_kubernetes_manifest_passes_strict_validation():
         kubernetes_validate.validate(typo, "1.33.0", strict=True)
 
 
+ROLES = {"kv-registry": "kv-registry", "scheduler": "scheduler", "router": "router", "prefill": "worker",
+         "decode": "worker", "lease-watch": "control-plane"}  # each deployment's mesh role (its certificate's CN)
+
+
 def test_the_kustomization_builds_and_deployments_are_run_as_an_operator_expects():
     kubectl = shutil.which("kubectl")
     if kubectl is None:
@@ -96,9 +100,16 @@ def test_the_kustomization_builds_and_deployments_are_run_as_an_operator_expects
         assert pod["terminationGracePeriodSeconds"] >= 30, name  # longer than a drain's 5 s grace
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317", name
-        if name != "lease-watch":  # native gRPC probes against grpc.health.v1
+        # mutual TLS: the role's certificate from its Secret, the Redis password never on a command line
+        assert container["args"][1:7] == ["--tls-cert", "/etc/kervan/tls/tls.crt", "--tls-key",
+                                          "/etc/kervan/tls/tls.key", "--tls-ca", "/etc/kervan/tls/ca.crt"], name
+        [volume] = pod["volumes"]
+        assert volume["secret"]["secretName"] == f"kervan-tls-{ROLES[name]}", name
+        assert not any("redis://" in a for a in container["args"]), name
+        if name != "lease-watch":  # grpc.health.v1 over mutual TLS (native gRPC probes cannot present a certificate)
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                assert "grpc" in container[probe], (name, probe)
+                command = container[probe]["exec"]["command"]
+                assert command[:3] == ["python3", "-m", "control_plane.probe"] and "--tls-ca" in command, (name, probe)
     for name in ("prefill", "decode", "router"):
         assert deployments[name]["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"], name
     pdbs = {d["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] for d in docs

@@ -203,7 +203,8 @@ async def test_prefill_pushes_only_to_registered_decode_workers(tls_cluster):
         for address in ("169.254.169.254:80", tls_cluster.addresses["scheduler"], tls_cluster.addresses["prefill-0"]):
             await refused(lambda address=address: stub.Prefill(worker_pb2.PrefillRequest(
                 request_id="ssrf", prompt=common_pb2.TokenIds(ids=PROMPT), decode_address=address,
-                sampling=common_pb2.SamplingParams(max_tokens=4)), timeout=30), INVALID, "not a registered decode")
+                sampling=common_pb2.SamplingParams(max_tokens=4)), timeout=30), grpc.StatusCode.ABORTED,
+                "not a registered decode")
 
 
 async def test_the_registry_bounds_what_workers_send_and_keeps_fencing_tokens_private(tls_cluster):

@@ -8,6 +8,7 @@ INTERNAL for their own mistakes:
     Unavailable, Redis down     -> UNAVAILABLE
     FailedPrecondition          -> FAILED_PRECONDITION
     NotFound, AlreadyExists     -> NOT_FOUND, ALREADY_EXISTS
+    Aborted                     -> ABORTED (a peer of this server failed the call: not this server)
     anything else               -> INTERNAL (logged with its traceback and the request id)
 
 Only the domain's own exceptions name a client mistake: a ``ValueError`` from deep
@@ -56,6 +57,11 @@ class AlreadyExists(Exception):
     """The request names something that exists already (e.g. an in-flight request id)."""
 
 
+class Aborted(Exception):
+    """The call failed on another server this one depends on (a prefill worker's KV push
+    to its decode worker): the caller should not blame this server."""
+
+
 class FailedPrecondition(Exception):
     """The call does not fit this server's state or role (e.g. Decode on a prefill worker)."""
 
@@ -73,6 +79,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, AlreadyExists):
         return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(exc, Aborted):
+        return grpc.StatusCode.ABORTED
     return grpc.StatusCode.INTERNAL
 
 

@@ -50,6 +50,9 @@ class MeshSecurity:
     key: bytes | None = None
     ca: bytes | None = None
     allow_plaintext: bool = False
+    # the name peers' certificates are checked for, whatever address a channel dials (workers
+    # advertise pod IPs no certificate can list); None: the dialled host itself
+    server_name: str | None = None
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
@@ -58,18 +61,19 @@ class MeshSecurity:
             raise SecurityError("TLS needs the mesh's CA (--tls-ca) to verify peers")
 
     @classmethod
-    def from_files(cls, cert: str | None, key: str | None, ca: str | None, allow_plaintext: bool = False
-                   ) -> MeshSecurity:
+    def from_files(cls, cert: str | None, key: str | None, ca: str | None, allow_plaintext: bool = False,
+                   server_name: str | None = None) -> MeshSecurity:
         def read(path: str | None) -> bytes | None:
             return Path(path).read_bytes() if path else None
-        return cls(read(cert), read(key), read(ca), allow_plaintext)
+        return cls(read(cert), read(key), read(ca), allow_plaintext, server_name or None)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MeshSecurity:
         """From a service's flags; a configuration that cannot work, or plaintext beyond
         loopback not allowed, exits at once (before any model or connection)."""
         try:
-            security = cls.from_files(args.tls_cert, args.tls_key, args.tls_ca, bool(args.allow_plaintext))
+            security = cls.from_files(args.tls_cert, args.tls_key, args.tls_ca, bool(args.allow_plaintext),
+                                      args.tls_server_name)
             security.check_listen(args.host, "this service")
         except (OSError, SecurityError) as exc:
             raise SystemExit(f"security: {exc}") from None
@@ -91,13 +95,18 @@ class MeshSecurity:
 
     def channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
         if self.tls:
-            return grpc.aio.secure_channel(address, self.channel_credentials(), options=list(options))
+            return grpc.aio.secure_channel(address, self.channel_credentials(), options=self._options(options))
         return grpc.aio.insecure_channel(address, options=list(options))
 
     def sync_channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
         if self.tls:
-            return grpc.secure_channel(address, self.channel_credentials(), options=list(options))
+            return grpc.secure_channel(address, self.channel_credentials(), options=self._options(options))
         return grpc.insecure_channel(address, options=list(options))
+
+    def _options(self, options: Sequence[tuple[str, object]]) -> list[tuple[str, object]]:
+        if self.server_name is None:
+            return list(options)
+        return [*options, ("grpc.ssl_target_name_override", self.server_name)]
 
     def check_listen(self, host: str, what: str) -> None:
         """Refuses plaintext beyond loopback unless allowed, and then warns."""
@@ -118,5 +127,8 @@ def add_security_arguments(ap: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-cert", default=None, help="this service's certificate (PEM); its CN is its mesh role")
     group.add_argument("--tls-key", default=None, help="the certificate's private key (PEM)")
     group.add_argument("--tls-ca", default=None, help="the mesh's CA certificate (PEM): peers must chain to it")
+    group.add_argument("--tls-server-name", default=None,
+                       help="check peers' certificates for this name rather than the host dialled (a mesh whose "
+                            "workers advertise IP addresses: every certificate lists the name, e.g. kervan-mesh)")
     group.add_argument("--allow-plaintext", action="store_true",
                        help="listen beyond loopback without TLS (not advised: every RPC open to the network)")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto import common_pb2 as kervan_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kervan/v1/router.proto\x12\tkervan.v1\x1a\x16kervan/v1/common.proto\"\xa5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\x0cH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.kervan.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kervan.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\tB\x08\n\x06prompt\"\x7f\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x15.kervan.v1.TokenDeltaH\x00\x12\'\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x13.kervan.v1.FinishedH\x00\x42\x06\n\x04kind\"u\n\nTokenDelta\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\r\"q\n\x08\x46inished\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.kervan.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kervan.v1.Usage2V\n\rRouterService\x12\x45\n\x08Generate\x12\x1a.kervan.v1.GenerateRequest\x1a\x1b.kervan.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kervan/v1/router.proto\x12\tkervan.v1\x1a\x16kervan/v1/common.proto\"\xb9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\x0cH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.kervan.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kervan.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x08\n\x06prompt\"\x7f\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x15.kervan.v1.TokenDeltaH\x00\x12\'\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x13.kervan.v1.FinishedH\x00\x42\x06\n\x04kind\"u\n\nTokenDelta\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\r\"q\n\x08\x46inished\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.kervan.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kervan.v1.Usage2V\n\rRouterService\x12\x45\n\x08Generate\x12\x1a.kervan.v1.GenerateRequest\x1a\x1b.kervan.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kervan.v1.router_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=62
-  _globals['_GENERATEREQUEST']._serialized_end=227
-  _globals['_GENERATERESPONSE']._serialized_start=229
-  _globals['_GENERATERESPONSE']._serialized_end=356
-  _globals['_TOKENDELTA']._serialized_start=358
-  _globals['_TOKENDELTA']._serialized_end=475
-  _globals['_FINISHED']._serialized_start=477
-  _globals['_FINISHED']._serialized_end=590
-  _globals['_ROUTERSERVICE']._serialized_start=592
-  _globals['_ROUTERSERVICE']._serialized_end=678
+  _globals['_GENERATEREQUEST']._serialized_end=247
+  _globals['_GENERATERESPONSE']._serialized_start=249
+  _globals['_GENERATERESPONSE']._serialized_end=376
+  _globals['_TOKENDELTA']._serialized_start=378
+  _globals['_TOKENDELTA']._serialized_end=495
+  _globals['_FINISHED']._serialized_start=497
+  _globals['_FINISHED']._serialized_end=610
+  _globals['_ROUTERSERVICE']._serialized_start=612
+  _globals['_ROUTERSERVICE']._serialized_end=698
 # @@protoc_insertion_point(module_scope)

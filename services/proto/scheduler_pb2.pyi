@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("request_id", "block_hashes", "num_prompt_tokens", "dry_run", "model", "exclude_addresses", "max_tokens", "n")
+    __slots__ = ("request_id", "block_hashes", "num_prompt_tokens", "dry_run", "model", "exclude_addresses", "max_tokens", "n", "avoid_addresses")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class PlaceRequest(_message.Message):
     EXCLUDE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    AVOID_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     num_prompt_tokens: int
@@ -24,7 +25,8 @@ class PlaceRequest(_message.Message):
     exclude_addresses: _containers.RepeatedScalarFieldContainer[str]
     max_tokens: int
     n: int
-    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., dry_run: _Optional[bool] = ..., model: _Optional[str] = ..., exclude_addresses: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
+    avoid_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., dry_run: _Optional[bool] = ..., model: _Optional[str] = ..., exclude_addresses: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., n: _Optional[int] = ..., avoid_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PlaceResponse(_message.Message):
     __slots__ = ("decode_address", "prefill_address", "cached_blocks", "scores", "prefill_reason", "decode_worker_id", "prefill_worker_id", "unknown_workers")

@@ -12,13 +12,14 @@ import json
 from pathlib import Path
 
 from kervan.tokenizer import Tokenizer
+from services.common import replicas
 from services.common.auth import ApiKeys
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
 from services.common.security import MeshSecurity, add_security_arguments
 from services.common.server import KEEPALIVE, Service, run, serve_until_signal, start_server
 from services.common.tracing import configure_tracing
-from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2_grpc
+from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.router.chat_template import ChatTemplate
 from services.router.http_front import OpenAIFront
 from services.router.routes import Channels, Placement, ScheduledRoutes, StaticRoutes
@@ -26,11 +27,14 @@ from services.router.runner import MigrationPolicy
 from services.router.servicer import ModelLimits, RouterServicer
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
+SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m services.router", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scheduler", default=None, help="HOST:PORT of the scheduler (KV-aware placement)")
+    ap.add_argument("--scheduler", default=None,
+                    help="HOST:PORT of the scheduler (KV-aware placement); several, comma-separated: replicas, "
+                         "balanced, a call to one that is down retried on another")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block across the mesh")
     ap.add_argument("--worker", default=None, help="HOST:PORT of an aggregated worker (no scheduler)")
     ap.add_argument("--prefill", default=None, help="HOST:PORT of a prefill worker (with --decode)")
@@ -42,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="times a request may move to another worker when its worker is lost (0: never)")
     ap.add_argument("--stall-timeout-s", type=float, default=MigrationPolicy.stall_timeout_s,
                     help="no token for this long after the first: the worker is taken for lost")
+    ap.add_argument("--first-token-timeout-s", type=float, default=MigrationPolicy.first_token_timeout_s,
+                    help="no first token for this long (queue and prefill): the worker is taken for lost")
     ap.add_argument("--max-in-flight", type=int, default=1024,
                     help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED")
     ap.add_argument("--max-request-bytes", type=int, default=4 << 20,
@@ -59,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_limits(model_dir: Path) -> ModelLimits:
     cfg = json.loads((model_dir / "config.json").read_text())
-    return ModelLimits(vocab_size=cfg["vocab_size"], name=model_dir.name)
+    return ModelLimits(vocab_size=cfg["vocab_size"], name=model_dir.name,
+                       max_position_embeddings=cfg.get("max_position_embeddings"))
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -74,7 +81,8 @@ async def serve(args: argparse.Namespace) -> None:
     channels = Channels(security)
     scheduler_channel = None
     if args.scheduler:
-        scheduler_channel = security.channel(args.scheduler, KEEPALIVE)
+        scheduler_channel = security.channel(replicas.target(args.scheduler),
+                                             KEEPALIVE + replicas.options(SCHEDULER_SERVICE))
         routes = ScheduledRoutes(scheduler_pb2_grpc.SchedulerServiceStub(scheduler_channel), args.block_size, channels)
     elif args.worker:
         routes = StaticRoutes(Placement(worker=channels.stub(args.worker), worker_address=args.worker))
@@ -84,7 +92,7 @@ async def serve(args: argparse.Namespace) -> None:
     else:
         raise SystemExit("give --scheduler, or --worker, or --prefill and --decode")
     servicer = RouterServicer(routes, Tokenizer.from_dir(model_dir), model_limits(model_dir), args.max_in_flight,
-                              MigrationPolicy(args.max_migrations, args.stall_timeout_s))
+                              MigrationPolicy(args.max_migrations, args.stall_timeout_s, args.first_token_timeout_s))
     handle = await start_server(
         [Service(SERVICE_NAME, lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s))],
         args.host, args.port, max_message_bytes=args.max_request_bytes, security=security, api_keys=api_keys,

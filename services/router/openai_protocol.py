@@ -101,9 +101,12 @@ def _request(body: dict, served_model: str, prompts: list, logprobs: bool, max_t
     model = body.get("model") or served_model
     if not isinstance(model, str):
         raise InvalidRequest("model must be a string")
+    salt = body.get("cache_salt") or ""  # vLLM's name for it
+    if not isinstance(salt, str):
+        raise InvalidRequest("cache_salt must be a string")
     requests = []
     for prompt in prompts:
-        request = router_pb2.GenerateRequest(sampling=sampling, model=model)
+        request = router_pb2.GenerateRequest(sampling=sampling, model=model, cache_salt=salt)
         if isinstance(prompt, str):
             request.text = prompt.encode("utf-8")
         else:

@@ -51,7 +51,8 @@ class StaticRoutes:
         self.placement = placement
 
     async def route(self, request_id: str, prompt: list[int], max_tokens: int, n: int, timeout: float | None,
-                    model: str = "", exclude: list[str] = ()) -> Placement:
+                    model: str = "", exclude: list[str] = (), avoid: list[str] = (), cache_salt: str = ""
+                    ) -> Placement:
         p = self.placement
         if p.worker is None and n > 1:  # FORKED_SAMPLES: the decode worker prefills too
             return Placement(worker=p.decode, worker_address=p.decode_address)
@@ -67,13 +68,17 @@ class ScheduledRoutes:
         self.channels = channels
 
     async def route(self, request_id: str, prompt: list[int], max_tokens: int, n: int, timeout: float | None,
-                    model: str = "", exclude: list[str] = ()) -> Placement:
-        """``exclude``: worker addresses the router found unreachable (the registry may
-        not know yet). A request no worker's limits hold is refused by the scheduler
-        (INVALID_ARGUMENT)."""
+                    model: str = "", exclude: list[str] = (), avoid: list[str] = (), cache_salt: str = ""
+                    ) -> Placement:
+        """``exclude``: worker addresses this request found unreachable (the registry may
+        not know yet); ``avoid``: those other requests did lately, most recent first
+        (the scheduler avoids some of them, see PlaceRequest.avoid_addresses). A
+        request no worker's limits hold is refused by the scheduler (INVALID_ARGUMENT)."""
         placed = await self.scheduler.Place(scheduler_pb2.PlaceRequest(
-            request_id=request_id, block_hashes=hash_blocks(prompt, self.block_size), num_prompt_tokens=len(prompt),
-            max_tokens=max_tokens, n=n, model=model, exclude_addresses=exclude), timeout=timeout)
+            request_id=request_id, block_hashes=hash_blocks(prompt, self.block_size, cache_salt.encode()),
+            num_prompt_tokens=len(prompt),
+            max_tokens=max_tokens, n=n, model=model, exclude_addresses=exclude, avoid_addresses=avoid),
+            timeout=timeout)
         if not placed.prefill_address:
             return Placement(worker=self.channels.stub(placed.decode_address), worker_address=placed.decode_address)
         return Placement(prefill=self.channels.stub(placed.prefill_address),

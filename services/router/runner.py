@@ -9,12 +9,18 @@ stalls: no token for ``stall_timeout_s``) is
   delivered as its prompt and the remaining budget, its tokens re-indexed so the
   client sees one contiguous stream (up to ``max_migrations``).
 Greedy and unseeded sampling migrate (greedy continues exactly as it would have;
-an unseeded sample stays a valid sample); seeded sampling and n > 1 do not (their
-continuation could not equal the fault-free one): they end UNAVAILABLE, saying so.
+an unseeded sample stays a valid sample); seeded sampling (temperature left unset
+is 1.0: sampling) and n > 1 do not (their continuation could not equal the
+fault-free one): they end UNAVAILABLE, saying so. A worker that fails the call
+(INTERNAL) counts as lost, as does one that gives no first token within
+``first_token_timeout_s`` (a wedged prefill). A prefill worker whose push to the
+decode worker failed (ABORTED) is not the one lost: the decode worker is.
+Later attempts run under ids a client cannot send (``{rid}~m{n}``).
 
 Addresses found unreachable are excluded from this request's placements and, for
-``suspect_s``, from everyone's: the registry only notices a dead worker when its
-heartbeat lease expires.
+``suspect_s``, avoided for everyone's (the registry only notices a dead worker when
+its heartbeat lease expires) within the scheduler's ejection cap and panic
+threshold: a slow period that marks every worker suspect must not empty the mesh.
 
 A worker that refuses a request at admission (RESOURCE_EXHAUSTED: the
 scheduler's view of its load lags its reports) is excluded from that request
@@ -41,13 +47,15 @@ from services.router.routes import ScheduledRoutes, StaticRoutes
 
 log = logging.getLogger(__name__)
 MAX_PLACEMENTS = 3
-LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # the worker went away (or drained us out)
+# the worker went away (or drained us out), or failed the call itself
+LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL)
 
 
 @dataclass(frozen=True)
 class MigrationPolicy:
     max_migrations: int = 2  # 0: a lost worker ends the request UNAVAILABLE
     stall_timeout_s: float = 30.0  # no token for this long after the first: the worker is lost
+    first_token_timeout_s: float = 120.0  # no first token for this long (queue and prefill): the worker is lost
     suspect_s: float = 10.0
 
 
@@ -78,7 +86,8 @@ def worker_error(address: str, err: grpc.aio.AioRpcError) -> Exception:
 def not_migratable(sampling: common_pb2.SamplingParams, n: int) -> str | None:
     if n > 1:
         return f"{FORKED_SAMPLES}; it is not migrated"
-    if sampling.HasField("seed") and sampling.temperature != 0:
+    sampled = not sampling.HasField("temperature") or sampling.temperature != 0  # unset: the default, 1.0
+    if sampling.HasField("seed") and sampled:
         return "seeded sampling is not migrated (the continuation would differ from an unbroken run)"
     return None
 
@@ -94,10 +103,11 @@ class Suspects:
         if address:
             self._until[address] = time.monotonic() + self.ttl_s
 
-    def current(self) -> set[str]:
+    def current(self) -> list[str]:
+        """Most recently marked first."""
         now = time.monotonic()
         self._until = {a: t for a, t in self._until.items() if t > now}
-        return set(self._until)
+        return sorted(self._until, key=self._until.__getitem__, reverse=True)
 
 
 @dataclass
@@ -120,7 +130,7 @@ class RequestRunner:
         self._background: set[asyncio.Task] = set()
 
     async def run(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams, n: int,
-                  deadline) -> AsyncIterator[tuple[int, worker_pb2.TokenUpdate]]:
+                  deadline, cache_salt: str = "") -> AsyncIterator[tuple[int, worker_pb2.TokenUpdate]]:
         """(attempt, update) pairs; updates of later attempts carry indices continuing
         the earlier ones and no cached-prompt count (theirs covers delivered tokens)."""
         state = _Progress()
@@ -131,10 +141,10 @@ class RequestRunner:
             resumed = common_pb2.SamplingParams()
             resumed.CopyFrom(sampling)
             resumed.max_tokens = max_tokens - base
-            worker_rid = rid if state.attempt == 0 else f"{rid}.m{state.attempt}"
+            worker_rid = rid if state.attempt == 0 else f"{rid}~m{state.attempt}"  # "~": never in a client's id
             try:
                 async for update in self._attempt(worker_rid, prompt + state.delivered, resumed, n, deadline,
-                                                  state.excluded | self.suspects.current()):
+                                                  state.excluded, cache_salt):
                     produced = True
                     if state.attempt:
                         update.index += base
@@ -187,21 +197,27 @@ class RequestRunner:
                  state.attempt)
 
     async def _attempt(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams, n: int, deadline,
-                       exclude: set[str]) -> AsyncIterator[worker_pb2.TokenUpdate]:
+                       exclude: set[str], salt: str) -> AsyncIterator[worker_pb2.TokenUpdate]:
         place = await self.routes.route(rid, prompt, sampling.max_tokens, n, deadline.remaining(), self.model,
-                                        sorted(exclude))
+                                        sorted(exclude), self.suspects.current(), salt)
         ids = common_pb2.TokenIds(ids=prompt)
         if place.worker is not None:
-            call = place.worker.Execute(worker_pb2.ExecuteRequest(request_id=rid, prompt=ids, sampling=sampling),
-                                        timeout=deadline.remaining())
+            call = place.worker.Execute(worker_pb2.ExecuteRequest(request_id=rid, prompt=ids, sampling=sampling,
+                                                                  cache_salt=salt), timeout=deadline.remaining())
             async for msg in self._stream(call, place.worker_address):
                 yield msg.update
             return
+        remaining = deadline.remaining()
+        cap = self.policy.first_token_timeout_s
         try:
             first = await place.prefill.Prefill(worker_pb2.PrefillRequest(
-                request_id=rid, prompt=ids, sampling=sampling, decode_address=place.decode_address),
-                timeout=deadline.remaining())
+                request_id=rid, prompt=ids, sampling=sampling, decode_address=place.decode_address, cache_salt=salt),
+                timeout=cap if remaining is None else min(remaining, cap))
         except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (remaining is None or remaining > cap):
+                raise WorkerLost(place.prefill_address, f"no first token within {cap:g} s") from None
+            if err.code() == grpc.StatusCode.ABORTED:  # the prefill worker could not reach the decode worker
+                raise WorkerLost(place.decode_address, err.details() or "KV push failed") from None
             raise worker_error(place.prefill_address, err) from None
         yield worker_pb2.TokenUpdate(index=0, token_ids=[first.first_token],
                                      logprobs=[first.first_logprob] if sampling.logprobs else [],
@@ -210,7 +226,8 @@ class RequestRunner:
             return
         call = place.decode.Decode(worker_pb2.DecodeRequest(
             request_id=rid, prompt=ids, sampling=sampling, first_token=first.first_token,
-            first_logprob=first.first_logprob, kv_handle=first.kv_handle), timeout=deadline.remaining())
+            first_logprob=first.first_logprob, kv_handle=first.kv_handle, cache_salt=salt),
+            timeout=deadline.remaining())
         try:
             async for msg in self._stream(call, place.decode_address):
                 yield msg.update
@@ -228,26 +245,26 @@ class RequestRunner:
         watchdog is one timer re-armed per message (cheaper than a timeout per read)."""
         loop = asyncio.get_running_loop()
         stalled = False
-        watchdog = None
+        waited = self.policy.first_token_timeout_s
 
         def on_stall() -> None:
             nonlocal stalled
             stalled = True
             call.cancel()
 
+        watchdog = loop.call_later(waited, on_stall)  # until the first token: queue and prefill
         try:
             async for msg in call:
-                if watchdog is not None:
-                    watchdog.cancel()
+                watchdog.cancel()
                 yield msg
-                watchdog = loop.call_later(self.policy.stall_timeout_s, on_stall)
+                waited = self.policy.stall_timeout_s
+                watchdog = loop.call_later(waited, on_stall)
         except grpc.aio.AioRpcError as err:
             raise worker_error(address, err) from None
         except asyncio.CancelledError:
             if stalled:
-                raise WorkerLost(address, f"no token for {self.policy.stall_timeout_s:g} s") from None
+                raise WorkerLost(address, f"no token for {waited:g} s") from None
             raise
         finally:
-            if watchdog is not None:
-                watchdog.cancel()
+            watchdog.cancel()
             call.cancel()

@@ -4,10 +4,12 @@ Running a request on the workers (placement, migration when a worker is lost)
 is ``runner.py``'s; turning each sample's token updates into responses (text, stop
 strings, usage) is ``sample_stream.py``'s. Deadlines are passed on (Python gRPC does not propagate them
 by itself); a client that goes away cancels the worker calls, which abort the
-request and free its blocks."""
+request and free its blocks. A failure of the mesh reaches the client without the
+addresses and URLs inside it (``public_message``)."""
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -19,7 +21,7 @@ from opentelemetry import trace
 from kervan.sampling import InvalidRequest, SamplingParams
 from kervan.tokenizer import Tokenizer
 from services.common.convert import sampling_from_proto
-from services.common.errors import AlreadyExists, NotFound, Overloaded, retry_after_s
+from services.common.errors import AlreadyExists, NotFound, Overloaded, Unavailable, retry_after_s
 from services.proto import router_pb2, router_pb2_grpc
 from services.router import metrics
 from services.router.routes import ScheduledRoutes, StaticRoutes
@@ -37,6 +39,29 @@ class ModelLimits:
 
     vocab_size: int
     name: str = ""  # the served model's name (its directory's, as workers register it)
+    max_position_embeddings: int | None = None  # the model's context: no worker serves a longer prompt
+
+
+log = logging.getLogger(__name__)
+MAX_CACHE_SALT = 256
+# what identifies the mesh's insides: host:port addresses, URLs (a Redis one may carry a password)
+_INTERNALS = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+"  # URLs
+                        r"|\[[0-9a-fA-F:.]+\]:\d{1,5}\b"  # [IPv6]:port
+                        r"|\b\d{1,3}(?:\.\d{1,3}){3}:\d{1,5}\b"  # IPv4:port
+                        r"|\b[A-Za-z][\w.-]*:\d{2,5}\b")  # host:port
+# statuses about the request itself keep their message; the others describe the mesh
+_REQUEST_STATUSES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
+                     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
+                     grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def public_message(code: grpc.StatusCode, message: str) -> str:
+    """What a client is told of a failure inside the mesh: the message with internal
+    addresses and URLs taken out (the whole message is logged)."""
+    if code in _REQUEST_STATUSES:
+        return message
+    log.warning("request failed %s: %s", code.name, message)
+    return _INTERNALS.sub("<internal>", message)
 
 
 class _Deadline:
@@ -73,7 +98,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         try:
             streams: dict[int, SampleStream] = {}
             cached = 0  # prompt tokens served from a cache, as the first attempt's worker said
-            updates = self.runner.run(rid, prompt, request.sampling, params.n, _Deadline(context))
+            updates = self.runner.run(rid, prompt, request.sampling, params.n, _Deadline(context), request.cache_salt)
             try:
                 async for attempt, update in updates:
                     cached = max(cached, update.cached_prompt_tokens)
@@ -87,7 +112,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             except grpc.aio.AioRpcError as err:  # the scheduler's or a worker's status is the client's answer
                 if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise Overloaded(err.details() or "overloaded", retry_after_s(err) or 0.5) from None
-                await context.abort(err.code(), err.details() or "worker failed")
+                await context.abort(err.code(), public_message(err.code(), err.details() or "worker failed"))
+            except Unavailable as exc:
+                raise Unavailable(public_message(grpc.StatusCode.UNAVAILABLE, str(exc))) from None
             finally:
                 await updates.aclose()
                 span.set_attributes({"gen_ai.usage.output_tokens": sum(x.completion_tokens for x in streams.values()),
@@ -103,15 +130,18 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise InvalidRequest(f"request_id must be 1-128 characters of A-Z a-z 0-9 . _ : - "
                                  f"(got {len(request.request_id)} characters)")
         rid = request.request_id or uuid.uuid4().hex
+        if len(request.cache_salt) > MAX_CACHE_SALT:
+            raise InvalidRequest(f"cache_salt is at most {MAX_CACHE_SALT} characters")
         if request.model and request.model != self.limits.name:
             raise NotFound(f"model {request.model!r} is not served here (this router serves {self.limits.name!r})")
-        prompt = self._prompt_ids(request)
-        params = sampling_from_proto(request.sampling)
-        validate_stop(list(request.sampling.stop), self.tokenizer is not None)
+        # the cheap refusals before the prompt is tokenized (up to the message limit, 4 MiB)
         if rid in self.in_flight:
             raise AlreadyExists(f"request_id {rid!r} is already in flight")
         if len(self.in_flight) >= self.max_in_flight:
             raise Overloaded(f"the router has {len(self.in_flight)} requests in flight, its limit; retry later")
+        params = sampling_from_proto(request.sampling)
+        validate_stop(list(request.sampling.stop), self.tokenizer is not None)
+        prompt = self._prompt_ids(request)
         return rid, prompt, params
 
     def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
@@ -123,6 +153,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 raise InvalidRequest(f"prompt.text is not valid UTF-8 (byte {exc.start})") from None
             if self.tokenizer is None:
                 raise InvalidRequest("this model has no tokenizer: send prompt.token_ids")
+            context = self.limits.max_position_embeddings
+            if context and len(request.text) > context * self.tokenizer.max_token_bytes:
+                raise InvalidRequest(f"prompt.text of {len(request.text)} bytes is more than {context} tokens, "
+                                     f"the maximum model length")
             ids = self.tokenizer.encode(text)
         elif kind == "token_ids":
             ids = list(request.token_ids.ids)

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import argparse
 
+from services.common import replicas
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
 from services.common.security import MeshSecurity, add_security_arguments
 from services.common.server import KEEPALIVE, Service, run, serve_until_signal, start_server
 from services.common.tracing import configure_tracing
-from services.proto import kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.placement import POLICIES, PlacementConfig
 from services.scheduler.recent import RecentPlacements
 from services.scheduler.servicer import SchedulerServicer
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+REGISTRY_SERVICE = kv_registry_pb2.DESCRIPTOR.services_by_name["KvRegistryService"].full_name
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,6 +40,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="how long a placement counts against a worker's load before its reports can show it")
     ap.add_argument("--prefix-window-s", type=float, default=3.0,
                     help="how long a placed prompt's blocks count as the worker's before its KV events can show them")
+    ap.add_argument("--max-ejection-share", type=float, default=0.5,
+                    help="at most this share of the candidate workers is avoided as suspect (found unreachable "
+                         "lately by a router)")
+    ap.add_argument("--panic-threshold", type=float, default=0.5,
+                    help="when avoiding suspects would leave fewer than this share of the candidates, avoid none")
     ap.add_argument("--seed", type=int, default=None, help="seed of the random draws (random policy, temperature)")
     add_metrics_argument(ap)
     add_security_arguments(ap)
@@ -46,13 +53,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     security = MeshSecurity.from_args(args)
-    channel = security.channel(args.registry, KEEPALIVE)
+    channel = security.channel(replicas.target(args.registry), KEEPALIVE + replicas.options(REGISTRY_SERVICE))
     servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(channel),
                                  PlacementConfig(policy=args.policy, overlap_weight=args.overlap_weight,
                                                  eviction_weight=args.eviction_weight, temperature=args.temperature,
                                                  min_remote_prefill_blocks=args.min_remote_prefill_blocks,
                                                  max_prefill_queue_tokens=args.max_prefill_queue_tokens),
-                                 RecentPlacements(args.load_window_s, args.prefix_window_s), args.seed)
+                                 RecentPlacements(args.load_window_s, args.prefix_window_s), args.seed,
+                                 args.max_ejection_share, args.panic_threshold)
     handle = await start_server([Service(SERVICE_NAME, lambda s: (
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)), {"*": ("router", "admin")})],
         args.host, args.port, security=security)

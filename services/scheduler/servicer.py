@@ -25,12 +25,16 @@ log = logging.getLogger(__name__)
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, registry: kv_registry_pb2_grpc.KvRegistryServiceStub, config: PlacementConfig,
-                 recent: RecentPlacements | None = None, seed: int | None = None):
+                 recent: RecentPlacements | None = None, seed: int | None = None, max_ejection_share: float = 0.5,
+                 panic_threshold: float = 0.5):
         self.registry = registry
         self.config = config
         self.recent = recent or RecentPlacements()
         self.rng = random.Random(seed)
         self.stale_workers_s = 30.0
+        self.registry_timeout_s = 2.0  # a slow registry (a slow Redis behind it) is taken for a down one
+        self.max_ejection_share = max_ejection_share
+        self.panic_threshold = panic_threshold
         self._last_workers = (kv_registry_pb2.ListWorkersResponse(), float("-inf"))
         self.placements = 0
         self.refused = 0  # requests refused because every decode worker was at its limit
@@ -41,9 +45,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         workers, match = await self._registry_view(request, context.time_remaining())
         hashes = list(request.block_hashes)
         excluded = set(request.exclude_addresses)
+        pool = [w for w in workers.workers if w.info.address not in excluded]
+        pool = self._avoiding(pool, list(request.avoid_addresses))
         candidates = [self._candidate(w, max(match.matched_blocks.get(w.info.worker_id, 0),
                                              self.recent.predicted_blocks(w.info.worker_id, hashes)))
-                      for w in workers.workers if w.info.address not in excluded]
+                      for w in pool]
         num_blocks = len(hashes)
         try:
             decision = place(candidates, num_blocks, self.config, self.rng, self.placements, request.model,
@@ -84,17 +90,34 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             prefill_worker_id=decision.prefill.worker_id if decision.prefill else "",
             unknown_workers=match.unknown_workers)
 
+    def _avoiding(self, pool: list, avoid: list[str]) -> list:
+        """``pool`` without the suspects the caller asked to avoid: at most
+        ``max_ejection_share`` of it, and none when fewer than ``panic_threshold`` of
+        it would remain (then every worker is a candidate again: panic mode)."""
+        if not avoid:
+            return pool
+        present = {w.info.address for w in pool}
+        avoided = [a for a in dict.fromkeys(avoid) if a in present][:int(self.max_ejection_share * len(pool))]
+        kept = [w for w in pool if w.info.address not in avoided]
+        if len(kept) < self.panic_threshold * len(pool):
+            metrics.PANICS.inc()
+            return pool
+        return kept
+
     async def _registry_view(self, request: scheduler_pb2.PlaceRequest, timeout: float | None
                              ) -> tuple[kv_registry_pb2.ListWorkersResponse, kv_registry_pb2.MatchResponse]:
-        """Live workers and prefix overlap. While the registry (or its Redis) is down,
-        the last live set seen within ``stale_workers_s`` serves, placement on load alone."""
+        """Live workers and prefix overlap. While the registry (or its Redis) is down or
+        slow (no answer within ``registry_timeout_s``), the last live set seen within
+        ``stale_workers_s`` serves, placement on load alone."""
+        timeout = self.registry_timeout_s if timeout is None else min(timeout, self.registry_timeout_s)
         try:
             workers, match = await asyncio.gather(
                 self.registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), timeout=timeout),
                 self.registry.Match(kv_registry_pb2.MatchRequest(block_hashes=request.block_hashes), timeout=timeout))
         except grpc.aio.AioRpcError as err:
             seen, at = self._last_workers
-            if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() - at > self.stale_workers_s:
+            if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or \
+                    time.monotonic() - at > self.stale_workers_s:
                 raise Unavailable(f"kv-registry unavailable: {err.details()}") from None
             log.warning("kv-registry unavailable (%s): placing on the last known workers, by load", err.details())
             return seen, kv_registry_pb2.MatchResponse(unknown_workers=[w.info.worker_id for w in seen.workers])

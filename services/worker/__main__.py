@@ -15,12 +15,13 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
+from services.common import replicas
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
 from services.common.security import MeshSecurity, add_security_arguments
 from services.common.server import Service, configure_logging, run, serve_until_signal, start_server
 from services.common.tracing import configure_tracing
-from services.proto import kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.worker.async_engine import AsyncEngine
 from services.worker.decode_peers import DecodePeers
 from services.worker.kv_transfer import sweep_stale_segments
@@ -32,6 +33,7 @@ from worker.platform import DTYPE_CHOICES, dtype_name
 
 log = logging.getLogger("services.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+REGISTRY_SERVICE = kv_registry_pb2.DESCRIPTOR.services_by_name["KvRegistryService"].full_name
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     group.add_argument("--pipeline-parallel", type=int, default=1, help="stages each holding 1/N of the layers")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start")
+    ap.add_argument("--max-step-failures", type=int, default=3,
+                    help="engine steps failing in a row after which the worker leaves the mesh and exits (70)")
+    ap.add_argument("--engine-wedge-timeout-s", type=float, default=120.0,
+                    help="an engine thread that finishes no step for this long is wedged: the worker leaves the "
+                         "mesh and exits (70)")
     ap.add_argument("--max-waiting", type=int, default=256,
                     help="requests queued beyond a full batch before new ones get RESOURCE_EXHAUSTED")
     add_metrics_argument(ap)
@@ -78,7 +85,7 @@ async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: 
     security = MeshSecurity.from_args(args)
     registry_channel = registry = None
     if args.registry:
-        registry_channel = security.channel(args.registry)
+        registry_channel = security.channel(replicas.target(args.registry), replicas.options(REGISTRY_SERVICE))
         registry = kv_registry_pb2_grpc.KvRegistryServiceStub(registry_channel)
     servicer = WorkerServicer(async_engine, args.role, args.kv_transport, args.kv_lease,
                               DecodePeers(registry, security), args.max_concurrent_pushes)
@@ -88,9 +95,10 @@ async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: 
     membership = membership_task = None
     if registry is not None:
         membership = Membership(registry, async_engine, args.advertise_address or f"{args.host}:{handle.port}",
-                                args.role, model_dir.name)
+                                args.role, model_dir.name, on_unhealthy=lambda why: os._exit(70))
         await membership.register()  # fail at start, not later, if the mesh refuses this worker
         membership_task = asyncio.get_running_loop().create_task(membership.run())
+    sweeper = asyncio.get_running_loop().create_task(_sweep_segments())
     if args.metrics_port is not None:
         REGISTRY.register(EngineCollector(async_engine))
         serve_metrics(args.metrics_port, args.host, "worker")
@@ -103,11 +111,20 @@ async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: 
             await membership.deregister()
 
     async def on_stop() -> None:  # after on_drain: the membership task is done
+        sweeper.cancel()
         if registry_channel is not None:
             await registry_channel.close()
         await servicer.close()
 
     await serve_until_signal(handle, on_stop, stop=stop, on_drain=on_drain)
+
+
+async def _sweep_segments(interval_s: float = 5.0) -> None:
+    """KV segments of processes that died mid-handoff, removed by whichever worker looks
+    first (at start too: ``main``)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        sweep_stale_segments()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     log.info("engine: %s on %s, native CPU kernels %s", dtype_name(engine.config.dtype), engine.config.device,
              "on" if engine.uses_native_kernels else "off")
     # a worker group that lost a rank exits at once: the mesh sees one dead worker, its requests move
-    async_engine = AsyncEngine(engine, args.max_waiting, on_group_failed=lambda exc: os._exit(70))
+    async_engine = AsyncEngine(engine, args.max_waiting, on_group_failed=lambda exc: os._exit(70),
+                               max_step_failures=args.max_step_failures, wedge_timeout_s=args.engine_wedge_timeout_s)
     loop_ready = threading.Event()
     holder: dict = {}
 

@@ -9,7 +9,13 @@ each request's asyncio queue via ``call_soon_threadsafe``.
     generate() --add-->  inbox  --->   add_request
     abort()    --abort-> inbox  --->   abort          (one dataclass per command:
     call(fn)   --call--> inbox  --->   fn(engine)      _Add, _Abort, _Call)
-    queue.get() <--call_soon_threadsafe--  step() outputs"""
+    queue.get() <--call_soon_threadsafe--  step() outputs
+
+``health()`` says whether the engine still serves: not when its thread died, when
+``max_step_failures`` steps in a row failed (every request in them failed too: a
+worker in that state only looks idle and attracts placements), or when its thread
+has shown no sign of life for ``wedge_timeout_s`` (a step that never returns).
+The worker leaves the mesh on that answer (``membership.py``)."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -87,9 +94,11 @@ _Command = _Add | _Abort | _Call
 
 class AsyncEngine:
     def __init__(self, engine: Engine, max_waiting: int | None = None,
-                 on_group_failed: Callable[[GroupFailed], None] | None = None):
-        """``max_waiting``: requests admitted beyond a full batch (``max_num_seqs``)
-        before new ones are refused with ``Overloaded``; None: no limit.
+                 on_group_failed: Callable[[GroupFailed], None] | None = None, max_step_failures: int = 3,
+                 wedge_timeout_s: float = 120.0):
+        """``max_waiting``: sequences admitted beyond a full batch (``max_num_seqs``)
+        before new requests are refused with ``Overloaded``; a request counts its ``n``
+        samples (each a sequence of the batch); None: no limit.
         ``on_group_failed``: called on the engine thread when a rank of the engine's
         worker group died or hangs, after every request in flight failed (a worker
         process exits: the mesh then sees one dead worker); None: the engine thread ends."""
@@ -99,11 +108,16 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}  # engine thread only
-        self._active: set[str] = set()  # event loop only: ids in flight, for duplicate checks
+        self._active: dict[str, int] = {}  # event loop only: ids in flight -> their samples (n)
         self._stopped = False
         self.num_aborted = 0  # engine thread writes, anyone reads: requests aborted before they finished
         self._stats = engine.stats()  # as of the engine thread's last step
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.max_step_failures = max_step_failures
+        self.wedge_timeout_s = wedge_timeout_s
+        self._failures = 0  # engine steps in a row that failed
+        self._alive_at: float | None = None  # the engine thread's last sign of life (None: not running)
+        self._dead: str | None = None  # why the engine thread ended, if it ended unasked
 
     def start(self) -> None:
         """Step on a thread of its own (tests, embedding); a worker process calls ``run``."""
@@ -130,11 +144,12 @@ class AsyncEngine:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight")
         # fail fast, in the caller's task (it reads configuration only: safe off the engine thread)
         self.engine.validate(prompt, params)
-        if self.load().full:
-            raise Overloaded(f"this worker has {len(self._active)} requests in flight, its limit "
-                             f"(max_num_seqs + max_waiting); retry later or elsewhere")
+        in_flight = self.num_sequences
+        if self.max_requests and in_flight + params.n > self.max_requests:
+            raise Overloaded(f"this worker has {in_flight} sequences in flight and this request adds {params.n}; "
+                             f"its limit is {self.max_requests} (max_num_seqs + max_waiting): retry later or elsewhere")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._active.add(request_id)
+        self._active[request_id] = params.n
         self._post(_Add(request_id, prompt, params, stream, options))
         finished = False
         try:
@@ -147,7 +162,7 @@ class AsyncEngine:
                 finished = item.finished
                 yield item
         finally:
-            self._active.discard(request_id)
+            self._active.pop(request_id, None)
             if not finished:
                 self._post(_Abort(request_id))
 
@@ -179,13 +194,29 @@ class AsyncEngine:
         """The engine's stats as of its thread's last step (safe from any thread)."""
         return self._stats
 
+    @property
+    def num_sequences(self) -> int:
+        """Samples of the requests in flight: what admission and the registry count."""
+        return sum(self._active.values())
+
+    def health(self) -> str | None:
+        """None while the engine serves; else why it does not."""
+        if self._dead is not None:
+            return self._dead
+        if self._failures >= self.max_step_failures:
+            return f"{self._failures} engine steps in a row failed"
+        alive_at = self._alive_at
+        if alive_at is not None and time.monotonic() - alive_at > self.wedge_timeout_s:
+            return f"the engine thread has not finished a step for {time.monotonic() - alive_at:.0f}s (wedged)"
+        return None
+
     def load(self) -> Load:
         """The load as of the engine thread's last step, with the requests admitted now."""
         stats = self._stats
         return Load(num_running=stats.num_running, num_waiting=stats.num_waiting,
                     num_free_blocks=stats.num_free_blocks, num_blocks=stats.num_blocks,
                     num_prefill_tokens=stats.num_prefill_tokens, num_evictable_blocks=stats.num_evictable_blocks,
-                    num_requests=len(self._active), max_requests=self.max_requests, num_aborted=self.num_aborted,
+                    num_requests=self.num_sequences, max_requests=self.max_requests, num_aborted=self.num_aborted,
                     expert_tokens_per_rank=stats.expert_tokens_per_rank)
 
     def _post(self, command: _Command) -> None:
@@ -193,7 +224,19 @@ class AsyncEngine:
         self._wake.set()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 (the thread is gone: say so, fail what is in flight)
+            self._dead = f"the engine thread died: {type(exc).__name__}: {exc}"
+            log.critical("%s", self._dead, exc_info=True)
+            for rid in list(self._streams):
+                self._deliver(rid, Unavailable(f"this worker is lost: {self._dead}"))
+        finally:
+            self._alive_at = None
+
+    def _loop(self) -> None:
         while not self._stopped:
+            self._alive_at = time.monotonic()
             self._drain_inbox()
             self._stats = self.engine.stats()
             if not self.engine.has_unfinished_requests():
@@ -211,11 +254,13 @@ class AsyncEngine:
                 self._group_failed(exc)
                 return
             except Exception as exc:  # a bug, not a bad request: fail what is in flight, keep serving
-                log.exception("engine step failed")
+                self._failures += 1
+                log.exception("engine step failed (%d in a row)", self._failures)
                 for rid in list(self._streams):
                     self._deliver(rid, exc)
                     self.engine.abort(rid)
                 continue
+            self._failures = 0
             self._deliver_all([(out.request_id, out) for out in outputs])
 
     def _group_failed(self, exc: GroupFailed) -> None:

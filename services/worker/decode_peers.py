@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import grpc
 
-from services.common.errors import Unavailable
+from services.common.errors import Aborted, Unavailable
 from services.common.security import PLAINTEXT, MeshSecurity
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, worker_pb2_grpc
 from worker import InvalidRequest
@@ -42,7 +42,8 @@ class DecodePeers:
             if address not in self._live or time.monotonic() - self._read_at > self.refresh_s:
                 await self._refresh()
             if address not in self._live:
-                raise InvalidRequest(f"decode_address {address!r} is not a registered decode worker")
+                # ABORTED, not INVALID_ARGUMENT: a worker that just left is the router's to place around
+                raise Aborted(f"decode_address {address!r} is not a registered decode worker")
         if address in self._channels:
             self._channels.move_to_end(address)
         else:

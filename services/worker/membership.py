@@ -10,13 +10,18 @@ The incarnation is a fencing token the registry issues with each registration;
 every call names it, so a worker that lost its lease cannot write as the one that
 registered after it. An id still held by a live lease (this worker's previous
 process, SIGKILLed a moment ago) is refused: registration retries until that lease
-runs out, ``register_timeout_s`` at most."""
+runs out, ``register_timeout_s`` at most.
+
+An engine that no longer serves (``AsyncEngine.health``) takes the worker out of
+the mesh at once: it deregisters, stops heartbeating, and ``on_unhealthy`` runs
+(the worker process exits, for its supervisor to restart it)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -32,7 +37,8 @@ log = logging.getLogger(__name__)
 class Membership:
     def __init__(self, registry: kv_registry_pb2_grpc.KvRegistryServiceStub, engine: AsyncEngine, address: str,
                  role: str, model: str, heartbeat_s: float = 1.0, event_interval_s: float = 0.02,
-                 load_interval_s: float = 0.1, register_timeout_s: float = 30.0):
+                 load_interval_s: float = 0.1, register_timeout_s: float = 30.0,
+                 on_unhealthy: Callable[[str], None] | None = None):
         self.registry = registry
         self.engine = engine
         self.info = kv_registry_pb2.WorkerInfo(
@@ -43,6 +49,8 @@ class Membership:
         self.event_interval_s = event_interval_s
         self.load_interval_s = load_interval_s
         self.register_timeout_s = register_timeout_s
+        self.on_unhealthy = on_unhealthy
+        self.ejected: str | None = None  # why this worker left the mesh on its own
         self._reported = None
         self._dump_wanted = False
 
@@ -74,12 +82,26 @@ class Membership:
         (a long step cannot starve it)."""
         if not self.info.incarnation:
             await self.register()
-        await asyncio.gather(self._beat_loop(), self._event_loop())
+        beats = asyncio.ensure_future(self._beat_loop())
+        events = asyncio.ensure_future(self._event_loop())
+        try:
+            await beats  # ends only when the engine no longer serves
+        finally:
+            events.cancel()
+            await asyncio.gather(events, return_exceptions=True)
 
     async def _beat_loop(self) -> None:
         loop = asyncio.get_running_loop()
         last_beat = 0.0
         while True:
+            why = self.engine.health()
+            if why is not None:
+                log.critical("leaving the mesh: %s", why)
+                self.ejected = why
+                await self.deregister()
+                if self.on_unhealthy is not None:
+                    self.on_unhealthy(why)
+                return
             since = loop.time() - last_beat
             if since >= self.heartbeat_s or (since >= self.load_interval_s and self.engine.load() != self._reported):
                 if await self._guarded(self._heartbeat):

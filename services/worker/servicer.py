@@ -19,7 +19,7 @@ from opentelemetry import trace
 
 from kervan.sampling import FORKED_SAMPLES
 from services.common.convert import finish_to_proto, load_to_proto, sampling_from_proto
-from services.common.errors import FailedPrecondition, Overloaded, Unavailable
+from services.common.errors import Aborted, FailedPrecondition, Overloaded, Unavailable
 from services.proto import worker_pb2, worker_pb2_grpc
 from services.worker import kv_transfer, metrics
 from services.worker.async_engine import AsyncEngine
@@ -51,7 +51,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Execute(self, request: worker_pb2.ExecuteRequest, context: grpc.aio.ServicerContext):
         self._require("decode", "both")  # a decode worker prefills short uncached prompts itself
         params = sampling_from_proto(request.sampling)
-        async for update in _updates(self.engine.generate(request.request_id, list(request.prompt.ids), params)):
+        async for update in _updates(self.engine.generate(request.request_id, list(request.prompt.ids), params,
+                                                          cache_salt=request.cache_salt.encode())):
             yield worker_pb2.ExecuteResponse(update=update)
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
@@ -61,7 +62,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if params.n != 1:
             raise InvalidRequest(f"{FORKED_SAMPLES}; it is not prefilled for another")
         out = None
-        async for update in self.engine.generate(rid, prompt, dataclasses.replace(params, max_tokens=1), hold_kv=True):
+        async for update in self.engine.generate(rid, prompt, dataclasses.replace(params, max_tokens=1), hold_kv=True,
+                                                 cache_salt=request.cache_salt.encode()):
             out = update  # the last one: the prompt's first token
         first = out.outputs[0]
         metrics.count_admission(len(prompt), out.num_cached_tokens, out.queue_time_s)
@@ -100,7 +102,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             metrics.KV_TRANSFER_BYTES.labels("pushed").inc(receipt.num_bytes)
         except grpc.aio.AioRpcError as err:
             why = f"{err.code().name} {err.details()}"
-            raise Unavailable(f"KV push to the decode worker failed: {why}") from None
+            raise Aborted(f"KV push to the decode worker failed: {why}") from None
         finally:
             if export is not None:  # a failed or cancelled push leaves no segment behind
                 export.close() if pushed else export.discard()
@@ -133,7 +135,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         params = sampling_from_proto(request.sampling)
         data = self.staging.take(request.kv_handle, request.request_id, request.prompt.ids)
         imported = ImportedKV(request.first_token, request.first_logprob, data)
-        stream = self.engine.generate(request.request_id, list(request.prompt.ids), params, imported=imported)
+        stream = self.engine.generate(request.request_id, list(request.prompt.ids), params, imported=imported,
+                                      cache_salt=request.cache_salt.encode())
         async for update in _updates(stream):
             yield worker_pb2.DecodeResponse(update=update)
 

@@ -132,8 +132,9 @@ def restart_redis(cluster) -> None:
 
 async def wait_baseline(cluster, workers: list[str], redis_url: str | None = None, timeout: float = 20.0) -> None:
     """Every listed worker idle with all blocks free; exactly these workers registered,
-    and nothing in Redis that is not theirs: no lease, ownership hash, event sequence,
-    slot, block bit or unknown mark of a dead worker (``redis_leftovers``)."""
+    nothing in Redis that is not theirs: no lease, ownership hash, event sequence,
+    slot, block bit or unknown mark of a dead worker (``redis_leftovers``); and no KV
+    segment in /dev/shm from any process the cluster started (``shm_leftovers``)."""
     import redis.asyncio as redis
 
     from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
@@ -152,16 +153,30 @@ async def wait_baseline(cluster, workers: list[str], redis_url: str | None = Non
             r = redis.Redis.from_url(redis_url)
             leftovers = await redis_leftovers(r, {w.info.worker_id for w in listed.workers})
             await r.aclose()
+        leftovers += shm_leftovers(cluster)
         idle = all(x.num_running == x.num_waiting == 0 and x.num_free_blocks == x.num_blocks for x in loads)
         if idle and not leftovers and len(listed.workers) == len(workers):
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"not back to baseline: loads {loads}, listed "
-                                 f"{[w.info.address for w in listed.workers]}, Redis leftovers {leftovers[:10]}")
+                                 f"{[w.info.address for w in listed.workers]}, leftovers {leftovers[:10]}")
         await asyncio.sleep(0.1)
 
 
-KNOWN_KEYS = ("kervan:workers", "kervan:slots", "kervan:unknown", "kervan:generation")
+def shm_leftovers(cluster) -> list[str]:
+    """KV segments (named ``kervan-kv-<creator pid>-...``) made by any process the cluster
+    started, dead ones included (their pids are remembered in ``cluster.pids``)."""
+    from services.worker.kv_transfer import SHM_DIR, SHM_PREFIX
+    pids = {str(p) for p in cluster.pids}
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    return [f"{SHM_DIR}/{n}" for n in names
+            if n.startswith(SHM_PREFIX) and n.removeprefix(SHM_PREFIX).split("-", 1)[0] in pids]
+
+
+KNOWN_KEYS = ("kervan:workers", "kervan:slots", "kervan:unknown", "kervan:generation", "kervan:fence")
 
 
 async def redis_leftovers(r, live: set[str]) -> list[str]:

@@ -1,6 +1,7 @@
 """A small asyncio TCP proxy for chaos tests: it forwards a port to a target and,
-on command, resets every connection (RST) or blackholes them (keeps them open and
-drops every byte, both ways). Loopback only."""
+on command, resets every connection (RST), blackholes them (keeps them open and
+drops every byte, both ways) or delays every chunk by ``delay_s`` (a slow link or
+an overloaded server). Loopback only."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import struct
 class FaultProxy:
     def __init__(self, target_port: int):
         self.target_port = target_port
-        self.mode = "pass"  # "pass" | "blackhole"
+        self.mode = "pass"  # "pass" | "blackhole" | "delay"
+        self.delay_s = 0.0
         self.port = 0
         self._server: asyncio.base_events.Server | None = None
         self._pairs: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
@@ -37,7 +39,9 @@ class FaultProxy:
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while data := await reader.read(65536):
-                if self.mode == "pass":
+                if self.mode == "delay":
+                    await asyncio.sleep(self.delay_s)
+                if self.mode != "blackhole":
                     writer.write(data)
                     await writer.drain()
         finally:

@@ -116,13 +116,14 @@ async def text_mesh(default_model_dir):
 @pytest.fixture
 async def mesh(llama, redis_client, request):
     """The in-process scheduled mesh (tests/services/scheduled_mesh.py); a ``mesh`` mark sets
-    its ``workers`` (2) and ``max_in_flight``."""
+    its ``workers`` (2), ``max_in_flight`` and ``first_token_timeout_s``."""
     marker = request.node.get_closest_marker("mesh")
     options = marker.kwargs if marker else {}
     m = ScheduledMesh(llama[1], redis_client)
     try:
-        await m.start(options.get("workers", 2), MigrationPolicy(max_migrations=2, stall_timeout_s=30.0),
-                      options.get("max_in_flight", 1024))
+        await m.start(options.get("workers", 2), MigrationPolicy(
+            max_migrations=2, stall_timeout_s=30.0, first_token_timeout_s=options.get("first_token_timeout_s", 120.0)),
+            options.get("max_in_flight", 1024))
         yield m
     finally:
         await m.stop()

@@ -107,7 +107,7 @@ class FirstNotExcluded:
     def __init__(self, workers):
         self.workers = workers
 
-    async def route(self, request_id, prompt, max_tokens, n, timeout, model="", exclude=()):
+    async def route(self, request_id, prompt, max_tokens, n, timeout, model="", exclude=(), avoid=(), cache_salt=""):
         for address, stub in self.workers:
             if address not in exclude:
                 return Placement(worker=stub, worker_address=address)
@@ -153,3 +153,41 @@ async def test_a_request_a_worker_refuses_goes_to_another_and_is_refused_when_no
             call.cancel()
         await stop_a()
         await stop_b()
+
+
+async def test_suspects_are_avoided_within_the_ejection_cap_and_all_of_them_is_panic(redis_client):
+    """Four idle workers. The router's suspects are avoided, but at most half of them
+    (the most recent first), and when avoiding would leave fewer than half, none: before,
+    one slow period that marked every worker suspect made every placement fail."""
+    index = PrefixIndex(redis_client)
+    registry = await start_registry(index)
+    to_registry = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
+    servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(to_registry),
+                                 PlacementConfig(temperature=1.0), seed=0)  # ties drawn at random: all show
+    addresses = [f"127.0.0.1:{100 + k}" for k in range(4)]
+    try:
+        for k, address in enumerate(addresses):
+            token = await index.register(WorkerRecord(
+                worker_id=f"w{k}", address=address, role="both", model="m", incarnation="", block_size=16,
+                hash_name="sha256", max_model_len=4096, max_n=16))
+            await index.heartbeat(f"w{k}", token, Load(num_free_blocks=100, num_blocks=100))
+
+        async def placed(avoid, exclude=()):
+            request = scheduler_pb2.PlaceRequest(request_id="r", num_prompt_tokens=8, dry_run=True,
+                                                 avoid_addresses=avoid, exclude_addresses=exclude)
+            return {(await servicer.Place(request, _Context())).decode_address for _ in range(40)}
+
+        assert await placed(addresses[:1]) == set(addresses[1:])
+        assert await placed(addresses[1:]) == {addresses[0], addresses[3]}  # 2 of 4 at most: the most recent
+        assert await placed(addresses) == set(addresses[2:])
+        assert await placed(addresses[1:], exclude=addresses[:1]) == set(addresses[2:])  # 1 of the 3 left
+        # one left and suspect: avoiding it would leave nothing, so it is not avoided
+        assert await placed(addresses[3:], exclude=addresses[:3]) == {addresses[3]}
+    finally:
+        await to_registry.close()
+        await registry.stop(0)
+
+
+class _Context:
+    def time_remaining(self):
+        return 10.0

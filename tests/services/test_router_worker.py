@@ -49,6 +49,26 @@ async def test_shared_prefix_reports_cached_prompt_tokens(llama_mesh):
     assert fin.finished.usage.cached_prompt_tokens == 20
 
 
+async def test_a_cache_salt_keeps_one_tenants_prefix_cache_from_another(llama_mesh):
+    """A cached prompt is reused, and its cache hit reported, only for the same salt: a
+    client cannot learn from cached_prompt_tokens what another tenant asked."""
+    shared = make_prompts([20], seed=24)[0]
+
+    async def cached(salt: str, tail: int) -> int:
+        _, [fin] = await collect(llama_mesh.router, router_pb2.GenerateRequest(
+            token_ids=common_pb2.TokenIds(ids=shared + [tail]), sampling=greedy(4), cache_salt=salt))
+        return fin.finished.usage.cached_prompt_tokens
+
+    assert await cached("tenant-a", 7) == 0
+    assert await cached("tenant-b", 8) == 0  # the same prompt, another tenant: no hit
+    assert await cached("", 9) == 0
+    assert await cached("tenant-a", 10) == 20
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await cached("s" * 257, 11)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in refused.value.details()
+    await wait_idle(llama_mesh)
+
+
 async def test_concurrent_streams_all_finish_with_their_lengths(llama_mesh):
     prompts = make_prompts([5 + i % 17 for i in range(32)], seed=23)
 
@@ -175,3 +195,23 @@ def test_stop_watch_holds_back_what_could_start_a_stop_string():
     assert watch.feed("Dzz", False) == ("", True)  # it was: nothing of it is ever streamed
     watch = StopWatch(["END"])
     assert watch.feed("hello E", False) == ("hello", False) and watch.feed("", True) == (" E", False)
+
+
+async def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(text_mesh, default_model_dir):
+    """3 MB of text cannot fit the model's context whatever the tokens: refused from its
+    length in bytes and the longest token's, without spending the event loop on encoding
+    it (encoding it first took seconds with every other request on the router waiting)."""
+    from kervan.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_dir(default_model_dir)
+    calls = []
+    router = text_mesh  # the mesh's router servicer is reached over gRPC; count encodes through the class
+    real = Tokenizer.encode
+    Tokenizer.encode = lambda self, text: calls.append(len(text)) or real(self, text)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(router.router, router_pb2.GenerateRequest(text=b"a" * 3_000_000, sampling=greedy(4)))
+    finally:
+        Tokenizer.encode = real
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "maximum model length" in refused.value.details() and calls == []
+    assert tokenizer.max_token_bytes >= 1

@@ -52,3 +52,17 @@ def test_detokenized_deltas_add_up_to_the_decoded_text_however_tokens_arrive(def
         assert "\ufffd" not in delta or k == len(chunks) - 1  # a split character is held, not streamed
         streamed += delta
     assert streamed == tokenizer.decode(ids)
+
+
+def test_detokenizing_a_long_answer_token_by_token_decodes_each_token_a_bounded_number_of_times(
+        default_model_dir):
+    tokenizer = Tokenizer.from_dir(default_model_dir)
+    ids = tokenizer.encode("Once upon a time, a caf\u00e9 stood by the sea. " * 40)
+    decoded = []
+    real = tokenizer.decode
+    tokenizer.decode = lambda token_ids: decoded.append(len(token_ids)) or real(token_ids)
+    detok, streamed = Detokenizer(tokenizer), ""
+    for k, token in enumerate(ids):
+        streamed += detok.add([token], final=k == len(ids) - 1)
+    assert streamed == real(ids)
+    assert sum(decoded) < 6 * len(ids)  # re-decoding everything each time was len(ids)**2 / 2 (> 100x here)

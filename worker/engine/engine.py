@@ -253,7 +253,9 @@ class Engine:
     @property
     def limits(self) -> RequestLimits:
         """What this engine serves (a worker reports it when it registers)."""
-        return RequestLimits(max_model_len=self.config.max_model_len, max_n=self.config.max_n)
+        # a request's samples run side by side: never more of them than the batch has seats
+        return RequestLimits(max_model_len=self.config.max_model_len,
+                             max_n=min(self.config.max_n, self.config.max_num_seqs))
 
     @property
     def uses_native_kernels(self) -> bool:

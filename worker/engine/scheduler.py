@@ -94,6 +94,10 @@ class StepScheduler:
         writes: list[KVWrite] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             req = self.waiting[0]
+            # a request of n samples forks into n running sequences once its prompt is done: seat them all
+            seats = req.params.n if req.sample_index == 0 and req.num_output_tokens == 0 else 1
+            if len(self.running) + seats > self.config.max_num_seqs:
+                break
             hit = self.kv.get_computed_blocks(req)
             if req.imported_kv is not None:
                 # the prompt's KV arrived with the request: place it, compute only the next token
