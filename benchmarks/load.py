@@ -10,9 +10,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-import grpc
-
 from control_plane.client import build_request
+from services.common.security import PLAINTEXT, MeshSecurity
 from services.proto import router_pb2_grpc
 
 
@@ -52,11 +51,11 @@ async def timed_request(stub: router_pb2_grpc.RouterServiceStub, prompt: list[in
 
 
 async def run_closed_loop(address: str, work: list[tuple[list[int], int]], concurrency: int,
-                          warm_up: bool = True) -> tuple[list[Timed], float]:
+                          warm_up: bool = True, security: MeshSecurity = PLAINTEXT) -> tuple[list[Timed], float]:
     """Every (prompt, max_tokens) of ``work`` in order, ``concurrency`` at a time;
     returns the results in ``work``'s order and the wall time."""
     sem = asyncio.Semaphore(concurrency)
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with security.channel(address) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
         if warm_up:
             await timed_request(stub, [5] * 8, 2)  # connections, first-call costs

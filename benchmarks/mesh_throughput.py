@@ -10,6 +10,8 @@
    With ``--topologies mesh,mesh_traced``: the full mesh again with OpenTelemetry on
    (``OTEL_EXPORTER_OTLP_ENDPOINT`` pointing at an OTLP receiver in this process that
    counts the spans), against the mesh with nothing configured: what tracing costs.
+   With ``mesh_tls`` among them: the full mesh on mutual TLS (``kervan up --tls``),
+   against the plaintext one: what encryption and certificate checks cost.
 2. KV transfer: the prompt KV of the default model pushed to a decode worker in
    another process through the shared-memory and the gRPC-stream paths, against a
    plain shared-memory copy of the same bytes (copy in, copy out) in this process.
@@ -85,8 +87,9 @@ def run_engine(engine: Engine, work, concurrency: int) -> dict:
     return summary(time.perf_counter() - t0, tokens, ttfts, itls)
 
 
-async def run_mesh(address: str, work, concurrency: int) -> dict:
-    results, seconds = await run_closed_loop(address, work, concurrency)
+async def run_mesh(cluster: Cluster, work, concurrency: int) -> dict:
+    results, seconds = await run_closed_loop(cluster.router_address, work, concurrency,
+                                             security=cluster.client_security)
     return summary(seconds, sum(r.tokens for r in results), [r.ttft for r in results],
                    [x for r in results for x in r.itls])
 
@@ -114,11 +117,11 @@ async def push_bytes_per_s(address: str, data: torch.Tensor, use_shm: bool, roun
             t0 = time.perf_counter()
             if use_shm:
                 export = kv_transfer.SharedMemoryExport(data)
-                head = kv_transfer.header(f"h{r}", f"r{r}", data, 30, export.name)
+                head = kv_transfer.header(f"r{r}", [5], data, 30, export.name)
                 messages = _one(kv_transfer.worker_pb2.PushKvRequest(header=head))
             else:
                 export = None
-                _, messages = kv_transfer.stream_messages(f"r{r}", data, 30)
+                messages = kv_transfer.stream_messages(kv_transfer.header(f"r{r}", [5], data, 30), data)
             await stub.PushKv(messages, timeout=60)
             if export is not None:
                 export.close()
@@ -223,7 +226,8 @@ def main() -> None:
     # engines costs. Both stay up (idle workers sleep) while the systems take turns.
     shapes = {"mesh": dict(num_prefill=1, num_decode=1),
               "mesh_aggregated": dict(num_prefill=0, num_decode=0, num_both=1),
-              "mesh_traced": dict(num_prefill=1, num_decode=1)}
+              "mesh_traced": dict(num_prefill=1, num_decode=1),
+              "mesh_tls": dict(num_prefill=1, num_decode=1, tls=True)}
     clusters = {name: Cluster(ClusterSpec(model_dir, **shapes[name], dtype=args.dtype), new_log_dir())
                 for name in args.topologies.split(",")}
     receiver = SpanCounter() if "mesh_traced" in clusters else None
@@ -241,7 +245,7 @@ def main() -> None:
                 work = workload(num, prompt_range, output_range, vocab, args.seed + 100 * r + conc)
                 results[conc]["engine"].append(run_engine(engine, work, conc))
                 for name, cluster in clusters.items():
-                    results[conc][name].append(asyncio.run(run_mesh(cluster.router_address, work, conc)))
+                    results[conc][name].append(asyncio.run(run_mesh(cluster, work, conc)))
     finally:
         for cluster in clusters.values():
             cluster.stop()
@@ -267,6 +271,12 @@ def main() -> None:
             ratios = [t["output_tokens_per_s"] / m["output_tokens_per_s"]
                       for t, m in zip(results[conc]["mesh_traced"], results[conc]["mesh"])]
             entry["mesh_traced_vs_mesh_throughput"] = round(sorted(ratios)[len(ratios) // 2], 3)
+    if "mesh_tls" in clusters:  # mutual TLS on every hop (KV pushes go over shared memory, as on one host)
+        for conc, entry in report["concurrency"].items():
+            ratios = [t["output_tokens_per_s"] / m["output_tokens_per_s"]
+                      for t, m in zip(results[conc]["mesh_tls"], results[conc]["mesh"])]
+            entry["mesh_tls_vs_mesh_throughput"] = round(sorted(ratios)[len(ratios) // 2], 3)
+            entry["mesh_tls_vs_mesh_rounds"] = [round(x, 3) for x in ratios]
     report["kv_transfer"] = kv_transfer_report(model_dir, args.dtype, args.kv_tokens, rounds=5)
     top = report["concurrency"].get(32)
     if top:

@@ -142,6 +142,8 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
               help="router replicas (each its own port; clients may list them all: --addr A,B)")
 @click.option("--schedulers", "num_schedulers", default=1, show_default=True,
               help="scheduler replicas (every router balances over them and retries on another)")
+@click.option("--redis-persistent", is_flag=True,
+              help="the private Redis keeps an append-only file in the run's directory (a restart keeps its state)")
 @click.option("--tls", is_flag=True,
               help="mutual TLS between all services, with a throw-away CA and certificates made in the run's directory")
 @click.option("--api-key-file", default=None, type=click.Path(exists=True, dir_okay=False),
@@ -153,8 +155,8 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
 @click.option("--pipeline-parallel", default=1, show_default=True,
               help="every worker a group of N pipeline stages each holding 1/N of the layers")
 def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens,
-       http_port, metrics, num_routers, num_schedulers, tls, api_key_file, tensor_parallel, expert_parallel,
-       pipeline_parallel) -> None:
+       http_port, metrics, num_routers, num_schedulers, redis_persistent, tls, api_key_file, tensor_parallel,
+       expert_parallel, pipeline_parallel) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C."""
     import asyncio
     from pathlib import Path
@@ -172,7 +174,7 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
     try:
         spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, dtype=dtype,
                            http_port=http_port, metrics=metrics, tls=tls, num_routers=num_routers,
-                           num_schedulers=num_schedulers,
+                           num_schedulers=num_schedulers, redis_persistent=redis_persistent,
                            api_key_file=Path(api_key_file) if api_key_file else None,
                            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                            pipeline_parallel=pipeline_parallel)

@@ -74,6 +74,7 @@ class ClusterSpec:
     api_key_file: Path | None = None  # the router requires one of these keys
     num_routers: int = 1  # replicas: "router", "router-1", ... (clients list them all: replicas.py)
     num_schedulers: int = 1  # replicas: "scheduler", "scheduler-1", ... (every router lists them all)
+    redis_persistent: bool = False  # the private Redis keeps an append-only file (survives its restart)
 
     def __post_init__(self) -> None:
         sizes = self.parallel_sizes()
@@ -241,7 +242,7 @@ class Cluster:
     def _start_redis(self) -> str:
         port = free_port()
         password = self.redis_password = secrets.token_hex(16)
-        self._spawn("redis", redis_argv(port, self.log_dir, password))
+        self._spawn("redis", redis_argv(port, self.log_dir, password, self.spec.redis_persistent))
         self.addresses["redis"] = f"127.0.0.1:{port}"
         wait_listening(port, self.procs["redis"])
         return f"redis://:{password}@127.0.0.1:{port}/0"

@@ -21,6 +21,7 @@ import grpc
 import redis.asyncio as redis
 from prometheus_client import Counter
 
+from services.common import redis_url
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
 from services.common.security import MeshSecurity, add_security_arguments
@@ -95,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     security = MeshSecurity.from_args(args)
-    client = redis.Redis.from_url(args.redis, socket_connect_timeout=2, health_check_interval=5)
+    client = redis_url.connect(args.redis, read_timeout=False)
     async with security.channel(args.registry) as channel:
         watcher = LeaseWatcher(client, kv_registry_pb2_grpc.KvRegistryServiceStub(channel), args.interval)
         task = asyncio.ensure_future(watcher.run())

@@ -27,9 +27,11 @@ def redis_server_binary() -> str:
     return str(path)
 
 
-def redis_argv(port: int, data_dir: Path, password: str | None = None) -> list[str]:
-    """A private, memory-only redis-server on loopback; with ``password``, written to an
-    owner-only config file in ``data_dir`` (not the command line, which anyone can read)."""
+def redis_argv(port: int, data_dir: Path, password: str | None = None, persistent: bool = False) -> list[str]:
+    """A private redis-server on loopback, memory-only unless ``persistent`` (an append-only
+    file in ``data_dir``, fsynced every second: a restart keeps the leases and the index);
+    with ``password``, written to an owner-only config file in ``data_dir`` (not the
+    command line, which anyone can read)."""
     argv = [redis_server_binary()]
     if password is not None:
         conf = data_dir / "redis.conf"
@@ -37,8 +39,8 @@ def redis_argv(port: int, data_dir: Path, password: str | None = None) -> list[s
         with os.fdopen(fd, "w") as f:
             f.write(f"requirepass {password}\n")
         argv.append(str(conf))
-    return argv + ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                   "--dir", str(data_dir)]
+    return argv + ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                   "yes" if persistent else "no", "--dir", str(data_dir)]
 
 
 def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:

@@ -27,6 +27,7 @@ from services.proto import (
     worker_pb2_grpc,
 )
 from tests.cluster_helpers import wait_idle
+from tests.test_bad_input import expect
 
 KEY = "k-valid-0123456789abcdef"
 EXPIRED_KEY = "k-expired-0123456789abcdef"
@@ -66,19 +67,6 @@ async def ask(cluster, api_key=KEY, security=None, **kwargs) -> Completion:
     return out
 
 
-async def refused(call, status, words=""):
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        result = call()
-        if hasattr(result, "__aiter__"):
-            async for _ in result:
-                pass
-        else:
-            await result
-    assert err.value.code() == status, f"{err.value.code()} {err.value.details()}"
-    assert words.lower() in (err.value.details() or "").lower(), err.value.details()
-    return err.value
-
-
 async def test_requests_flow_over_mutual_tls_with_an_api_key(tls_cluster):
     out = await ask(tls_cluster)
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
@@ -97,7 +85,7 @@ async def test_requests_flow_over_mutual_tls_with_an_api_key(tls_cluster):
     ("a valid key's prefix", KEY[:-1], "invalid API key"),
 ])
 async def test_the_router_refuses_callers_without_a_valid_key(tls_cluster, case, api_key, words):
-    await refused(lambda: ask(tls_cluster, api_key=api_key), UNAUTHENTICATED, words)
+    await expect(lambda: ask(tls_cluster, api_key=api_key), UNAUTHENTICATED, words)
 
 
 async def test_health_stays_open_and_plaintext_is_refused(tls_cluster):
@@ -105,8 +93,8 @@ async def test_health_stays_open_and_plaintext_is_refused(tls_cluster):
         reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     async with grpc.aio.insecure_channel(tls_cluster.router_address) as ch:
-        await refused(lambda: router_pb2_grpc.RouterServiceStub(ch).Generate(build_request(token_ids=[5]),
-                                                                             timeout=5), grpc.StatusCode.UNAVAILABLE)
+        await expect(lambda: router_pb2_grpc.RouterServiceStub(ch).Generate(build_request(token_ids=[5]), timeout=5),
+                     grpc.StatusCode.UNAVAILABLE, "")
 
 
 async def test_internal_services_refuse_callers_without_a_mesh_certificate(tls_cluster, tmp_path):
@@ -122,13 +110,11 @@ async def test_internal_services_refuse_callers_without_a_mesh_certificate(tls_c
     for security in callers.values():
         for service in ("decode-0", "scheduler", "kv-registry"):
             async with security.channel(tls_cluster.addresses[service]) as ch:
-                await refused(lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                                           timeout=5),
-                              grpc.StatusCode.UNAVAILABLE)  # the TLS handshake fails: nothing is served
+                await expect(lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5),
+                             grpc.StatusCode.UNAVAILABLE, "")  # the TLS handshake fails: nothing is served
         async with grpc.aio.insecure_channel(tls_cluster.addresses["decode-0"]) as ch:
-            await refused(lambda: worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest(),
-                                                                                timeout=5),
-                          grpc.StatusCode.UNAVAILABLE)
+            await expect(lambda: worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5),
+                         grpc.StatusCode.UNAVAILABLE, "")
 
 
 def role_cases():
@@ -156,7 +142,7 @@ STUBS = {"decode-0": worker_pb2_grpc.WorkerServiceStub, "kv-registry": kv_regist
                          ids=[f"{c[0]}->{c[1]}.{c[2]}" for c in role_cases()])
 async def test_each_role_calls_only_what_it_needs(tls_cluster, role, service, method, request_, words):
     async with as_role(tls_cluster, role).channel(tls_cluster.addresses[service]) as ch:
-        await refused(lambda: getattr(STUBS[service](ch), method)(request_, timeout=10), DENIED, words)
+        await expect(lambda: getattr(STUBS[service](ch), method)(request_, timeout=10), DENIED, words)
 
 
 async def test_push_kv_is_only_from_workers_and_is_bounded_before_it_is_buffered(tls_cluster):
@@ -170,16 +156,16 @@ async def test_push_kv_is_only_from_workers_and_is_bounded_before_it_is_buffered
 
     header = worker_pb2.KvHeader(request_id="x", num_bytes=4, dtype="float32", shape=[1], prompt_digest=digest)
     async with as_role(tls_cluster, "router").channel(tls_cluster.addresses["decode-0"]) as ch:
-        await refused(lambda: worker_pb2_grpc.WorkerServiceStub(ch).PushKv(
+        await expect(lambda: worker_pb2_grpc.WorkerServiceStub(ch).PushKv(
             push(worker_pb2.PushKvRequest(header=header)), timeout=10), DENIED, "may not call")
     async with as_role(tls_cluster, "worker").channel(tls_cluster.addresses["decode-0"]) as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)
         huge = worker_pb2.KvHeader(request_id="x", num_bytes=3 << 30, dtype="float32", shape=[3 << 28],
                                    prompt_digest=digest)  # refused at the header: nothing allocated
-        await refused(lambda: stub.PushKv(push(worker_pb2.PushKvRequest(header=huge)), timeout=10), INVALID,
+        await expect(lambda: stub.PushKv(push(worker_pb2.PushKvRequest(header=huge)), timeout=10), INVALID,
                       "exceeds")
         no_digest = worker_pb2.KvHeader(request_id="x", num_bytes=4, dtype="float32", shape=[1])
-        await refused(lambda: stub.PushKv(push(worker_pb2.PushKvRequest(header=no_digest)), timeout=10), INVALID,
+        await expect(lambda: stub.PushKv(push(worker_pb2.PushKvRequest(header=no_digest)), timeout=10), INVALID,
                       "digest")
         # a real push, with a lease asked for 49 days: the receiver keeps it at most its own --kv-lease
         long_lease = worker_pb2.KvHeader(request_id="poison", num_bytes=4, dtype="float32", shape=[1],
@@ -191,7 +177,7 @@ async def test_push_kv_is_only_from_workers_and_is_bounded_before_it_is_buffered
     async with as_role(tls_cluster, "router").channel(tls_cluster.addresses["decode-0"]) as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)
         # the KV is bound to the digest of the prompt it was pushed for: another prompt cannot use it
-        await refused(lambda: stub.Decode(worker_pb2.DecodeRequest(
+        await expect(lambda: stub.Decode(worker_pb2.DecodeRequest(
             request_id="poison", prompt=common_pb2.TokenIds(ids=PROMPT), kv_handle=receipt.handle),
             timeout=10), INVALID, "another prompt")
         await stub.Abort(worker_pb2.AbortRequest(request_id="poison"), timeout=10)  # drops the staged KV
@@ -201,7 +187,7 @@ async def test_prefill_pushes_only_to_registered_decode_workers(tls_cluster):
     async with as_role(tls_cluster, "router").channel(tls_cluster.addresses["prefill-0"]) as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)
         for address in ("169.254.169.254:80", tls_cluster.addresses["scheduler"], tls_cluster.addresses["prefill-0"]):
-            await refused(lambda address=address: stub.Prefill(worker_pb2.PrefillRequest(
+            await expect(lambda address=address: stub.Prefill(worker_pb2.PrefillRequest(
                 request_id="ssrf", prompt=common_pb2.TokenIds(ids=PROMPT), decode_address=address,
                 sampling=common_pb2.SamplingParams(max_tokens=4)), timeout=30), grpc.StatusCode.ABORTED,
                 "not a registered decode")
@@ -218,27 +204,27 @@ async def test_the_registry_bounds_what_workers_send_and_keeps_fencing_tokens_pr
         info = kv_registry_pb2.WorkerInfo(worker_id=live.worker_id, address=live.address, role=live.role,
                                           model=live.model, block_size=16, hash_name=live.hash_name,
                                           max_model_len=live.max_model_len, max_n=live.max_n)
-        await refused(lambda: stub.Register(kv_registry_pb2.RegisterRequest(worker=info), timeout=10),
+        await expect(lambda: stub.Register(kv_registry_pb2.RegisterRequest(worker=info), timeout=10),
                       grpc.StatusCode.ALREADY_EXISTS, "live process")
         for guess in ("", "1", "1.0", "2." + "9" * 10):  # forged heartbeats: full load would stop placements
-            await refused(lambda guess=guess: stub.Heartbeat(kv_registry_pb2.HeartbeatRequest(
+            await expect(lambda guess=guess: stub.Heartbeat(kv_registry_pb2.HeartbeatRequest(
                 worker_id=live.worker_id, incarnation=guess), timeout=10), grpc.StatusCode.FAILED_PRECONDITION,
                 "re-register")
         long_id = kv_registry_pb2.WorkerInfo(worker_id="w" * 300, address="127.0.0.1:1", role="decode", model="m",
                                              block_size=16, hash_name=live.hash_name, max_model_len=64, max_n=1)
-        await refused(lambda: stub.Register(kv_registry_pb2.RegisterRequest(worker=long_id), timeout=10), INVALID,
+        await expect(lambda: stub.Register(kv_registry_pb2.RegisterRequest(worker=long_id), timeout=10), INVALID,
                       "at most 256")
         events = [kv_registry_pb2.KvEvent(seq=i + 1, cleared=kv_registry_pb2.AllBlocksCleared()) for i in range(5000)]
-        await refused(lambda: stub.PublishEvents(kv_registry_pb2.PublishEventsRequest(
+        await expect(lambda: stub.PublishEvents(kv_registry_pb2.PublishEventsRequest(
             worker_id=live.worker_id, events=events), timeout=10), EXHAUSTED, "events")
         many = kv_registry_pb2.TierBlocks(block_hashes=[i.to_bytes(32, "big") for i in range(300_000)])
-        await refused(lambda: stub.ReportBlocks(kv_registry_pb2.ReportBlocksRequest(
+        await expect(lambda: stub.ReportBlocks(kv_registry_pb2.ReportBlocksRequest(
             worker_id=live.worker_id, tiers=[many]), timeout=30), EXHAUSTED, "block hashes")
         fat = kv_registry_pb2.KvEvent(seq=1, stored=kv_registry_pb2.BlockStored(block_hashes=[b"x" * 65]))
-        await refused(lambda: stub.PublishEvents(kv_registry_pb2.PublishEventsRequest(
+        await expect(lambda: stub.PublishEvents(kv_registry_pb2.PublishEventsRequest(
             worker_id=live.worker_id, events=[fat]), timeout=10), INVALID, "block hash is")
     async with as_role(tls_cluster, "scheduler").channel(tls_cluster.addresses["kv-registry"]) as ch:
-        await refused(lambda: kv_registry_pb2_grpc.KvRegistryServiceStub(ch).Match(kv_registry_pb2.MatchRequest(
+        await expect(lambda: kv_registry_pb2_grpc.KvRegistryServiceStub(ch).Match(kv_registry_pb2.MatchRequest(
             block_hashes=[i.to_bytes(8, "big") for i in range(70_000)]), timeout=10), EXHAUSTED, "block hashes")
 
 

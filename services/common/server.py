@@ -101,10 +101,13 @@ async def start_server(services: list[Service], host: str = "127.0.0.1", port: i
     reflection.enable_server_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                          RUNTIME_SERVICE, reflection.SERVICE_NAME], server)
     address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, security.server_credentials(require_client_cert=not public))
-             if security.tls else server.add_insecure_port(address))
+    try:
+        bound = (server.add_secure_port(address, security.server_credentials(require_client_cert=not public))
+                 if security.tls else server.add_insecure_port(address))
+    except RuntimeError:  # grpcio raises where it once returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+        raise OSError(f"cannot bind {host}:{port} (in use?)")
     await server.start()
     handle = Server(server, health_servicer, bound, names)
     await handle.set_serving(False)

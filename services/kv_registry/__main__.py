@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-import redis.asyncio as redis
-
 from kervan.block_hash import HASH_NAME
+from services.common import redis_url
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
 from services.common.security import MeshSecurity, add_security_arguments
@@ -23,8 +22,9 @@ SERVICE_NAME = kv_registry_pb2.DESCRIPTOR.services_by_name["KvRegistryService"].
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m services.kv_registry", description=__doc__)
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0",
-                    help="Redis URL: redis://[[user]:password@]host:port/db, rediss:// for TLS (with ?ssl_ca_certs=); "
-                         "pass a password in KERVAN_KV_REGISTRY_REDIS rather than on the command line")
+                    help="Redis URL: redis://[[user]:password@]host:port/db, rediss:// for TLS (with ?ssl_ca_certs=), "
+                         "redis+sentinel://[:password@]host:port,.../service[/db] for Sentinel; pass a password in "
+                         "KERVAN_KV_REGISTRY_REDIS rather than on the command line")
     ap.add_argument("--redis-timeout", type=float, default=2.0,
                     help="seconds a Redis command may take before the call fails UNAVAILABLE (a slow or "
                          "partitioned Redis must not hang handlers)")
@@ -42,10 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     security = MeshSecurity.from_args(args)
-    client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
-        args.redis, max_connections=args.redis_max_connections, timeout=args.redis_timeout,
-        socket_timeout=args.redis_timeout, socket_connect_timeout=args.redis_timeout,
-        connection_class=CountingConnection))
+    client = redis_url.connect(args.redis, args.redis_timeout, args.redis_max_connections, CountingConnection)
     await client.ping()
     index = PrefixIndex(client, args.ttl)
     await index.forget_all()  # rebuild from the workers' dumps, asked for on their next heartbeat

@@ -4,26 +4,18 @@ and drew placements), and the router places the requests it failed elsewhere."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 from services.proto import kv_registry_pb2
 from tests.chaos.checker import check, stream
 from tests.conftest import greedy_tokens, make_prompts
 from tests.services.scheduled_mesh import address
+from tests.services.test_membership import until
 
 
 async def listed(mesh) -> list[str]:
     reply = await mesh.registry_stub.ListWorkers(kv_registry_pb2.ListWorkersRequest(), timeout=10)
     return sorted(w.info.address for w in reply.workers)
-
-
-async def wait_for(predicate, timeout: float = 20.0) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if await predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not reached")
 
 
 async def test_a_worker_whose_steps_all_fail_leaves_the_mesh_and_no_request_is_lost(mesh, llama):
@@ -45,7 +37,7 @@ async def test_a_worker_whose_steps_all_fail_leaves_the_mesh_and_no_request_is_l
     # every request failed on the sick worker before its first token was placed again: none lost
     counts = check(outs, greedy_tokens(llama[1], prompts[:len(outs)], 6))
     assert counts["completed"] == len(outs) and counts["lost"] == 0
-    await wait_for(lambda: _equals(listed(mesh), [healthy.address]))  # it deregistered itself
+    await until(lambda: _equals(listed(mesh), [healthy.address]))  # it deregistered itself
     assert sick.membership.done()
     out = await stream(address(mesh), prompts[0], 6)
     assert out.status is None
@@ -61,7 +53,7 @@ async def test_a_wedged_engine_thread_takes_its_worker_out_of_the_mesh(mesh):
     release = threading.Event()
     stuck.engine.post(lambda e: release.wait(60))  # the engine thread never comes back from this
     try:
-        await wait_for(lambda: _equals(listed(mesh), [healthy.address]))
+        await until(lambda: _equals(listed(mesh), [healthy.address]))
         assert "wedged" in stuck.engine.health()
     finally:
         release.set()
@@ -73,9 +65,9 @@ async def test_an_engine_thread_that_dies_is_reported_not_serving(mesh):
     def die(engine):
         raise SystemExit("injected: the engine thread ends")
     dying.engine.post(die)  # not an Exception: it ends the engine thread
-    await wait_for(lambda: _dead(dying))
+    await until(lambda: _dead(dying))
     assert "the engine thread died: SystemExit" in dying.engine.health()
-    await wait_for(lambda: _equals(listed(mesh), [mesh.workers[1].address]))
+    await until(lambda: _equals(listed(mesh), [mesh.workers[1].address]))
 
 
 async def _dead(worker) -> bool:
