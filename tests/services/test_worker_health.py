@@ -4,10 +4,14 @@ and drew placements), and the router places the requests it failed elsewhere."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
+
+import pytest
 
 from services.proto import kv_registry_pb2
-from tests.chaos.checker import check, stream
+from tests.chaos.checker import check, record, stream
 from tests.conftest import greedy_tokens, make_prompts
 from tests.services.scheduled_mesh import address
 from tests.services.test_membership import until
@@ -29,6 +33,7 @@ async def test_a_worker_whose_steps_all_fail_leaves_the_mesh_and_no_request_is_l
     sick.engine.max_step_failures = 1
     prompts = make_prompts([20 + i for i in range(12)], seed=140)
     outs = []
+    at = time.monotonic()
     for prompt in prompts:  # sequential: idle workers tie on load, so placements reach the sick one
         outs.append(await stream(address(mesh), prompt, 6))
         if sick.engine.health() is not None:
@@ -38,6 +43,8 @@ async def test_a_worker_whose_steps_all_fail_leaves_the_mesh_and_no_request_is_l
     counts = check(outs, greedy_tokens(llama[1], prompts[:len(outs)], 6))
     assert counts["completed"] == len(outs) and counts["lost"] == 0
     await until(lambda: _equals(listed(mesh), [healthy.address]))  # it deregistered itself
+    record("worker_steps_all_fail", "every engine step of one of two workers fails (in process); "
+           "time: to the worker leaving the mesh", counts, round(time.monotonic() - at, 3))
     assert sick.membership.done()
     out = await stream(address(mesh), prompts[0], 6)
     assert out.status is None
@@ -47,16 +54,26 @@ async def _equals(awaitable, expected) -> bool:
     return await awaitable == expected
 
 
-async def test_a_wedged_engine_thread_takes_its_worker_out_of_the_mesh(mesh):
+@pytest.mark.mesh(first_token_timeout_s=2.0)
+async def test_a_wedged_engine_thread_takes_its_worker_out_of_the_mesh(mesh, llama):
+    """Requests placed on the wedged worker meanwhile get no first token: after 2 s the
+    router takes it for lost and places them on the other, and every one completes."""
     stuck, healthy = mesh.workers
-    stuck.engine.wedge_timeout_s = 1.0
+    stuck.engine.wedge_timeout_s = 3.0
     release = threading.Event()
     stuck.engine.post(lambda e: release.wait(60))  # the engine thread never comes back from this
+    at = time.monotonic()
+    prompts = make_prompts([20 + i for i in range(4)], seed=141)
     try:
+        outs = await asyncio.gather(*(stream(address(mesh), p, 6, timeout=60) for p in prompts))
         await until(lambda: _equals(listed(mesh), [healthy.address]))
         assert "wedged" in stuck.engine.health()
     finally:
         release.set()
+    counts = check(outs, greedy_tokens(llama[1], prompts, 6))
+    assert counts["completed"] == len(prompts)
+    record("engine_wedged", "one of two workers' engine thread wedged (in process); time: to the worker "
+           "leaving the mesh", counts, round(time.monotonic() - at, 3))
 
 
 async def test_an_engine_thread_that_dies_is_reported_not_serving(mesh):
