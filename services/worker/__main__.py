@@ -98,7 +98,10 @@ async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: 
                                 args.role, model_dir.name, on_unhealthy=lambda why: os._exit(70))
         await membership.register()  # fail at start, not later, if the mesh refuses this worker
         membership_task = asyncio.get_running_loop().create_task(membership.run())
-    sweeper = asyncio.get_running_loop().create_task(_sweep_segments())
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(_sweep_segments())]
+    if membership is None:  # with a registry, membership leaves the mesh first, then exits
+        tasks.append(loop.create_task(_exit_when_unhealthy(async_engine, handle)))
     if args.metrics_port is not None:
         REGISTRY.register(EngineCollector(async_engine))
         serve_metrics(args.metrics_port, args.host, "worker")
@@ -111,7 +114,8 @@ async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: 
             await membership.deregister()
 
     async def on_stop() -> None:  # after on_drain: the membership task is done
-        sweeper.cancel()
+        for task in tasks:
+            task.cancel()
         if registry_channel is not None:
             await registry_channel.close()
         await servicer.close()
@@ -125,6 +129,16 @@ async def _sweep_segments(interval_s: float = 5.0) -> None:
     while True:
         await asyncio.sleep(interval_s)
         sweep_stale_segments()
+
+
+async def _exit_when_unhealthy(engine: AsyncEngine, handle, interval_s: float = 1.0) -> None:
+    """An engine that no longer serves (``AsyncEngine.health``): health NOT_SERVING, for
+    probes and load balancers, then exit 70 for the supervisor to restart the worker."""
+    while (why := engine.health()) is None:
+        await asyncio.sleep(interval_s)
+    log.critical("the engine no longer serves: %s", why)
+    await handle.set_serving(False)
+    os._exit(70)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -123,3 +123,20 @@ async def test_only_failures_in_a_row_count_against_the_engine(llama):
         assert engine.health() == "3 engine steps in a row failed"
     finally:
         engine.stop()
+
+
+async def test_a_worker_without_a_registry_turns_not_serving_and_exits_when_its_engine_fails(monkeypatch):
+    """No registry to leave: health NOT_SERVING (probes, load balancers), then exit 70."""
+    from services.worker import __main__ as worker_main
+    reasons = iter([None, None, "3 engine steps in a row failed"])
+    engine = type("Engine", (), {"health": lambda self: next(reasons)})()
+    served = []
+    handle = type("Handle", (), {"set_serving": lambda self, on: _append(served, on)})()
+    exits = []
+    monkeypatch.setattr(worker_main.os, "_exit", exits.append)
+    await worker_main._exit_when_unhealthy(engine, handle, interval_s=0.01)
+    assert served == [False] and exits == [70]
+
+
+async def _append(items, item):
+    items.append(item)
