@@ -10,7 +10,7 @@ period), leaving no process behind. Until then it restarts a service that dies,
 on the same port, after a back-off that doubles with each crash (1 s to 30 s).
 Children die with the launcher, even one SIGKILLed, so no orphan keeps a port: the
 services watch a pipe the launcher holds (``services/common/lifeline.py``), and
-redis-server gets ``PR_SET_PDEATHSIG`` when started from the main thread.
+redis-server gets ``PR_SET_PDEATHSIG`` when the launcher runs no other thread.
 
 The private Redis gets a random password; it and the Redis URL reach the
 services that need them in their environment, never on a command line (which
@@ -125,7 +125,8 @@ class Cluster:
     authority: object = None  # with tls: the run's CertificateAuthority (it can issue more certificates)
     restarts: Counter[str] = field(default_factory=Counter)  # crashed services restarted, by name
     pids: list[int] = field(default_factory=list)  # every process started, dead ones included
-    _launch: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)  # how each was started
+    # how each service was started (argv, env, cores): what a restart repeats
+    _launch: dict[str, tuple[list[str], dict[str, str], set[int] | None]] = field(default_factory=dict)
     _tls_flags: dict[str, list[str]] = field(default_factory=dict)  # role -> its --tls-* flags
     _restart_due: dict[str, float] = field(default_factory=dict)
     _lifeline: tuple[int, int] | None = None  # the pipe whose closing tells children the launcher is gone
@@ -266,15 +267,19 @@ class Cluster:
                cores: set[int] | None = None) -> None:
         if self._lifeline is None:
             self._lifeline = os.pipe()  # the write end stays here, never written, never inherited
-        self._launch[name] = (argv, {**(env or {})})
+        self._launch[name] = (argv, {**(env or {})}, cores)
         log = open(self.log_dir / f"{name}.log", "ab")
-        launcher = os.getpid()
-        on_main_thread = threading.current_thread() is threading.main_thread()
+        # Python code between fork and exec (preexec_fn) can crash a process that runs other
+        # threads (gRPC's, a thread pool's): only redis-server, which cannot watch the lifeline,
+        # gets one, and only from a launcher with no other thread (`kervan up`)
+        setup = _death_signal(os.getpid()) if name == "redis" and threading.active_count() == 1 else None
         # a new session: Ctrl-C in the terminal reaches the launcher only, which stops children in order
         self.procs[name] = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             env={**os.environ, **(env or {}), ENV_LIFELINE: str(self._lifeline[0])}, pass_fds=(self._lifeline[0],),
-            preexec_fn=lambda: _child_setup(launcher, cores, on_main_thread))
+            preexec_fn=setup)
+        if cores:  # before the child starts its OpenMP threads, which inherit the mask
+            os.sched_setaffinity(self.procs[name].pid, cores)
         self.pids.append(self.procs[name].pid)
         log.close()
 
@@ -294,8 +299,7 @@ class Cluster:
             self.restarts[name] += 1
             with open(self.log_dir / f"{name}.log", "ab") as log:
                 log.write(f"--- exited with {proc.returncode}; restart {self.restarts[name]} ---\n".encode())
-            argv, env = self._launch[name]
-            self._spawn(name, argv, env)
+            self._spawn(name, *self._launch[name])
             restarted.append(name)
         return restarted
 
@@ -369,12 +373,14 @@ def new_log_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=base))
 
 
-def _child_setup(launcher: int, cores: set[int] | None, death_signal: bool) -> None:
-    """In a child before exec: on the given cores; SIGTERM when the launcher's thread
-    ends (only the main thread's end is the launcher's)."""
-    if death_signal and _PRCTL is not None:
+def _death_signal(launcher: int):
+    """A preexec_fn: SIGTERM to the child when the launcher's thread that started it ends
+    (with no other thread, the launcher's end)."""
+    if _PRCTL is None:
+        return None
+
+    def setup() -> None:
         _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != launcher:  # the launcher died before prctl took effect
             os._exit(1)
-    if cores:
-        os.sched_setaffinity(0, cores)
+    return setup

@@ -118,7 +118,7 @@ def test_any_single_control_process_can_die_or_starve_and_nothing_is_lost(llama,
             cluster.procs["kv-registry"].send_signal(signal.SIGKILL)
             cluster.procs["kv-registry"].wait()
             time.sleep(2)
-            argv, env = cluster._launch["kv-registry"]
+            env = cluster._launch["kv-registry"][1]
             env["KERVAN_KV_REGISTRY_REDIS"] = cluster.redis_url.replace(f":{redis_port}/", f":{proxy.port}/")
             cluster.restart_crashed(now=float("inf"))
             cluster._wait_serving(["kv-registry"], 60)
