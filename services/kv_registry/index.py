@@ -27,6 +27,7 @@ one Lua script (``scripts.py``), so no purge can interleave with a registration.
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import asdict, dataclass, fields
 
 import redis.asyncio as redis
@@ -94,7 +95,7 @@ class PrefixIndex:
         fields = {k: str(v) for k, v in {**asdict(worker), **{k: 0 for k in SCALARS}}.items() if k != "incarnation"}
         answer = await self._register(keys=self._keys(worker.worker_id) + [f"{P}fence"],
                                       args=[worker.worker_id, self.owners.block_prefix, self.ttl_s,
-                                            *(x for kv in fields.items() for x in kv)])
+                                            secrets.token_hex(8), *(x for kv in fields.items() for x in kv)])
         if answer == -1:
             raise AlreadyExists(f"worker id {worker.worker_id!r} is held by a live process (its lease has "
                                 f"{await self.r.ttl(LEASE_PREFIX + worker.worker_id)}s left)")

@@ -82,10 +82,11 @@ end
 """
 
 # KEYS: w:{id}, seq:{id}, workers, unknown, own:{id}, slots, fence; ARGV: worker id,
-# block key prefix, ttl, then the record's field/value pairs. A live lease under the
+# block key prefix, ttl, a random nonce, then the record's field/value pairs. A live lease under the
 # id refuses the call (-1): two processes must not share an id. Leftovers of an
 # expired one are dropped; the worker gets the lowest free slot and a new fencing
-# token (INCR, and Redis's clock for a Redis that restarted empty). Returns {token, slot}.
+# token: INCR (ordered), and the caller's nonce (a Redis that restarted empty counts
+# from 1 again). Returns {token, slot}.
 REGISTER = _DROP + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
 drop(ARGV[1], ARGV[2])
@@ -94,8 +95,8 @@ for _, s in ipairs(redis.call('HVALS', KEYS[6])) do used[tonumber(s)] = true end
 local slot = 0
 while used[slot] do slot = slot + 1 end
 redis.call('HSET', KEYS[6], ARGV[1], slot)
-local token = redis.call('INCR', KEYS[7]) .. '.' .. redis.call('TIME')[1]
-redis.call('HSET', KEYS[1], 'incarnation', token, 'slot', slot, unpack(ARGV, 4))
+local token = redis.call('INCR', KEYS[7]) .. '.' .. ARGV[4]
+redis.call('HSET', KEYS[1], 'incarnation', token, 'slot', slot, unpack(ARGV, 5))
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('SADD', KEYS[3], ARGV[1])
 return {token, slot}

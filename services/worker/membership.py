@@ -50,6 +50,7 @@ class Membership:
         self.load_interval_s = load_interval_s
         self.register_timeout_s = register_timeout_s
         self.on_unhealthy = on_unhealthy
+        self._registering = asyncio.Lock()  # the beat and event loops may both learn they are stale
         self.ejected: str | None = None  # why this worker left the mesh on its own
         self._reported = None
         self._dump_wanted = False
@@ -121,17 +122,23 @@ class Membership:
 
     async def _guarded(self, call) -> bool:
         """``call()``'s answer; False when the registry failed it. A registry that no
-        longer knows this incarnation gets a new registration (and then a dump)."""
+        longer knows this incarnation gets a new registration (and then a dump), once:
+        the other loop may have registered again already (its new lease would refuse
+        a second registration as a live duplicate)."""
+        token = self.info.incarnation
         try:
             return bool(await call())
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                log.warning("registry does not know this incarnation; registering again")
-                try:
-                    await self.register()
-                    self._dump_wanted = True  # the registry starts from nothing for this worker
-                except grpc.aio.AioRpcError as again:
-                    log.warning("registering again failed: %s", again.code().name)
+                async with self._registering:
+                    if self.info.incarnation != token:
+                        return False  # registered again meanwhile
+                    log.warning("registry does not know this incarnation; registering again")
+                    try:
+                        await self.register()
+                        self._dump_wanted = True  # the registry starts from nothing for this worker
+                    except grpc.aio.AioRpcError as again:
+                        log.warning("registering again failed: %s", again.code().name)
             else:
                 log.warning("registry unreachable: %s", err.code().name)
                 await asyncio.sleep(self.heartbeat_s)

@@ -3,6 +3,7 @@ reach the index, and a registry that loses track of them (a gap in the events, a
 restart) gets them back from a full dump."""
 
 import asyncio
+import logging
 
 import grpc
 import pytest
@@ -25,7 +26,7 @@ async def until(predicate, timeout=10.0):
     raise AssertionError("condition not reached")
 
 
-async def test_blocks_reach_the_index_and_gaps_and_restarts_are_healed_by_dumps(llama, redis_client):
+async def test_blocks_reach_the_index_and_gaps_and_restarts_are_healed_by_dumps(llama, redis_client, caplog):
     index = PrefixIndex(redis_client)
     registry = await start_registry(index, block_size=4)
     engine = AsyncEngine(make_engine(llama[1]))
@@ -62,6 +63,15 @@ async def test_blocks_reach_the_index_and_gaps_and_restarts_are_healed_by_dumps(
         await index.forget_all()
         assert (await index.match(hashes[:1]))[1] == [wid]
         await until(lambda: index_has(5))
+        # Redis restarts empty: the heartbeat and the event loop both learn they are stale;
+        # one registers again, the other finds it done (it once registered a second time, was
+        # refused as a live duplicate of itself, and waited out its own new lease)
+        stale = member.info.incarnation
+        with caplog.at_level(logging.WARNING, logger="services.worker.membership"):
+            await redis_client.flushall()
+            await run("r3", make_prompts([8], seed=42)[0])  # an event to publish, from the other loop
+            await until(lambda: index_has(7), timeout=3.0)  # well within the 5 s lease
+        assert member.info.incarnation != stale and "held by a live process" not in caplog.text
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -100,3 +110,36 @@ async def test_a_worker_hashing_differently_is_refused_at_registration(redis_cli
             assert [(w.info.max_model_len, w.info.max_n) for w in listed] == [(640, 4)]
     finally:
         await registry.stop(0)
+
+
+async def test_both_loops_finding_the_registration_stale_register_again_once():
+    """The heartbeat and the event loop learn at the same moment that the registry lost the
+    worker (Redis restarted empty). One registers again; the other sees the new token and
+    does not: a second registration would be refused as a live duplicate of the first, and
+    before, the worker then waited out its own new lease, unregistered."""
+    from services.proto import kv_registry_pb2
+    registrations = []
+
+    class Registry:
+        async def Register(self, request, timeout=None):
+            registrations.append(request.worker.worker_id)
+            await asyncio.sleep(0.05)
+            return kv_registry_pb2.RegisterResponse(ttl_s=5, incarnation=f"{len(registrations)}.n")
+
+    class Engine:
+        block_size, limits = 4, type("Limits", (), {"max_model_len": 64, "max_n": 1})()
+
+    member = Membership(Registry(), Engine(), "127.0.0.1:1", "both", "m")
+    await member.register()
+    gone = asyncio.Event()
+
+    async def stale_call():
+        await gone.wait()  # both calls were sent before either answer came back
+        raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   "incarnation is not registered; re-register")
+
+    calls = [asyncio.create_task(member._guarded(stale_call)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    gone.set()
+    assert await asyncio.gather(*calls) == [False, False]
+    assert len(registrations) == 2 and member.info.incarnation == "2.n"  # the start, and one again
