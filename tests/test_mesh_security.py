@@ -40,8 +40,10 @@ PROMPT = [5, 6, 7, 8] * 6
 def tls_cluster(llama, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"{KEY}\n{EXPIRED_KEY} expires=2020-01-01T00:00:00+00:00  # rotated out\n")
+    # two routers and two schedulers: clients and routers reach the replicas over TLS through one
+    # channel each (services/common/replicas.py), certificates checked for the first one's address
     c = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1, dtype="float32", num_kv_blocks=128, tls=True,
-                            api_key_file=keys, registry_args=("--ttl", "2")),
+                            api_key_file=keys, registry_args=("--ttl", "2"), num_routers=2, num_schedulers=2),
                 tmp_path_factory.mktemp("tls-cluster-logs"))
     c.start(timeout=240)
     yield c
@@ -61,7 +63,7 @@ async def ask(cluster, api_key=KEY, security=None, **kwargs) -> Completion:
     out = Completion()
     request = build_request(**{"token_ids": PROMPT, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
                                **kwargs})
-    async for msg in stream(cluster.router_address, request, timeout=60, security=security or router_ca(cluster),
+    async for msg in stream(cluster.router_addresses, request, timeout=60, security=security or router_ca(cluster),
                             api_key=api_key):
         accumulate(out, msg)
     return out

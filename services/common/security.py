@@ -95,18 +95,23 @@ class MeshSecurity:
 
     def channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
         if self.tls:
-            return grpc.aio.secure_channel(address, self.channel_credentials(), options=self._options(options))
+            return grpc.aio.secure_channel(address, self.channel_credentials(), options=self._options(address, options))
         return grpc.aio.insecure_channel(address, options=list(options))
 
     def sync_channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
         if self.tls:
-            return grpc.secure_channel(address, self.channel_credentials(), options=self._options(options))
+            return grpc.secure_channel(address, self.channel_credentials(), options=self._options(address, options))
         return grpc.insecure_channel(address, options=list(options))
 
-    def _options(self, options: Sequence[tuple[str, object]]) -> list[tuple[str, object]]:
-        if self.server_name is None:
+    def _options(self, address: str, options: Sequence[tuple[str, object]]) -> list[tuple[str, object]]:
+        name = self.server_name
+        if name is None and address.startswith(("ipv4:", "ipv6:")):
+            # a list of replicas (services/common/replicas.py) names no single host: their
+            # certificates are checked for the first one's address
+            name = address.split(":", 1)[1].split(",")[0].rpartition(":")[0].strip("[]")
+        if name is None:
             return list(options)
-        return [*options, ("grpc.ssl_target_name_override", self.server_name)]
+        return [*options, ("grpc.ssl_target_name_override", name)]
 
     def check_listen(self, host: str, what: str) -> None:
         """Refuses plaintext beyond loopback unless allowed, and then warns."""
