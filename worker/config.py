@@ -24,6 +24,15 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Glm4MoeForCausalLM",
 )
+# a config.json without "architectures" names its class by model_type, as transformers reads it
+ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+}
 
 
 class ConfigError(ValueError):
@@ -98,7 +107,10 @@ class ModelConfig:
     @staticmethod
     def from_hf_dict(cfg: dict) -> ModelConfig:
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if archs:
+            arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        else:
+            arch = ARCHITECTURE_OF_MODEL_TYPE.get(cfg.get("model_type", ""))
         if arch is None:
             raise ConfigError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "

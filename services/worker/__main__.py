@@ -28,7 +28,7 @@ from services.worker.kv_transfer import sweep_stale_segments
 from services.worker.membership import Membership
 from services.worker.metrics import EngineCollector
 from services.worker.servicer import CALLERS, WorkerServicer
-from worker.config import ConfigError
+from worker.config import ConfigError, EngineConfig
 from worker.platform import DTYPE_CHOICES, dtype_name
 
 log = logging.getLogger("services.worker")
@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="tokens per KV block; every process of a mesh takes the same (the kv-registry refuses others)")
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                    help="tokens one engine step computes at most: a longer prompt is prefilled in chunks of this "
+                         "size between decode steps (chunked prefill; smaller: steadier inter-token latency)")
     group = ap.add_argument_group("worker group", "one worker of several ranks (processes on the CPU, GPUs on "
                                   "CUDA) that the mesh sees as one, in any role: KV handed to or from it is "
                                   "re-sharded")
@@ -158,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         engine = Engine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,
                                         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                                        max_num_batched_tokens=args.max_num_batched_tokens,
                                         tensor_parallel_size=args.tensor_parallel,
                                         expert_parallel_size=args.expert_parallel,
                                         pipeline_parallel_size=args.pipeline_parallel,

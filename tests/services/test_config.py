@@ -18,3 +18,11 @@ def test_bad_environment_value_is_a_clear_error(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         parse_args([])
     assert "KERVAN_WORKER_NUM_KV_BLOCKS" in capsys.readouterr().err
+
+
+def test_the_step_token_budget_is_a_worker_flag_defaulting_to_the_engines():
+    """Chunked prefill's budget (vLLM's --max-num-batched-tokens): an aggregated worker with a
+    small one interleaves long prompts with decode steps."""
+    from worker.config import EngineConfig
+    assert parse_args([]).max_num_batched_tokens == EngineConfig.max_num_batched_tokens
+    assert parse_args(["--max-num-batched-tokens", "256"]).max_num_batched_tokens == 256

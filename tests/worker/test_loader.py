@@ -37,6 +37,22 @@ def test_sharded_checkpoint_with_index_loads_identically(llama, llama_copy):
             == make_engine(path).generate([prompt], greedy)[0].token_ids)
 
 
+def test_a_config_without_architectures_is_read_by_its_model_type(llama, llama_copy):
+    """As transformers reads it (a config converted from GGUF, for one, has no "architectures")."""
+    _, path = llama
+    cfg = json.loads((llama_copy / "config.json").read_text())
+    del cfg["architectures"]
+    (llama_copy / "config.json").write_text(json.dumps(cfg))
+    prompt = make_prompts([9])[0]
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert (make_engine(llama_copy).generate([prompt], greedy)[0].token_ids
+            == make_engine(path).generate([prompt], greedy)[0].token_ids)
+    cfg["model_type"] = "mamba"
+    (llama_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="mamba"):
+        load_model(llama_copy, torch.float32, 64)
+
+
 def test_unknown_architecture_is_named(llama_copy):
     cfg = json.loads((llama_copy / "config.json").read_text())
     cfg["architectures"] = ["MambaForCausalLM"]
