@@ -13,7 +13,7 @@ class Load:
     num_blocks: int = 0
     num_prefill_tokens: int = 0  # prompt tokens admitted, not yet computed
     num_evictable_blocks: int = 0  # free blocks still holding cached prefixes (a subset of the free ones)
-    num_requests: int = 0  # requests admitted and not finished (the count admission control limits)
+    num_requests: int = 0  # sequences admitted and not finished (n per request of n samples; admission limits it)
     max_requests: int = 0  # past this many new requests are refused; 0: no limit
     num_aborted: int = 0  # requests aborted before they finished, since the worker started
     # MoE: (token, expert) pairs each rank of the worker group computed, since the start (load balance);

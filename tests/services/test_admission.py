@@ -21,7 +21,7 @@ from services.router.runner import MigrationPolicy, RequestRunner
 from services.scheduler.__main__ import SERVICE_NAME as SCHEDULER_NAME
 from services.scheduler.placement import PlacementConfig
 from services.scheduler.servicer import SchedulerServicer
-from tests.conftest import greedy_tokens, make_prompts
+from tests.conftest import greedy_tokens, make_engine, make_prompts
 from tests.services.conftest import start_mesh, start_registry, start_worker
 
 
@@ -191,3 +191,49 @@ async def test_suspects_are_avoided_within_the_ejection_cap_and_all_of_them_is_p
 class _Context:
     def time_remaining(self):
         return 10.0
+
+
+async def test_admission_counts_a_requests_samples_not_the_request(llama):
+    """max_num_seqs 3 + max_waiting 1 is 4 sequences: a request of n = 3 and one of n = 2
+    do not both fit (before, they counted as 2 requests of 4)."""
+    from services.worker.async_engine import AsyncEngine
+    from worker import SamplingParams
+    engine = AsyncEngine(make_engine(llama[1], max_num_seqs=3), max_waiting=1)  # not started: nothing finishes
+    params = SamplingParams(max_tokens=4, temperature=1.0, n=3, ignore_eos=True)
+    first = engine.generate("a", [5, 6, 7], params)
+    task = asyncio.create_task(anext(first))
+    await asyncio.sleep(0.01)
+    assert engine.load().num_requests == 3
+    with pytest.raises(Overloaded, match="3 sequences in flight and this request adds 2"):
+        await anext(engine.generate("b", [5, 6], SamplingParams(max_tokens=4, temperature=1.0, n=2)))
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await first.aclose()
+
+
+async def test_a_registry_that_does_not_answer_in_time_is_taken_for_a_down_one():
+    """A slow registry (its Redis slow) times out after ``registry_timeout_s``: the scheduler
+    places on the last live set it saw, as for an unreachable one (before, only UNAVAILABLE
+    fell back, and a placement waited out the client's whole deadline)."""
+    from services.proto import kv_registry_pb2
+
+    worker = kv_registry_pb2.LiveWorker(info=kv_registry_pb2.WorkerInfo(
+        worker_id="w", address="127.0.0.1:7", role="both", model="m", max_model_len=4096, max_n=4))
+    calls = []
+
+    class SlowRegistry:
+        async def ListWorkers(self, request, timeout=None):
+            calls.append(timeout)
+            if len(calls) > 1:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), "Deadline Exceeded")
+            return kv_registry_pb2.ListWorkersResponse(workers=[worker])
+
+        async def Match(self, request, timeout=None):
+            return kv_registry_pb2.MatchResponse()
+
+    servicer = SchedulerServicer(SlowRegistry(), PlacementConfig())
+    request = scheduler_pb2.PlaceRequest(request_id="r", num_prompt_tokens=8)
+    for _ in range(2):  # the second placement: the registry timed out
+        assert (await servicer.Place(request, _Context())).decode_address == "127.0.0.1:7"
+    assert calls == [servicer.registry_timeout_s] * 2  # waited 2 s, not the client's 10

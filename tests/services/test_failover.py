@@ -158,3 +158,62 @@ async def test_the_router_refuses_past_its_in_flight_limit_with_retry_info(mesh)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "2 requests in flight, its limit" in refused.value.details() and retry_after_s(refused.value) > 0
     assert check(await asyncio.gather(*held))["completed"] == 2  # the admitted ones finish
+
+
+async def test_a_failed_kv_push_blames_the_decode_worker_and_an_internal_error_places_again():
+    """Prefill answers ABORTED when its push to the decode worker failed: the decode address
+    is excluded, not the healthy prefill worker's. A worker that fails the call itself
+    (INTERNAL) before the first token is lost too: the request is placed again."""
+    from services.proto import common_pb2, worker_pb2
+    from services.router.routes import Placement
+    from services.router.runner import MigrationPolicy, RequestRunner
+
+    def failing(code):
+        async def call(*args, **kwargs):
+            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), code.name)
+        return call
+
+    class Answering:  # an aggregated worker's Execute: one update that ends the request
+        def Execute(self, request, timeout=None):
+            return _Call([worker_pb2.ExecuteResponse(update=worker_pb2.TokenUpdate(
+                token_ids=[7], finish_reason=common_pb2.FINISH_REASON_LENGTH))])
+
+    stub = type("Stub", (), {})
+    pushing, sick = stub(), stub()
+    pushing.Prefill = failing(grpc.StatusCode.ABORTED)
+    sick.Execute = lambda request, timeout=None: _Call(grpc.aio.AioRpcError(
+        grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "internal error: RuntimeError"))
+    excluded = []
+
+    class Routes:
+        alternatives = True
+
+        async def route(self, rid, prompt, max_tokens, n, timeout, model="", exclude=(), avoid=(), cache_salt=""):
+            excluded.append(list(exclude))
+            if len(excluded) == 1:
+                return Placement(prefill=pushing, decode=stub(), prefill_address="P", decode_address="D")
+            if len(excluded) == 2:
+                return Placement(worker=sick, worker_address="S")
+            return Placement(worker=Answering(), worker_address="A")
+
+    runner = RequestRunner(Routes(), "", MigrationPolicy())
+    updates = [u async for _, u in runner.run("r", [5, 6], common_pb2.SamplingParams(max_tokens=1), 1,
+                                              type("NoDeadline", (), {"remaining": lambda self: None})())]
+    assert [list(u.token_ids) for u in updates] == [[7]]
+    assert excluded == [[], ["D"], ["D", "S"]]
+
+
+class _Call:
+    """A streaming call's stand-in: its messages, or the error it ends with."""
+
+    def __init__(self, outcome):
+        self.outcome = outcome
+
+    async def __aiter__(self):
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        for message in self.outcome:
+            yield message
+
+    def cancel(self) -> None:
+        pass

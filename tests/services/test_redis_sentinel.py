@@ -6,20 +6,14 @@ no single point of failure either."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 
 import pytest
 
+from control_plane.launcher import free_port
 from control_plane.redis_server import redis_server_binary, wait_listening
 from services.common import redis_url
 from services.kv_registry.index import PrefixIndex, WorkerRecord
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -140,3 +140,4 @@ async def test_a_worker_without_a_registry_turns_not_serving_and_exits_when_its_
 
 async def _append(items, item):
     items.append(item)
+

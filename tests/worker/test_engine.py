@@ -124,6 +124,23 @@ def test_n_samples_share_the_prompt_blocks(llama):
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
 
 
+def test_forked_samples_never_take_the_running_set_past_max_num_seqs(llama):
+    """A request of n samples is admitted only with a seat for each of them: before, its
+    forks joined the running set past ``max_num_seqs``."""
+    _, path = llama
+    engine = make_engine(path, max_num_seqs=4)
+    params = SamplingParams(max_tokens=5, temperature=1.0, n=3, seed=2, ignore_eos=True)
+    first, second = (engine.add_request(p, params) for p in make_prompts([6, 7], seed=14))
+    most = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+        if first in engine.groups and second in engine.groups:
+            assert len(engine.groups[first]) + len(engine.groups[second]) <= 4
+    assert most == 3  # 3 + 3 never ran together on 4 seats
+    assert_idle(engine)
+
+
 def test_stop_token_and_eos(llama):
     _, path = llama
     engine = make_engine(path)

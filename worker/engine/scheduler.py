@@ -92,11 +92,10 @@ class StepScheduler:
                 budget -= n
                 i += 1
         writes: list[KVWrite] = []
+        taken = sum(_seats(r) for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             req = self.waiting[0]
-            # a request of n samples forks into n running sequences once its prompt is done: seat them all
-            seats = req.params.n if req.sample_index == 0 and req.num_output_tokens == 0 else 1
-            if len(self.running) + seats > self.config.max_num_seqs:
+            if taken + _seats(req) > self.config.max_num_seqs:
                 break
             hit = self.kv.get_computed_blocks(req)
             if req.imported_kv is not None:
@@ -121,6 +120,7 @@ class StepScheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
             self.running.append(req)
+            taken += _seats(req)
             scheduled.append(self._scheduled(req, start, n))
             budget -= n
         return ScheduledBatch(scheduled, self.kv.take_copies(), writes)
@@ -187,3 +187,9 @@ class StepScheduler:
             self.kv.free(req)
         self.waiting = deque(r for r in self.waiting if not r.is_finished)
         self.running = [r for r in self.running if not r.is_finished]
+
+
+def _seats(req: Sequence) -> int:
+    """Running sequences a request will take: one of n samples not yet forked takes n
+    (its forks join the running set once its prompt is done)."""
+    return req.params.n if req.sample_index == 0 and req.num_output_tokens == 0 else 1
