@@ -103,10 +103,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         method = details.method
-        if handler is None or method.startswith(OPEN_PREFIXES):
-            return handler
-        metadata = {k: v for k, v in details.invocation_metadata or () if isinstance(v, str)}
-        refusal = self.api_keys.check(metadata) if self.api_keys is not None else None
+        if handler is None or method.startswith(OPEN_PREFIXES) or (self.api_keys is None and not self.mesh_tls):
+            return handler  # nothing to check: no wrapper around every streamed message
+        refusal = None
+        if self.api_keys is not None:
+            refusal = self.api_keys.check({k: v for k, v in details.invocation_metadata or () if isinstance(v, str)})
         roles = self.roles_for(method)
 
         async def check(context: grpc.aio.ServicerContext) -> None:

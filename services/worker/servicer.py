@@ -104,8 +104,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             why = f"{err.code().name} {err.details()}"
             raise Aborted(f"KV push to the decode worker failed: {why}") from None
         finally:
-            if export is not None:  # a failed or cancelled push leaves no segment behind
-                export.close() if pushed else export.discard()
+            if export is not None and pushed:
+                export.close()
+            elif export is not None:  # a failed or cancelled push leaves no segment behind
+                export.discard()
         return receipt.handle, receipt.num_bytes
 
     def _use_shared_memory(self, request: worker_pb2.PrefillRequest) -> bool:
