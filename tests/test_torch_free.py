@@ -9,7 +9,8 @@ import sys
 TORCH_FREE = [
     "kervan.block_hash", "kervan.kv_events", "kervan.sampling", "kervan.envs", "kervan.tokenizer",
     "services.router.__main__", "services.scheduler.__main__", "services.kv_registry.__main__",
-    "control_plane.lease_watch", "control_plane.client",
+    "control_plane.lease_watch", "control_plane.client", "kervan.bench.command", "kervan.bench.backends",
+    "kervan.bench.load", "kervan.bench.report",
 ]
 
 
