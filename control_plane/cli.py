@@ -179,6 +179,9 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
               help="mutual TLS between all services, with a throw-away CA and certificates made in the run's directory")
 @click.option("--api-key-file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="the router requires 'authorization: Bearer <key>' with a key from this file")
+@click.option("--pin-cores", is_flag=True,
+              help="pin each worker to its own share of the cores (by default workers only get a thread count "
+                   "each, the cores divided evenly, and the OS places them)")
 @click.option("--tensor-parallel", default=1, show_default=True,
               help="every worker a group of N ranks each holding 1/N of every layer (the mesh sees one worker)")
 @click.option("--expert-parallel", default=1, show_default=True,
@@ -186,7 +189,7 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
 @click.option("--pipeline-parallel", default=1, show_default=True,
               help="every worker a group of N pipeline stages each holding 1/N of the layers")
 def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens, chat,
-       http_port, metrics, num_routers, num_schedulers, redis_persistent, tls, api_key_file, tensor_parallel,
+       http_port, metrics, num_routers, num_schedulers, redis_persistent, tls, api_key_file, pin_cores, tensor_parallel,
        expert_parallel, pipeline_parallel) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C."""
     import asyncio
@@ -205,7 +208,7 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
         spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, dtype=dtype,
                            http_port=http_port, metrics=metrics, tls=tls, num_routers=num_routers,
                            num_schedulers=num_schedulers, redis_persistent=redis_persistent,
-                           api_key_file=Path(api_key_file) if api_key_file else None,
+                           api_key_file=Path(api_key_file) if api_key_file else None, pin_cores=pin_cores,
                            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                            pipeline_parallel=pipeline_parallel)
     except ValueError as exc:

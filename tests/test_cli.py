@@ -98,7 +98,7 @@ def test_kervan_up_serves_kervan_generate_text_token_ids_stop_strings_and_json_u
     """The README's cluster commands: ``kervan up`` in the background, ``kervan generate``
     against it, Ctrl-C stops every process."""
     up = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "up", "--port", "0", "--http-port", "0",
-                           "--metrics"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                           "--metrics", "--pin-cores"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                           start_new_session=True)
     try:
         lines = []
@@ -116,6 +116,11 @@ def test_kervan_up_serves_kervan_generate_text_token_ids_stop_strings_and_json_u
         assert chat.choices[0].message.content and chat.usage.completion_tokens <= 8
         children = children_of(up.pid)
         assert len(children) == 7, children  # redis, kv-registry, control plane, scheduler, 2 workers, router
+        workers = [pid for pid in children if "services.worker" in Path(f"/proc/{pid}/cmdline").read_text()]
+        cores = [os.sched_getaffinity(pid) for pid in workers]
+        usable = os.sched_getaffinity(0)
+        assert len(workers) == 2 and all(c <= usable for c in cores)  # --pin-cores: each its own share
+        assert cores[0].isdisjoint(cores[1]) if len(usable) >= 2 else cores[0] == cores[1] == usable
         log_dir = Path(re.search(r"logs in (\S+)", "".join(lines)).group(1))
         greedy = ["--max-tokens", "24", "--temperature", "0", "--ignore-eos"]
         res = kervan("generate", "--addr", addr, "Once upon a time", *greedy, "--json")

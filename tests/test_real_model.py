@@ -132,3 +132,9 @@ def test_a_catalog_name_not_pulled_says_how_to_pull_it(tmp_path, monkeypatch):
     assert resolve_model(str(tmp_path)) == tmp_path  # a path stays a path
     res = cli("up", "--model", NAME, "--request", "hi", env=env, timeout=60)
     assert res.returncode == 2 and f"kervan pull {NAME}" in res.stderr
+
+
+def test_pulling_an_unknown_name_lists_the_known_ones(tmp_path):
+    res = cli("pull", "gpt-17", env=fresh_cache(tmp_path), timeout=60)
+    assert res.returncode == 1 and "unknown model 'gpt-17'" in res.stderr and NAME in res.stderr
+    assert not (tmp_path / "models").exists()

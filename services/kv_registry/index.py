@@ -77,6 +77,7 @@ class PrefixIndex:
         self._apply = client.register_script(scripts.APPLY)
         self._register = client.register_script(scripts.REGISTER)
         self._purge = client.register_script(scripts.PURGE)
+        self._live = client.register_script(scripts.LIVE)
 
     async def match(self, block_hashes: list[bytes]) -> tuple[dict[str, int], list[str]]:
         """Worker id -> how many leading blocks of the prompt it holds, and the workers
@@ -159,17 +160,13 @@ class PrefixIndex:
 
     async def live_workers(self) -> list[tuple[WorkerRecord, Load]]:
         """Registered workers whose registration has not expired; expired ones are purged."""
-        ids = sorted(w.decode() for w in await self.r.smembers(f"{P}workers"))
-        async with self.r.pipeline(transaction=False) as pipe:
-            for wid in ids:
-                pipe.hgetall(f"{LEASE_PREFIX}{wid}")
-            records = await pipe.execute()
+        reply = await self._live(keys=[f"{P}workers"], args=[LEASE_PREFIX])
         live = []
-        for wid, record in zip(ids, records):
-            if not record:
-                await self.purge(wid)
+        for wid, flat in sorted(zip(reply[::2], reply[1::2])):
+            if not flat:
+                await self.purge(wid.decode())
                 continue
-            f = {k.decode(): v.decode() for k, v in record.items()}
+            f = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
             worker = WorkerRecord.from_hash(f)
             live.append((worker, Load(**{k: int(f.get(k, 0)) for k in SCALARS})))
         return live

@@ -8,7 +8,7 @@ and the fencing tokens stay private: ``ListWorkers`` never lists them."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+from dataclasses import fields
 
 from kervan.sampling import InvalidRequest
 from services.common.convert import event_from_proto, load_from_proto, load_to_proto, tier_from_proto
@@ -92,7 +92,7 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
         out = kv_registry_pb2.ListWorkersResponse()
         for record, load in await self.index.live_workers():
             out.workers.add(
-                info=kv_registry_pb2.WorkerInfo(**{**asdict(record), "incarnation": ""}),
+                info=kv_registry_pb2.WorkerInfo(**{**vars(record), "incarnation": ""}),
                 load=load_to_proto(load))
         back = {w.info.worker_id for w in out.workers}
         if not self.generations.rebuilding and any(w.info.worker_id not in back for w in self._last_live):

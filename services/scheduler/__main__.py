@@ -25,7 +25,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--policy", choices=POLICIES, default=PlacementConfig.policy,
-                    help="kv: KV-overlap and load cost; round_robin and random are baselines")
+                    help="kv: KV-overlap and load cost; round_robin, random, prefix_hash (consistent hashing on the "
+                         "prefix) and approx_tree (SGLang's cache-aware router, no KV events) are baselines")
+    ap.add_argument("--hash-prefix-blocks", type=int, default=PlacementConfig.hash_prefix_blocks,
+                    help="prefix_hash: the leading prompt blocks hashed")
+    ap.add_argument("--cache-threshold", type=float, default=PlacementConfig.cache_threshold,
+                    help="approx_tree: the share of the prompt a worker's tree must match to win on it")
+    ap.add_argument("--balance-abs-threshold", type=int, default=PlacementConfig.balance_abs_threshold,
+                    help="approx_tree: requests of imbalance above which the idlest worker wins")
     ap.add_argument("--overlap-weight", type=float, default=PlacementConfig.overlap_weight,
                     help="weight of uncached prompt blocks")
     ap.add_argument("--eviction-weight", type=float, default=PlacementConfig.eviction_weight,
@@ -40,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="how long a placement counts against a worker's load before its reports can show it")
     ap.add_argument("--prefix-window-s", type=float, default=3.0,
                     help="how long a placed prompt's blocks count as the worker's before its KV events can show them")
+    ap.add_argument("--workers-cache-s", type=float, default=0.05,
+                    help="placements within this long of a listing of live workers reuse it (concurrent ones "
+                         "always share one in flight)")
     ap.add_argument("--max-ejection-share", type=float, default=0.5,
                     help="at most this share of the candidate workers is avoided as suspect (found unreachable "
                          "lately by a router)")
@@ -58,9 +68,12 @@ async def serve(args: argparse.Namespace) -> None:
                                  PlacementConfig(policy=args.policy, overlap_weight=args.overlap_weight,
                                                  eviction_weight=args.eviction_weight, temperature=args.temperature,
                                                  min_remote_prefill_blocks=args.min_remote_prefill_blocks,
-                                                 max_prefill_queue_tokens=args.max_prefill_queue_tokens),
+                                                 max_prefill_queue_tokens=args.max_prefill_queue_tokens,
+                                                 hash_prefix_blocks=args.hash_prefix_blocks,
+                                                 cache_threshold=args.cache_threshold,
+                                                 balance_abs_threshold=args.balance_abs_threshold),
                                  RecentPlacements(args.load_window_s, args.prefix_window_s), args.seed,
-                                 args.max_ejection_share, args.panic_threshold)
+                                 args.max_ejection_share, args.panic_threshold, args.workers_cache_s)
     handle = await start_server([Service(SERVICE_NAME, lambda s: (
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)), {"*": ("router", "admin")})],
         args.host, args.port, security=security)

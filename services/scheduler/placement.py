@@ -16,9 +16,10 @@ limits hold it, and none at all is the client's mistake, ``InvalidRequest``;
 admission: a worker at its request limit gets no more; room for the prompt's
 blocks: when no worker has room the request queues on the cheapest rather than
 fail here), then the lowest cost wins (or a softmax draw when a temperature is
-set). The ``round_robin`` and ``random`` policies
-ignore the cost: they are the baselines the placement benchmark measures
-KV-aware placement against. The decode worker is chosen first; a separate
+set). The ``round_robin``, ``random``, ``prefix_hash`` (consistent hashing on the
+prefix) and ``approx_tree`` (SGLang's cache-aware router, no KV events) policies
+ignore the cost: they are the baselines the placement benchmark measures KV-aware
+placement against (``services/scheduler/baselines.py``). The decode worker is chosen first; a separate
 prefill worker only when the uncached part of the prompt is long enough to be
 worth a KV handoff, the request has one sample (n > 1 forks from the prompt's
 KV on one worker) and a prefill worker exists — otherwise the decode worker
@@ -40,6 +41,7 @@ import random
 from dataclasses import dataclass, field
 
 from kervan.sampling import InvalidRequest, RequestLimits
+from services.scheduler.baselines import ring_pick
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +56,8 @@ class Candidate:
     evictable_blocks: int = 0  # of those, the ones still holding cached prefixes
     model: str = ""
     full: bool = False  # at its request limit: admits nothing more for now
+    num_requests: int = 0  # requests it runs or queues (approx_tree's load)
+    tree_blocks: int = 0  # blocks the scheduler's approximate tree holds for it (approx_tree)
     limits: RequestLimits = RequestLimits(max_model_len=1 << 30, max_n=1 << 30)  # as it registered them
 
 
@@ -69,17 +73,21 @@ class Size:
         return c.limits.allows(self.num_prompt_tokens, self.max_tokens, self.n)
 
 
-POLICIES = ("kv", "round_robin", "random")
+POLICIES = ("kv", "round_robin", "random", "prefix_hash", "approx_tree")
 
 
 @dataclass(frozen=True, kw_only=True)
 class PlacementConfig:
-    policy: str = "kv"  # "kv": the cost above; "round_robin", "random": baselines
+    policy: str = "kv"  # "kv": the cost above; the others are baselines
     overlap_weight: float = 2.0  # Dynamo's default is 1.0; 2.0 measured better here (benchmarks/README.md)
     eviction_weight: float = 1.0  # per cached block the request would evict from the worker
     temperature: float = 0.0  # 0: argmin; > 0: softmax over -cost / temperature
     min_remote_prefill_blocks: int = 2  # shorter uncached parts are prefilled by the decode worker
     max_prefill_queue_tokens: int = 2048  # a longer prefill queue overflows to the decode worker; 0: never
+    hash_prefix_blocks: int = 4  # prefix_hash: the blocks hashed
+    cache_threshold: float = 0.5  # approx_tree: the match share above which the best match wins
+    balance_abs_threshold: int = 32  # approx_tree: imbalance (requests) above which the idlest wins ...
+    balance_rel_threshold: float = 1.0001  # ... if the busiest also runs this many times the idlest's
 
 
 # Why a request prefills where it does.
@@ -122,7 +130,9 @@ def has_room(c: Candidate, num_prompt_blocks: int) -> bool:
 
 
 def choose(pool: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig,
-           rng: random.Random | None = None, turn: int = 0) -> tuple[Candidate, dict[str, float]]:
+           rng: random.Random | None = None, turn: int = 0, prefix_key: bytes = b"") -> tuple[Candidate, dict]:
+    if cfg.policy in ("prefix_hash", "approx_tree"):  # they know nothing of room: no filter on it
+        return baseline_choice(pool, num_prompt_blocks, cfg, prefix_key), {}
     pool = [c for c in pool if has_room(c, num_prompt_blocks)] or pool
     scores = {c.worker_id: cost(c, num_prompt_blocks, cfg) for c in pool}
     if cfg.policy == "round_robin":
@@ -136,10 +146,27 @@ def choose(pool: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig,
     return (rng or random).choices(pool, weights)[0], scores
 
 
+def baseline_choice(pool: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig,
+                    prefix_key: bytes) -> Candidate:
+    if cfg.policy == "prefix_hash":
+        chosen = ring_pick([c.worker_id for c in pool], prefix_key)
+        return next(c for c in pool if c.worker_id == chosen)
+    idlest = min(pool, key=lambda c: (c.num_requests, c.worker_id))
+    busiest = max(c.num_requests for c in pool)
+    if busiest - idlest.num_requests > cfg.balance_abs_threshold and \
+            busiest > idlest.num_requests * cfg.balance_rel_threshold:
+        return idlest
+    best = max(pool, key=lambda c: (c.matched_blocks, -c.num_requests))
+    if num_prompt_blocks and best.matched_blocks / num_prompt_blocks > cfg.cache_threshold:
+        return best
+    return min(pool, key=lambda c: (c.tree_blocks, c.worker_id))
+
+
 def place(candidates: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig,
-          rng: random.Random | None = None, turn: int = 0, model: str = "", size: Size = Size()) -> Decision | None:
+          rng: random.Random | None = None, turn: int = 0, model: str = "", size: Size = Size(),
+          prefix_key: bytes = b"") -> Decision | None:
     """``turn``: a counter the caller advances per request (round robin); ``model``:
-    only workers serving it (empty: any)."""
+    only workers serving it (empty: any); ``prefix_key``: what ``prefix_hash`` hashes."""
     candidates = [c for c in candidates if not model or c.model == model]
     decoders = [c for c in candidates if c.role in ("decode", "both")]
     if not decoders:
@@ -153,7 +180,7 @@ def place(candidates: list[Candidate], num_prompt_blocks: int, cfg: PlacementCon
                              f"max_tokens ({size.max_tokens}) at once")  # each alone fits some worker
     if all(c.full for c in fitting):
         raise AllBusy(len(fitting))
-    decode, scores = choose([c for c in fitting if not c.full], num_prompt_blocks, cfg, rng, turn)
+    decode, scores = choose([c for c in fitting if not c.full], num_prompt_blocks, cfg, rng, turn, prefix_key)
     uncached = num_prompt_blocks - decode.matched_blocks
     if decode.role == "both":
         return Decision(decode, None, scores, AGGREGATED)
@@ -168,7 +195,7 @@ def place(candidates: list[Candidate], num_prompt_blocks: int, cfg: PlacementCon
     prefillers = [c for c in prefillers if not c.full]
     if not prefillers:
         return Decision(decode, None, scores, PREFILL_QUEUE_FULL)
-    prefill, prefill_scores = choose(prefillers, num_prompt_blocks, cfg, rng, turn)
+    prefill, prefill_scores = choose(prefillers, num_prompt_blocks, cfg, rng, turn, prefix_key)
     scores = {**scores, **prefill_scores}
     if 0 < cfg.max_prefill_queue_tokens < prefill.prefill_tokens and decode.prefill_tokens < prefill.prefill_tokens:
         return Decision(decode, None, scores, PREFILL_QUEUE_FULL)

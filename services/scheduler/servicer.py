@@ -9,6 +9,7 @@ import logging
 import random
 import time
 from collections import Counter
+from dataclasses import replace
 
 import grpc
 from opentelemetry import trace
@@ -17,6 +18,7 @@ from kervan.sampling import RequestLimits
 from services.common.errors import Overloaded, Unavailable
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler import metrics
+from services.scheduler.baselines import ApproxTrees, prefix_key
 from services.scheduler.placement import AllBusy, Candidate, PlacementConfig, Size, place
 from services.scheduler.recent import RecentPlacements
 
@@ -26,7 +28,7 @@ log = logging.getLogger(__name__)
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, registry: kv_registry_pb2_grpc.KvRegistryServiceStub, config: PlacementConfig,
                  recent: RecentPlacements | None = None, seed: int | None = None, max_ejection_share: float = 0.5,
-                 panic_threshold: float = 0.5):
+                 panic_threshold: float = 0.5, workers_cache_s: float = 0.05):
         self.registry = registry
         self.config = config
         self.recent = recent or RecentPlacements()
@@ -36,25 +38,37 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.max_ejection_share = max_ejection_share
         self.panic_threshold = panic_threshold
         self._last_workers = (kv_registry_pb2.ListWorkersResponse(), float("-inf"))
+        # the live set is shared: placements within workers_cache_s of a listing reuse it, and
+        # placements while one is in flight wait for it (ListWorkers costs a round trip per
+        # worker in Redis and a message of them all: at 1,000 workers, a per-call listing made
+        # the scheduler serve 8 placements a second; benchmarks/place_path.py)
+        self.workers_cache_s = workers_cache_s
+        self._listing: asyncio.Future | None = None
+        self._reported_for: tuple = (None, [])  # (a listing, its workers as candidates)
         self.placements = 0
         self.refused = 0  # requests refused because every decode worker was at its limit
         self.by_reason: Counter[str] = Counter()
         self.by_worker: Counter[str] = Counter()
+        self.trees = ApproxTrees()  # the approx_tree policy's memory of what went where
 
     async def Place(self, request: scheduler_pb2.PlaceRequest, context) -> scheduler_pb2.PlaceResponse:
         workers, match = await self._registry_view(request, context.time_remaining())
         hashes = list(request.block_hashes)
         excluded = set(request.exclude_addresses)
-        pool = [w for w in workers.workers if w.info.address not in excluded]
+        pool = [c for c in self._reported(workers) if c.address not in excluded]
         pool = self._avoiding(pool, list(request.avoid_addresses))
-        candidates = [self._candidate(w, max(match.matched_blocks.get(w.info.worker_id, 0),
-                                             self.recent.predicted_blocks(w.info.worker_id, hashes)))
-                      for w in pool]
+        if self.config.policy == "approx_tree":  # what it sent where, never what workers report
+            candidates = [self._candidate(c, self.trees.matched(c.worker_id, hashes)) for c in pool]
+        else:
+            matched = dict(match.matched_blocks)
+            candidates = [self._candidate(c, max(matched.get(c.worker_id, 0),
+                                                 self.recent.predicted_blocks(c.worker_id, hashes)))
+                          for c in pool]
         num_blocks = len(hashes)
         try:
             decision = place(candidates, num_blocks, self.config, self.rng, self.placements, request.model,
                              Size(num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens,
-                                  n=request.n or 1))
+                                  n=request.n or 1), prefix_key(hashes, self.config.hash_prefix_blocks))
         except AllBusy as busy:
             self.refused += not request.dry_run
             metrics.REFUSALS.inc(not request.dry_run)
@@ -72,6 +86,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 self.recent.add(decision.prefill.worker_id, prefill_tokens=prefill_tokens, block_hashes=hashes)
             self.recent.add(decision.decode.worker_id, prefill_tokens=0 if decision.prefill else prefill_tokens,
                             blocks=num_blocks - decision.decode.matched_blocks + 1, block_hashes=hashes)
+            if self.config.policy == "approx_tree":
+                self.trees.forget_except({w.info.worker_id for w in workers.workers})
+                self.trees.insert(decision.decode.worker_id, hashes)
             self.placements += 1
             self.by_reason[decision.reason] += 1
             metrics.PLACEMENTS.labels(decision.reason).inc()
@@ -90,15 +107,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             prefill_worker_id=decision.prefill.worker_id if decision.prefill else "",
             unknown_workers=match.unknown_workers)
 
-    def _avoiding(self, pool: list, avoid: list[str]) -> list:
+    def _avoiding(self, pool: list[Candidate], avoid: list[str]) -> list[Candidate]:
         """``pool`` without the suspects the caller asked to avoid: at most
         ``max_ejection_share`` of it, and none when fewer than ``panic_threshold`` of
         it would remain (then every worker is a candidate again: panic mode)."""
         if not avoid:
             return pool
-        present = {w.info.address for w in pool}
+        present = {c.address for c in pool}
         avoided = [a for a in dict.fromkeys(avoid) if a in present][:int(self.max_ejection_share * len(pool))]
-        kept = [w for w in pool if w.info.address not in avoided]
+        kept = [c for c in pool if c.address not in avoided]
         if len(kept) < self.panic_threshold * len(pool):
             metrics.PANICS.inc()
             return pool
@@ -112,7 +129,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         timeout = self.registry_timeout_s if timeout is None else min(timeout, self.registry_timeout_s)
         try:
             workers, match = await asyncio.gather(
-                self.registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), timeout=timeout),
+                self._live_workers(timeout),
                 self.registry.Match(kv_registry_pb2.MatchRequest(block_hashes=request.block_hashes), timeout=timeout))
         except grpc.aio.AioRpcError as err:
             seen, at = self._last_workers
@@ -121,24 +138,58 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 raise Unavailable(f"kv-registry unavailable: {err.details()}") from None
             log.warning("kv-registry unavailable (%s): placing on the last known workers, by load", err.details())
             return seen, kv_registry_pb2.MatchResponse(unknown_workers=[w.info.worker_id for w in seen.workers])
-        self._last_workers = (workers, time.monotonic())
         return workers, match
+
+    async def _live_workers(self, timeout: float) -> kv_registry_pb2.ListWorkersResponse:
+        workers, at = self._last_workers
+        if time.monotonic() - at <= self.workers_cache_s:
+            return workers
+        if self._listing is None:
+            self._listing = asyncio.ensure_future(self._list(timeout))
+            self._listing.add_done_callback(self._listed)
+        return await asyncio.shield(self._listing)  # a caller that gives up does not cancel the others' call
+
+    async def _list(self, timeout: float) -> kv_registry_pb2.ListWorkersResponse:
+        started = time.monotonic()
+        workers = await self.registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), timeout=timeout)
+        self._last_workers = (workers, started)  # as old as the request that fetched it
+        return workers
+
+    def _listed(self, future: asyncio.Future) -> None:
+        self._listing = None
+        if not future.cancelled():
+            future.exception()  # retrieved: the callers that awaited it have it
 
     async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context) -> scheduler_pb2.GetStatsResponse:
         return scheduler_pb2.GetStatsResponse(placements=self.placements, by_prefill_reason=dict(self.by_reason),
                                               by_worker=dict(self.by_worker), refused=self.refused)
 
-    def _candidate(self, w: kv_registry_pb2.LiveWorker, matched_blocks: int) -> Candidate:
-        # placements since its last report count as its load until the report shows them
-        prefill_tokens, blocks = self.recent.pending(w.info.worker_id)
+    def _reported(self, workers: kv_registry_pb2.ListWorkersResponse) -> list[Candidate]:
+        """Every listed worker as its own report shows it (no match, nothing pending): made
+        once per listing, which placements share (protobuf reads cost ~8 us a worker)."""
+        if self._reported_for[0] is not workers:
+            self._reported_for = (workers, [self._as_reported(w) for w in workers.workers])
+        return self._reported_for[1]
+
+    @staticmethod
+    def _as_reported(w: kv_registry_pb2.LiveWorker) -> Candidate:
         # its own report alone says whether it is full: adding recent placements would count twice
         # the ones it already reported and refuse below its limit in a burst (its admission
         # refuses what this lets through too many)
-        full = 0 < w.load.max_requests <= w.load.num_requests
-        return Candidate(worker_id=w.info.worker_id, address=w.info.address, role=w.info.role, model=w.info.model,
-                         matched_blocks=matched_blocks,
-                         active_blocks=w.load.num_blocks - w.load.num_free_blocks + blocks,
-                         prefill_tokens=w.load.num_prefill_tokens + prefill_tokens,
-                         free_blocks=w.load.num_free_blocks - blocks,
-                         evictable_blocks=w.load.num_evictable_blocks, full=full,
-                         limits=RequestLimits(max_model_len=w.info.max_model_len, max_n=w.info.max_n))
+        load, info = w.load, w.info
+        return Candidate(worker_id=info.worker_id, address=info.address, role=info.role, model=info.model,
+                         matched_blocks=0, active_blocks=load.num_blocks - load.num_free_blocks,
+                         prefill_tokens=load.num_prefill_tokens, free_blocks=load.num_free_blocks,
+                         evictable_blocks=load.num_evictable_blocks, full=0 < load.max_requests <= load.num_requests,
+                         num_requests=load.num_requests,
+                         limits=RequestLimits(max_model_len=info.max_model_len, max_n=info.max_n))
+
+    def _candidate(self, reported: Candidate, matched_blocks: int) -> Candidate:
+        # placements since its last report count as its load until the report shows them
+        prefill_tokens, blocks = self.recent.pending(reported.worker_id)
+        tree_blocks = self.trees.size(reported.worker_id)
+        if not (matched_blocks or prefill_tokens or blocks or tree_blocks):
+            return reported
+        return replace(reported, matched_blocks=matched_blocks, active_blocks=reported.active_blocks + blocks,
+                       prefill_tokens=reported.prefill_tokens + prefill_tokens,
+                       free_blocks=reported.free_blocks - blocks, tree_blocks=tree_blocks)

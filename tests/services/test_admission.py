@@ -63,7 +63,9 @@ async def test_the_scheduler_skips_full_workers_and_refuses_when_all_are_full(re
     index = PrefixIndex(redis_client)
     registry = await start_registry(index)
     to_registry = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
-    servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(to_registry), PlacementConfig())
+    # every placement lists the workers afresh: each report below is seen by the next placement
+    servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(to_registry), PlacementConfig(),
+                                 workers_cache_s=0.0)
     scheduler = await start_server([Service(SCHEDULER_NAME, lambda s: (
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)))])
     to_scheduler = grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}")
@@ -232,8 +234,38 @@ async def test_a_registry_that_does_not_answer_in_time_is_taken_for_a_down_one()
         async def Match(self, request, timeout=None):
             return kv_registry_pb2.MatchResponse()
 
-    servicer = SchedulerServicer(SlowRegistry(), PlacementConfig())
+    servicer = SchedulerServicer(SlowRegistry(), PlacementConfig(), workers_cache_s=0.0)  # each lists afresh
     request = scheduler_pb2.PlaceRequest(request_id="r", num_prompt_tokens=8)
     for _ in range(2):  # the second placement: the registry timed out
         assert (await servicer.Place(request, _Context())).decode_address == "127.0.0.1:7"
     assert calls == [servicer.registry_timeout_s] * 2  # waited 2 s, not the client's 10
+
+
+async def test_concurrent_placements_share_one_listing_of_the_workers_and_reuse_a_fresh_one():
+    """ListWorkers costs a Redis read per worker: placements in flight together wait for one
+    listing, and those within ``workers_cache_s`` of it reuse it."""
+    from services.proto import kv_registry_pb2
+
+    worker = kv_registry_pb2.LiveWorker(info=kv_registry_pb2.WorkerInfo(
+        worker_id="w", address="127.0.0.1:7", role="both", model="m", max_model_len=4096, max_n=4))
+    calls = []
+
+    class Registry:
+        async def ListWorkers(self, request, timeout=None):
+            calls.append(timeout)
+            await asyncio.sleep(0.05)
+            return kv_registry_pb2.ListWorkersResponse(workers=[worker])
+
+        async def Match(self, request, timeout=None):
+            return kv_registry_pb2.MatchResponse()
+
+    servicer = SchedulerServicer(Registry(), PlacementConfig(), workers_cache_s=30.0)
+    request = scheduler_pb2.PlaceRequest(request_id="r", num_prompt_tokens=8)
+    answers = await asyncio.gather(*(servicer.Place(request, _Context()) for _ in range(8)))
+    assert {a.decode_address for a in answers} == {"127.0.0.1:7"} and len(calls) == 1
+    await servicer.Place(request, _Context())
+    assert len(calls) == 1  # within the window: the same listing
+    servicer.workers_cache_s = 0.0
+    await servicer.Place(request, _Context())
+    assert len(calls) == 2
+

@@ -1,10 +1,12 @@
 """The placement cost function on plain data."""
 
 import random
+from collections import Counter
 
 import pytest
 
 from kervan.sampling import InvalidRequest, RequestLimits
+from services.scheduler.baselines import ApproxTrees, prefix_key
 from services.scheduler.placement import (
     FORKED,
     PREFILL_QUEUE_FULL,
@@ -140,3 +142,39 @@ def test_a_request_no_worker_holds_is_the_clients_mistake_named_by_the_largest_l
 def test_forked_samples_are_prefilled_by_their_decode_worker():
     d = place([cand("d"), cand("p", "prefill")], 8, CFG, size=Size(num_prompt_tokens=128, max_tokens=8, n=3))
     assert (d.prefill, d.reason) == (None, FORKED)
+
+
+def test_prefix_hash_sends_a_prefix_to_one_worker_and_moves_only_a_leaving_worker_s_share():
+    cfg = PlacementConfig(policy="prefix_hash")
+    pool = [cand(f"w{i}", "both") for i in range(4)]
+    keys = [prefix_key([b"a%d" % k, b"b%d" % k, b"c"], 2) for k in range(400)]
+    owner = {key: place(pool, 3, cfg, prefix_key=key).decode.worker_id for key in keys}
+    assert all(place(pool, 3, cfg, prefix_key=key).decode.worker_id == owner[key] for key in keys[:50])
+    share = Counter(owner.values())
+    assert set(share) == {"w0", "w1", "w2", "w3"} and min(share.values()) > 40  # spread over the ring
+    without = [c for c in pool if c.worker_id != "w2"]
+    moved = [key for key in keys if place(without, 3, cfg, prefix_key=key).decode.worker_id != owner[key]]
+    assert {owner[key] for key in moved} == {"w2"}  # only w2's prefixes move
+    assert prefix_key([b"5", b"6", b"7"], 4) == prefix_key([b"8", b"9", b"7"], 4)  # the last block covers the rest
+    assert prefix_key([], 4) == b""
+
+
+def test_approx_tree_follows_what_it_sent_balances_load_and_sends_misses_to_the_smallest_tree():
+    trees = ApproxTrees(tree_blocks_per_worker=6)
+    h = [bytes([i]) * 32 for i in range(10)]
+    trees.insert("w0", h[1:5])
+    assert trees.matched("w0", [h[1], h[2], h[9]]) == 2 and trees.matched("w1", h[1:3]) == 0
+    trees.insert("w0", h[5:8])  # over capacity: the least recently used (h[1]) goes first
+    assert trees.size("w0") == 6 and trees.matched("w0", h[1:3]) == 0 and trees.matched("w0", h[2:4]) == 2
+    cfg = PlacementConfig(policy="approx_tree", balance_abs_threshold=4)
+
+    def worker(wid, matched=0, running=0, tree=0):
+        return Candidate(worker_id=wid, address=wid, role="both", matched_blocks=matched, active_blocks=0,
+                         num_requests=running, tree_blocks=tree)
+
+    # a match over half the prompt wins even on a busier worker
+    assert place([worker("a", 6, 3, 50), worker("b", 0, 0, 10)], 10, cfg).decode.worker_id == "a"
+    # a weaker match does not: the smallest tree takes it
+    assert place([worker("a", 4, 0, 50), worker("b", 0, 3, 10)], 10, cfg).decode.worker_id == "b"
+    # imbalance beyond the threshold: the idlest, whatever it caches
+    assert place([worker("a", 10, 9, 50), worker("b", 0, 2, 10)], 10, cfg).decode.worker_id == "b"

@@ -1,0 +1,67 @@
+"""The baseline placement policies through the scheduler's real ``Place``: a real Redis,
+the kv-registry and scheduler servers on loopback, workers registered in Redis."""
+
+from __future__ import annotations
+
+import grpc
+
+from kervan.block_hash import HASH_NAME
+from kervan.kv_events import BlockStored
+from services.common.server import Service, start_server
+from services.kv_registry.index import PrefixIndex, WorkerRecord
+from services.proto import kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler.placement import PlacementConfig
+from services.scheduler.servicer import SchedulerServicer
+from tests.services.conftest import start_registry
+
+
+async def place_all(redis_client, policy: str, prompts: list[list[bytes]], cached: dict | None = None) -> list[str]:
+    """Four aggregated workers (``cached``: worker id -> the blocks its KV events reported),
+    then ``prompts`` placed one after the other; the decode addresses chosen."""
+    await redis_client.flushdb()
+    cached = cached or {}
+    index = PrefixIndex(redis_client, ttl_s=60)
+    for w in range(4):
+        wid = f"both@127.0.0.1:{7000 + w}"
+        token = await index.register(WorkerRecord(worker_id=wid, address=wid.split("@")[1], role="both", model="m",
+                                                  incarnation="", block_size=16, hash_name=HASH_NAME,
+                                                  max_model_len=4096, max_n=4))
+        if cached.get(wid):
+            await index.apply(wid, token, [BlockStored(1, cached[wid], None, [], 16)])
+    registry = await start_registry(index)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}") as reg:
+        servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(reg), PlacementConfig(policy=policy))
+        scheduler = await start_server([Service("kervan.v1.SchedulerService", lambda s: (
+            scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)))])
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}") as ch:
+                stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+                return [(await stub.Place(scheduler_pb2.PlaceRequest(
+                    request_id=f"r{i}", block_hashes=p, num_prompt_tokens=16 * len(p), max_tokens=4, n=1),
+                    timeout=10)).decode_address for i, p in enumerate(prompts)]
+        finally:
+            await scheduler.stop(0)
+            await registry.stop(0)
+
+
+def prompt(system: int, user: int) -> list[bytes]:
+    return [bytes([system, k]) * 16 for k in range(6)] + [bytes([200 + user % 50, user // 50]) * 16]
+
+
+async def test_prefix_hash_keeps_each_system_prompt_on_one_worker(redis_client):
+    prompts = [prompt(s, u) for u in range(6) for s in range(8)]
+    placed = await place_all(redis_client, "prefix_hash", prompts)
+    by_system = {s: {a for p, a in zip(prompts, placed) if p[0] == prompt(s, 0)[0]} for s in range(8)}
+    assert all(len(workers) == 1 for workers in by_system.values())
+    assert len({next(iter(w)) for w in by_system.values()}) > 1  # the systems spread over the ring
+
+
+async def test_approx_tree_follows_what_it_sent_not_what_workers_report(redis_client):
+    # worker 3 really caches system 0, but the approximate tree only knows what it sent
+    first = prompt(0, 0)
+    placed = await place_all(redis_client, "approx_tree", [prompt(0, u) for u in range(5)],
+                             cached={"both@127.0.0.1:7003": first[:6]})
+    # the first went to the smallest tree (all empty: the first id); the rest followed it there
+    assert placed == ["127.0.0.1:7000"] * 5
+    placed_kv = await place_all(redis_client, "kv", [first], cached={"both@127.0.0.1:7003": first[:6]})
+    assert placed_kv == ["127.0.0.1:7003"]  # KV events: kv placement finds the real cache
