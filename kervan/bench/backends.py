@@ -30,6 +30,10 @@ class Timed:
     started: float = 0.0  # perf_counter
     ended: float = 0.0
     error: str | None = None
+    _last: float = field(default=0.0, init=False, repr=False, compare=False)  # when the last token came
+
+    def __post_init__(self) -> None:
+        self._last = self.started
 
     @property
     def e2e(self) -> float:
@@ -73,7 +77,6 @@ class KervanBackend:
 
     async def send(self, req: BenchRequest) -> Timed:
         out = Timed(started=time.perf_counter())
-        out._last = out.started
         kind = {"token_ids": req.prompt} if isinstance(req.prompt, list) else {"prompt": req.prompt}
         request = build_request(**kind, max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
         try:
@@ -103,7 +106,7 @@ class OpenAIBackend:
             raise RuntimeError("the openai backend needs the openai client: pip install openai") from None
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "none", timeout=timeout_s,
                                          max_retries=0)
-        self.model, self._errors = model, openai
+        self.model, self.openai = model, openai
 
     async def __aenter__(self) -> OpenAIBackend:
         return self
@@ -113,7 +116,6 @@ class OpenAIBackend:
 
     async def send(self, req: BenchRequest) -> Timed:
         out = Timed(started=time.perf_counter())
-        out._last = out.started
         completion_tokens = 0
         try:
             stream = await self.client.completions.create(
@@ -129,9 +131,9 @@ class OpenAIBackend:
                     out.token_arrived(1)
             if out.tokens and completion_tokens != out.tokens:  # the usage counts them
                 out.tokens = completion_tokens
-        except self._errors.APIStatusError as exc:
+        except self.openai.APIStatusError as exc:
             out.error = f"HTTP {exc.status_code}"
-        except self._errors.APIError as exc:
+        except self.openai.APIError as exc:
             out.error = type(exc).__name__
         out.ended = time.perf_counter()
         return out

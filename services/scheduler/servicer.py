@@ -87,7 +87,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             self.recent.add(decision.decode.worker_id, prefill_tokens=0 if decision.prefill else prefill_tokens,
                             blocks=num_blocks - decision.decode.matched_blocks + 1, block_hashes=hashes)
             if self.config.policy == "approx_tree":
-                self.trees.forget_except({w.info.worker_id for w in workers.workers})
+                self.trees.forget_except({c.worker_id for c in self._reported(workers)})
                 self.trees.insert(decision.decode.worker_id, hashes)
             self.placements += 1
             self.by_reason[decision.reason] += 1
