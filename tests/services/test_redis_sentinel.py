@@ -20,7 +20,9 @@ from services.kv_registry.index import PrefixIndex, WorkerRecord
 def sentinel_set(tmp_path):
     """(sentinel URL, master process); every process stopped after."""
     master, replica, sentinel = free_port(), free_port(), free_port()
-    common = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--requirepass", "pw", "--masterauth", "pw"]
+    # Redis 7 waits 5 s (repl-diskless-sync-delay) for more replicas before the first full sync
+    common = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--requirepass", "pw", "--masterauth", "pw",
+              "--repl-diskless-sync-delay", "0"]
     conf = tmp_path / "sentinel.conf"
     conf.write_text(f"port {sentinel}\nbind 127.0.0.1\nsentinel monitor kervan 127.0.0.1 {master} 1\n"
                     f"sentinel auth-pass kervan pw\nsentinel down-after-milliseconds kervan 500\n"
@@ -48,10 +50,12 @@ async def test_the_registry_follows_the_master_sentinel_names_through_a_failover
                           block_size=16, hash_name="sha256", max_model_len=64, max_n=1)
     assert await index.register(record)
     replica = redis_url.connect(f"redis://:pw@127.0.0.1:{replica_port}/0")
-    for _ in range(100):  # the replica has caught up
+    for _ in range(400):  # the replica has caught up
         if await replica.exists("kervan:workers"):
             break
         await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the replica never received the registration")
     master.kill()
     master.wait()
     for _ in range(300):  # Sentinel sees the master down (0.5 s) and promotes the replica
