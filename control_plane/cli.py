@@ -113,14 +113,17 @@ def complete(prompt: str, model_dir: str | None, chat: bool, max_tokens: int, te
 @click.option("--addr", default="127.0.0.1:8470", show_default=True,
               help="the router's HOST:PORT, or several routers' comma-separated (one that is down is skipped)")
 @click.option("--token-ids", default=None, help="comma-separated prompt token ids instead of text")
+@click.option("--chat", is_flag=True, help="send PROMPT as a user message through the chat template of --model")
+@click.option("--model", "model_dir", default=None,
+              help="with --chat: the model the router serves, for its chat template (" + MODEL_HELP + ")")
 @sampling_options
 @click.option("--stop", multiple=True, help="a string that ends the answer (repeatable)")
 @click.option("--timeout", type=float, default=120.0, show_default=True, help="deadline in seconds")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object with token_ids, finish_reason, usage")
 @click.option("--tls-ca", default=None, envvar="KERVAN_TLS_CA", help="the router's CA (PEM): connect with TLS")
 @click.option("--api-key", default=None, envvar="KERVAN_API_KEY", help="for a router that requires one")
-def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos, stop, timeout,
-             as_json, tls_ca, api_key) -> None:
+def generate(prompt, addr, token_ids, chat, model_dir, max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos,
+             stop, timeout, as_json, tls_ca, api_key) -> None:
     """Send PROMPT to a running Kervan router and stream the answer."""
     import asyncio
 
@@ -131,6 +134,12 @@ def generate(prompt, addr, token_ids, max_tokens, temperature, top_p, top_k, min
 
     if (prompt is None) == (token_ids is None):
         raise click.UsageError("give a PROMPT or --token-ids (one of them)")
+    if chat and prompt is None:
+        raise click.UsageError("--chat needs a PROMPT")
+    if model_dir is not None and not chat:
+        raise click.UsageError("--model only says whose chat template --chat uses")
+    if chat:
+        prompt = chat_prompt(model_path(model_dir), prompt)
     ids = [int(t) for t in token_ids.split(",")] if token_ids else None
     request = build_request(prompt, ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             min_p=min_p, seed=seed, ignore_eos=ignore_eos, stop=list(stop))

@@ -143,6 +143,12 @@ def test_kervan_up_serves_kervan_generate_text_token_ids_stop_strings_and_json_u
         ids = Tokenizer.from_dir(ensure_default_model()).encode("Once upon a time")
         res = kervan("generate", "--addr", addr, "--token-ids", ",".join(map(str, ids)), *greedy, "--json")
         assert json.loads(res.stdout)["token_ids"] == full["token_ids"]
+        # --chat: the prompt as one user message through the served model's chat template
+        from control_plane.cli import chat_prompt
+        res = kervan("generate", "--addr", addr, "--chat", "Tell me a story.", *greedy, "--json")
+        rendered = kervan("generate", "--addr", addr, chat_prompt(ensure_default_model(), "Tell me a story."),
+                          *greedy, "--json")
+        assert res.returncode == 0 and json.loads(res.stdout)["token_ids"] == json.loads(rendered.stdout)["token_ids"]
         bad = kervan("generate", "--addr", addr, "--token-ids", "1,999999", "--json")
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "vocabulary" in bad.stderr
     finally:

@@ -130,6 +130,8 @@ def test_a_catalog_name_not_pulled_says_how_to_pull_it(tmp_path, monkeypatch):
     with pytest.raises(PullError, match=f"kervan pull {NAME}"):
         resolve_model(NAME)
     assert resolve_model(str(tmp_path)) == tmp_path  # a path stays a path
+    with pytest.raises(PullError, match="neither a model directory nor a model to pull"):
+        resolve_model(str(tmp_path / "typo"))
     res = cli("up", "--model", NAME, "--request", "hi", env=env, timeout=60)
     assert res.returncode == 2 and f"kervan pull {NAME}" in res.stderr
 

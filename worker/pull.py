@@ -66,11 +66,15 @@ def pulled_dir(name: str) -> Path:
 
 
 def resolve_model(value: str) -> Path:
-    """``--model``'s value -> a model directory: a path as it is, a catalog name as its
-    pulled directory; a catalog name not pulled yet is an error that says how to pull it."""
+    """``--model``'s value -> a model directory: a directory as it is, a catalog name as its
+    pulled directory; a catalog name not pulled yet is an error that says how to pull it,
+    and anything else an error that says what it is not."""
     path = Path(value).expanduser()
-    if path.exists() or value not in CATALOG:
+    if path.is_dir():
         return path
+    if value not in CATALOG:
+        raise PullError(f"{value!r} is neither a model directory nor a model to pull "
+                        f"(known: {', '.join(sorted(CATALOG))})")
     target = pulled_dir(value)
     if not (target / "config.json").is_file():
         raise PullError(f"model {value!r} is not pulled yet: run `kervan pull {value}` "
