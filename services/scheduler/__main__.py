@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from services.common import replicas
 from services.common.config import parse_args as parse_args_with_env
@@ -32,7 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cache-threshold", type=float, default=PlacementConfig.cache_threshold,
                     help="approx_tree: the share of the prompt a worker's tree must match to win on it")
     ap.add_argument("--balance-abs-threshold", type=int, default=PlacementConfig.balance_abs_threshold,
-                    help="approx_tree: requests of imbalance above which the idlest worker wins")
+                    help="approx_tree: requests of imbalance above which the idlest worker wins ...")
+    ap.add_argument("--balance-rel-threshold", type=float, default=PlacementConfig.balance_rel_threshold,
+                    help="approx_tree: ... if the busiest also runs this many times the idlest's requests")
     ap.add_argument("--overlap-weight", type=float, default=PlacementConfig.overlap_weight,
                     help="weight of uncached prompt blocks")
     ap.add_argument("--eviction-weight", type=float, default=PlacementConfig.eviction_weight,
@@ -61,17 +64,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parse_args_with_env(ap, "scheduler", argv)
 
 
+def placement_config(args: argparse.Namespace) -> PlacementConfig:
+    """The policy's flags; each field of PlacementConfig has one."""
+    return PlacementConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PlacementConfig)})
+
+
 async def serve(args: argparse.Namespace) -> None:
     security = MeshSecurity.from_args(args)
     channel = security.channel(replicas.target(args.registry), KEEPALIVE + replicas.options(REGISTRY_SERVICE))
-    servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(channel),
-                                 PlacementConfig(policy=args.policy, overlap_weight=args.overlap_weight,
-                                                 eviction_weight=args.eviction_weight, temperature=args.temperature,
-                                                 min_remote_prefill_blocks=args.min_remote_prefill_blocks,
-                                                 max_prefill_queue_tokens=args.max_prefill_queue_tokens,
-                                                 hash_prefix_blocks=args.hash_prefix_blocks,
-                                                 cache_threshold=args.cache_threshold,
-                                                 balance_abs_threshold=args.balance_abs_threshold),
+    servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(channel), placement_config(args),
                                  RecentPlacements(args.load_window_s, args.prefix_window_s), args.seed,
                                  args.max_ejection_share, args.panic_threshold, args.workers_cache_s)
     handle = await start_server([Service(SERVICE_NAME, lambda s: (

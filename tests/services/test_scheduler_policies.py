@@ -65,3 +65,21 @@ async def test_approx_tree_follows_what_it_sent_not_what_workers_report(redis_cl
     assert placed == ["127.0.0.1:7000"] * 5
     placed_kv = await place_all(redis_client, "kv", [first], cached={"both@127.0.0.1:7003": first[:6]})
     assert placed_kv == ["127.0.0.1:7003"]  # KV events: kv placement finds the real cache
+
+
+def test_every_placement_setting_has_a_scheduler_flag():
+    """``python -m services.scheduler`` hands each flag to its PlacementConfig field: a
+    field added without a flag, or a flag wired to the wrong field, fails here."""
+    import dataclasses
+
+    from services.scheduler.__main__ import parse_args, placement_config
+
+    values = {"policy": "approx_tree", "overlap_weight": 3.5, "eviction_weight": 0.25, "temperature": 0.5,
+              "min_remote_prefill_blocks": 7, "max_prefill_queue_tokens": 99, "hash_prefix_blocks": 3,
+              "cache_threshold": 0.75, "balance_abs_threshold": 5, "balance_rel_threshold": 1.5}
+    assert set(values) == {f.name for f in dataclasses.fields(PlacementConfig)}
+    assert all(getattr(PlacementConfig(), k) != v for k, v in values.items())  # none is the default
+    argv = ["--registry", "127.0.0.1:1"]
+    for name, value in values.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    assert placement_config(parse_args(argv)) == PlacementConfig(**values)
