@@ -97,9 +97,14 @@ class CpuInfo:
             if "sve" in self.flags and self.torch_capability.startswith("SVE"):
                 return "sve"
             return "neon" if "asimd" in self.flags else "baseline"
-        hw = "avx512" if _AVX512 <= self.flags else "avx2" if {"avx2", "fma"} <= self.flags else "baseline"
+        hw = self.x86_hardware_level
         caps = [hw, _TORCH_LEVELS.get(self.torch_capability, hw), _onednn_level(self.onednn_cap) or hw]
         return min(caps, key=X86_LEVELS.index)
+
+    @property
+    def x86_hardware_level(self) -> str:
+        """The x86 level the CPU itself has, before any cap: baseline, avx2 or avx512."""
+        return "avx512" if _AVX512 <= self.flags else "avx2" if {"avx2", "fma"} <= self.flags else "baseline"
 
     @property
     def has_amx(self) -> bool:

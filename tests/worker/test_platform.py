@@ -53,6 +53,13 @@ def test_detection_and_decisions(name, info, isa, native_bf16, auto, packed):
     assert {d for d in (torch.float32, torch.bfloat16, torch.float16) if info.can_pack(d)} == packed
 
 
+def test_the_hardware_level_ignores_the_caps():
+    # what tells the ISA-capped test run whether the uncapped one already took the AVX2 path
+    assert cpu(ZEN4, "AVX2", "AVX2").x86_hardware_level == "avx512"
+    assert cpu(ZEN3, "AVX2").x86_hardware_level == "avx2"
+    assert cpu(frozenset(X86), "DEFAULT").x86_hardware_level == "baseline"
+
+
 def test_amx_needs_its_flags_and_no_cap_that_removes_it():
     assert cpu(SAPPHIRE_RAPIDS, "AVX512").has_amx
     assert not cpu(ZEN4, "AVX512").has_amx
