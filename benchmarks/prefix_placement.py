@@ -21,7 +21,10 @@ anything. The one tuned parameter, ``kv``'s overlap weight (2.0), was chosen on 
 0 of this benchmark's earlier uniform workload; the baselines run at their published
 defaults. Reported per policy: medians over seeds with min-max of the hit rate
 (cached / prompt tokens, from each request's usage), TTFT p50/p99, goodput under a
-TTFT target, throughput. ``hit_rate_bound``: every request after the first of its
+TTFT target, throughput, and ``repeat_hit_share``: of the requests whose system prompt
+came before, the share that found all of it cached where they were placed (what a miss
+on a prompt the cluster had already seen costs: it was sent elsewhere, or evicted).
+``hit_rate_bound``: every request after the first of its
 system prompt hits all of it, as if caches had no limit; no policy can beat it, and
 at this capacity none can reach it.
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 from pathlib import Path
 
 from benchmarks import plots
@@ -62,6 +66,19 @@ def hit_rate_bound(requests: list[workload.BenchRequest], prefix_len: int) -> fl
     return hits / sum(len(r.prompt) for r in requests)
 
 
+def repeat_hit_share(requests: list[workload.BenchRequest], results, prefix_len: int) -> float:
+    """Of the requests whose system prompt came before, the share that found all of it
+    cached where they were placed: 1.0 unless placement scattered or evicted prompts."""
+    cacheable = prefix_len // BLOCK_SIZE * BLOCK_SIZE
+    seen, repeats, hits = set(), 0, 0
+    for request, result in zip(requests, results):
+        if request.prefix_group in seen and result.error is None:
+            repeats += 1
+            hits += result.cached_prompt_tokens >= cacheable
+        seen.add(request.prefix_group)
+    return round(hits / max(repeats, 1), 4)
+
+
 def run_policy(model_dir: Path, policy: str, requests, seed: int, args) -> dict:
     spec = ClusterSpec(model_dir, num_prefill=0, num_decode=0, num_both=args.replicas, dtype=args.dtype,
                        num_kv_blocks=args.kv_blocks_per_worker, threads_per_worker=1, pin_cores=True,
@@ -77,7 +94,9 @@ def run_policy(model_dir: Path, policy: str, requests, seed: int, args) -> dict:
     finally:
         cluster.stop()
     s = summarize(results, wall, (50, 99), {"ttft": args.ttft_slo_ms})
-    return {"hit_rate": s["cached_prompt_share"], "ttft_p50_ms": s["p50_ttft_ms"], "ttft_p99_ms": s["p99_ttft_ms"],
+    return {"hit_rate": s["cached_prompt_share"],
+            "repeat_hit_share": repeat_hit_share(requests, results, args.prefix_len),
+            "ttft_p50_ms": s["p50_ttft_ms"], "ttft_p99_ms": s["p99_ttft_ms"],
             "goodput": s["goodput"], "output_throughput": s["output_throughput"], "failed": s["failed"],
             "ttfts_ms": [r.ttft * 1000 for r in results if r.error is None]}
 
@@ -112,7 +131,10 @@ def main() -> None:
                                   workload.SharedPrefix(args.prefixes, args.prefix_len, args.zipf_s))
         bounds.append(hit_rate_bound(requests, args.prefix_len))
         for policy in (policies if i % 2 == 0 else list(reversed(policies))):  # alternate the order
-            per_policy[policy].append(run_policy(model_dir, policy, requests, seed, args))
+            run = run_policy(model_dir, policy, requests, seed, args)
+            per_policy[policy].append(run)
+            print(json.dumps({"seed": seed, "policy": policy, **{k: v for k, v in run.items() if k != "ttfts_ms"}}),
+                  file=sys.stderr, flush=True)  # each run as it ends: a long sweep's partial results
 
     report = {"benchmark": "prefix_placement", "model": str(model_dir), "machine": machine(args.dtype),
               "replicas": args.replicas, "seeds": seeds,
@@ -124,8 +146,8 @@ def main() -> None:
               "hit_rate_bound": spread(bounds, "seeds"), "policies": {}}
     for policy, runs in per_policy.items():
         report["policies"][policy] = {key: spread([r[key] for r in runs], "seeds")
-                                      for key in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "goodput",
-                                                  "output_throughput")}
+                                      for key in ("hit_rate", "repeat_hit_share", "ttft_p50_ms", "ttft_p99_ms",
+                                                  "goodput", "output_throughput")}
         report["policies"][policy]["failed"] = sum(r["failed"] for r in runs)
     if "kv" in per_policy:
         for policy, runs in per_policy.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -76,9 +77,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         if decision is None:
             model = f" for model {request.model!r}" if request.model else ""
             raise Unavailable(f"no healthy decode or aggregated worker is registered{model}")
-        log.debug("place %s: decode %s prefill %s (%s), scores %s", request.request_id, decision.decode.worker_id,
-                  decision.prefill.worker_id if decision.prefill else "-", decision.reason,
-                  {w: round(v, 1) for w, v in decision.scores.items()})
+        if log.isEnabledFor(logging.DEBUG):  # Dynamo's per-worker formula log: why this worker won
+            log.debug("place %s: decode %s prefill %s (%s), %d of %d blocks cached; per worker (cost, matched, "
+                      "active, free): %s", request.request_id, decision.decode.worker_id,
+                      decision.prefill.worker_id if decision.prefill else "-", decision.reason,
+                      decision.cached_blocks, num_blocks,
+                      {c.worker_id: (round(decision.scores.get(c.worker_id, math.nan), 1), c.matched_blocks,
+                                     c.active_blocks, c.free_blocks) for c in candidates})
         if not request.dry_run:
             block_size = workers.workers[0].info.block_size  # one size across the mesh (checked at registration)
             prefill_tokens = request.num_prompt_tokens - decision.cached_blocks * block_size

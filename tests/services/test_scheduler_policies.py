@@ -56,15 +56,19 @@ async def test_prefix_hash_keeps_each_system_prompt_on_one_worker(redis_client):
     assert len({next(iter(w)) for w in by_system.values()}) > 1  # the systems spread over the ring
 
 
-async def test_approx_tree_follows_what_it_sent_not_what_workers_report(redis_client):
+async def test_approx_tree_follows_what_it_sent_not_what_workers_report(redis_client, caplog):
     # worker 3 really caches system 0, but the approximate tree only knows what it sent
     first = prompt(0, 0)
     placed = await place_all(redis_client, "approx_tree", [prompt(0, u) for u in range(5)],
                              cached={"both@127.0.0.1:7003": first[:6]})
     # the first went to the smallest tree (all empty: the first id); the rest followed it there
     assert placed == ["127.0.0.1:7000"] * 5
-    placed_kv = await place_all(redis_client, "kv", [first], cached={"both@127.0.0.1:7003": first[:6]})
+    with caplog.at_level("DEBUG", logger="services.scheduler.servicer"):
+        placed_kv = await place_all(redis_client, "kv", [first], cached={"both@127.0.0.1:7003": first[:6]})
     assert placed_kv == ["127.0.0.1:7003"]  # KV events: kv placement finds the real cache
+    # at DEBUG each decision explains itself: (cost, matched, active, free) per worker
+    [why] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("place r0")]
+    assert "6 of 7 blocks cached" in why and "'both@127.0.0.1:7003': (" in why
 
 
 def test_every_placement_setting_has_a_scheduler_flag():
