@@ -12,7 +12,7 @@ from services.common.security import MeshSecurity, add_security_arguments
 from services.common.server import KEEPALIVE, Service, run, serve_until_signal, start_server
 from services.common.tracing import configure_tracing
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from services.scheduler.placement import POLICIES, PlacementConfig
+from services.scheduler.placement import NEW_PREFIX, POLICIES, PlacementConfig
 from services.scheduler.recent import RecentPlacements
 from services.scheduler.servicer import SchedulerServicer
 
@@ -36,6 +36,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="approx_tree: requests of imbalance above which the idlest worker wins ...")
     ap.add_argument("--balance-rel-threshold", type=float, default=PlacementConfig.balance_rel_threshold,
                     help="approx_tree: ... if the busiest also runs this many times the idlest's requests")
+    ap.add_argument("--new-prefix", choices=NEW_PREFIX, default=PlacementConfig.new_prefix,
+                    help="kv: a prompt no worker caches goes by the cost (cost) or to the worker holding the least "
+                         "KV content, recent placements included (content; with --overlap-weight 6 it matched "
+                         "SGLang's cache-aware router on skewed shared prefixes, benchmarks/README.md)")
     ap.add_argument("--overlap-weight", type=float, default=PlacementConfig.overlap_weight,
                     help="weight of uncached prompt blocks")
     ap.add_argument("--eviction-weight", type=float, default=PlacementConfig.eviction_weight,

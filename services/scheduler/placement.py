@@ -58,6 +58,7 @@ class Candidate:
     full: bool = False  # at its request limit: admits nothing more for now
     num_requests: int = 0  # requests it runs or queues (approx_tree's load)
     tree_blocks: int = 0  # blocks the scheduler's approximate tree holds for it (approx_tree)
+    sent_blocks: int = 0  # distinct prompt blocks recently placed on it (new_prefix="content")
     limits: RequestLimits = RequestLimits(max_model_len=1 << 30, max_n=1 << 30)  # as it registered them
 
 
@@ -74,6 +75,7 @@ class Size:
 
 
 POLICIES = ("kv", "round_robin", "random", "prefix_hash", "approx_tree")
+NEW_PREFIX = ("cost", "content")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +90,10 @@ class PlacementConfig:
     cache_threshold: float = 0.5  # approx_tree: the match share above which the best match wins
     balance_abs_threshold: int = 32  # approx_tree: imbalance (requests) above which the idlest wins ...
     balance_rel_threshold: float = 1.0001  # ... if the busiest also runs this many times the idlest's
+    # kv: where a prompt no worker caches goes. "cost": the cost above, like any request;
+    # "content": the worker holding the least (its cached and in-use blocks plus the prompts
+    # placed on it lately, which its reports may not show yet), as SGLang's smallest tree
+    new_prefix: str = "cost"
 
 
 # Why a request prefills where it does.
@@ -125,6 +131,11 @@ def cost(c: Candidate, num_prompt_blocks: int, cfg: PlacementConfig) -> float:
     return cfg.overlap_weight * uncached + c.active_blocks + uncached + cfg.eviction_weight * evicted
 
 
+def held_blocks(c: Candidate) -> int:
+    """What the worker holds or will: blocks in use, cached ones, prompts sent lately."""
+    return c.active_blocks + c.evictable_blocks + c.sent_blocks
+
+
 def has_room(c: Candidate, num_prompt_blocks: int) -> bool:
     return c.free_blocks > num_prompt_blocks - c.matched_blocks  # the uncached blocks and one to decode into
 
@@ -140,6 +151,8 @@ def choose(pool: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig,
     if cfg.policy == "random":
         return (rng or random).choice(pool), scores
     if cfg.temperature <= 0:
+        if cfg.new_prefix == "content" and not any(c.matched_blocks for c in pool):
+            return min(pool, key=lambda c: (held_blocks(c), c.worker_id)), scores
         return min(pool, key=lambda c: (scores[c.worker_id], c.worker_id)), scores
     best = min(scores.values())
     weights = [math.exp(-(scores[c.worker_id] - best) / cfg.temperature) for c in pool]

@@ -47,18 +47,25 @@ class RecentPlacements:
             return 0, 0
         return sum(p[1] for p in placed), sum(p[2] for p in placed)
 
+    def sent_blocks(self, worker_id: str) -> int:
+        """Distinct prompt blocks placed on the worker within the prefix window: content
+        it holds or queues that its reports may not show yet."""
+        return len(self._predicted(worker_id))
+
     def predicted_blocks(self, worker_id: str, block_hashes: list[bytes]) -> int:
         """Leading blocks of the prompt placed on the worker within the prefix window."""
-        predicted = self._prefixes.get(worker_id)
-        if not predicted:
-            return 0
+        predicted = self._predicted(worker_id)
+        n = 0
+        while n < len(block_hashes) and block_hashes[n] in predicted:
+            n += 1
+        return n
+
+    def _predicted(self, worker_id: str) -> dict[bytes, float]:
+        predicted = self._prefixes.get(worker_id, {})
         horizon = self.clock() - self.prefix_window_s
         while predicted:  # oldest first: drop what the KV events have had time to confirm
             oldest = next(iter(predicted))
             if predicted[oldest] >= horizon:
                 break
             del predicted[oldest]
-        n = 0
-        while n < len(block_hashes) and block_hashes[n] in predicted:
-            n += 1
-        return n
+        return predicted

@@ -193,8 +193,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         # placements since its last report count as its load until the report shows them
         prefill_tokens, blocks = self.recent.pending(reported.worker_id)
         tree_blocks = self.trees.size(reported.worker_id)
-        if not (matched_blocks or prefill_tokens or blocks or tree_blocks):
+        sent = self.recent.sent_blocks(reported.worker_id) if self.config.new_prefix == "content" else 0
+        if not (matched_blocks or prefill_tokens or blocks or tree_blocks or sent):
             return reported
         return replace(reported, matched_blocks=matched_blocks, active_blocks=reported.active_blocks + blocks,
                        prefill_tokens=reported.prefill_tokens + prefill_tokens,
-                       free_blocks=reported.free_blocks - blocks, tree_blocks=tree_blocks)
+                       free_blocks=reported.free_blocks - blocks, tree_blocks=tree_blocks, sent_blocks=sent)

@@ -22,10 +22,10 @@ CFG = PlacementConfig(overlap_weight=1.0, min_remote_prefill_blocks=2)
 
 
 def cand(wid, role="decode", matched=0, active=0, queued=0, free=100, model="m", evictable=0, full=False,
-         max_model_len=4096, max_n=16):
+         max_model_len=4096, max_n=16, sent=0):
     return Candidate(worker_id=wid, address=f"{wid}:1", role=role, matched_blocks=matched, active_blocks=active,
                      prefill_tokens=queued, free_blocks=free, evictable_blocks=evictable, model=model, full=full,
-                     limits=RequestLimits(max_model_len=max_model_len, max_n=max_n))
+                     limits=RequestLimits(max_model_len=max_model_len, max_n=max_n), sent_blocks=sent)
 
 
 def test_prefers_the_worker_holding_the_prefix_unless_it_is_busier():
@@ -35,6 +35,17 @@ def test_prefers_the_worker_holding_the_prefix_unless_it_is_busier():
     assert d.decode.worker_id == "b"  # 2 + (15 + 2) > 8 + (0 + 8)
     weighted = place([cand("a", matched=6, active=15), cand("b")], 8, PlacementConfig(overlap_weight=3.0))
     assert weighted.decode.worker_id == "a"  # 3*2 + 17 < 3*8 + 8
+
+
+def test_new_prefix_content_sends_a_prompt_no_worker_caches_to_the_worker_holding_the_least():
+    content = PlacementConfig(new_prefix="content")
+    pool = [cand("a", evictable=40), cand("b", sent=64), cand("c", active=10)]
+    # b's prompt placed a moment ago shows in no report yet: only what was sent counts it
+    assert place(pool, 8, content).decode.worker_id == "c"  # holds 10 against 40 and 64
+    assert place(pool, 8, PlacementConfig()).decode.worker_id == "a"  # the cost sees a and b alike: idle, room
+    # once any worker caches part of the prompt, the cost decides as always
+    matched = [cand("a", evictable=40, matched=6), cand("c", active=10)]
+    assert place(matched, 8, content).decode.worker_id == "a"
 
 
 def test_long_uncached_prompts_go_to_a_prefill_worker():

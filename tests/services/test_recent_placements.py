@@ -26,7 +26,9 @@ def test_placed_prompts_predict_the_workers_prefix_until_the_window_passes():
     recent.add("w", block_hashes=[a, c])  # a is placed again: its clock restarts
     assert recent.predicted_blocks("w", [a, b, c]) == 3 and recent.predicted_blocks("w", [b, a]) == 2
     assert recent.predicted_blocks("v", [a]) == 0
+    assert recent.sent_blocks("w") == 3 and recent.sent_blocks("v") == 0  # distinct blocks
     now[0] = 2.5  # b is older than the window now
     assert recent.predicted_blocks("w", [a, b]) == 1 and recent.predicted_blocks("w", [a, c]) == 2
+    assert recent.sent_blocks("w") == 2
     now[0] = 10.0
-    assert recent.predicted_blocks("w", [a]) == 0
+    assert recent.predicted_blocks("w", [a]) == 0 and recent.sent_blocks("w") == 0
