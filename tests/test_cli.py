@@ -39,6 +39,16 @@ def test_invalid_option_is_a_clear_error(tmp_path):
     assert res.returncode != 0 and "top_p" in res.stderr
 
 
+def test_generate_refuses_chat_without_a_prompt_and_a_model_without_chat():
+    from click.testing import CliRunner
+
+    from control_plane.cli import main
+    no_prompt = CliRunner().invoke(main, ["generate", "--chat", "--token-ids", "1,2"])
+    assert no_prompt.exit_code == 2 and "--chat needs a PROMPT" in no_prompt.output
+    stray = CliRunner().invoke(main, ["generate", "--model", "smollm2-135m", "hi"])
+    assert stray.exit_code == 2 and "--model only says whose chat template --chat uses" in stray.output
+
+
 @pytest.mark.isa
 def test_kervan_up_answers_with_dtype_auto_and_its_workers_log_the_platform():
     """README's main command; its workers name the ISA and the dtype ``auto`` chose."""

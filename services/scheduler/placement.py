@@ -92,7 +92,8 @@ class PlacementConfig:
     balance_rel_threshold: float = 1.0001  # ... if the busiest also runs this many times the idlest's
     # kv: where a prompt no worker caches goes. "cost": the cost above, like any request;
     # "content": the worker holding the least (its cached and in-use blocks plus the prompts
-    # placed on it lately, which its reports may not show yet), as SGLang's smallest tree
+    # placed on it lately, which its reports may not show yet), as SGLang's smallest tree;
+    # a temperature above 0 draws by the cost either way
     new_prefix: str = "cost"
 
 

@@ -11,13 +11,16 @@ from services.common.server import Service, start_server
 from services.kv_registry.index import PrefixIndex, WorkerRecord
 from services.proto import kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.placement import PlacementConfig
+from services.scheduler.recent import RecentPlacements
 from services.scheduler.servicer import SchedulerServicer
 from tests.services.conftest import start_registry
 
 
-async def place_all(redis_client, policy: str, prompts: list[list[bytes]], cached: dict | None = None) -> list[str]:
+async def place_all(redis_client, policy: str | PlacementConfig, prompts: list[list[bytes]],
+                    cached: dict | None = None) -> list[str]:
     """Four aggregated workers (``cached``: worker id -> the blocks its KV events reported),
-    then ``prompts`` placed one after the other; the decode addresses chosen."""
+    then ``prompts`` placed one after the other; the decode addresses chosen. Placements
+    count as load for no time at all: only what workers report does."""
     await redis_client.flushdb()
     cached = cached or {}
     index = PrefixIndex(redis_client, ttl_s=60)
@@ -30,7 +33,9 @@ async def place_all(redis_client, policy: str, prompts: list[list[bytes]], cache
             await index.apply(wid, token, [BlockStored(1, cached[wid], None, [], 16)])
     registry = await start_registry(index)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}") as reg:
-        servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(reg), PlacementConfig(policy=policy))
+        config = policy if isinstance(policy, PlacementConfig) else PlacementConfig(policy=policy)
+        servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(reg), config,
+                                     RecentPlacements(load_window_s=0.0))
         scheduler = await start_server([Service("kervan.v1.SchedulerService", lambda s: (
             scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)))])
         try:
@@ -69,6 +74,15 @@ async def test_approx_tree_follows_what_it_sent_not_what_workers_report(redis_cl
     # at DEBUG each decision explains itself: (cost, matched, active, free) per worker
     [why] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("place r0")]
     assert "6 of 7 blocks cached" in why and "'both@127.0.0.1:7003': (" in why
+
+
+async def test_new_prefix_content_spreads_new_prompts_that_no_report_shows_yet(redis_client):
+    # four new system prompts in a row, every worker reporting idle and empty: the cost ties
+    # and the first id wins each time; "content" counts the prompts it has just sent
+    prompts = [prompt(s, 0) for s in range(4)]
+    placed = await place_all(redis_client, PlacementConfig(new_prefix="content"), prompts)
+    assert sorted(placed) == [f"127.0.0.1:{7000 + w}" for w in range(4)]
+    assert await place_all(redis_client, "kv", prompts) == ["127.0.0.1:7000"] * 4
 
 
 def test_every_placement_setting_has_a_scheduler_flag():
