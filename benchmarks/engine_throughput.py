@@ -14,7 +14,11 @@ measured ones, from ``--hf-batch-sizes``), in arrival order and, as a static bat
 that knows every request's length would, sorted by output length
 (``transformers_sorted``: little padding left). ``kervan_unpacked`` is the engine
 without oneDNN weight packing (``KERVAN_WEIGHT_PACKING=off``), the one optimisation
-transformers does not get. Rounds alternate the systems on fresh prompts; each
+transformers does not get. ``--deterministic`` adds ``kervan_deterministic``, the engine
+in deterministic mode, and what it costs. Every engine gets the same KV budget
+(``--kv-cache-gib``) and its timer covers submitting the requests too; a round
+fails unless each system produced exactly the tokens asked for. Rounds run the
+systems in rotated order on fresh prompts; each
 dtype's numbers are medians over rounds (ratios: the median of the per-round
 ratios, with min and max), and the report compares each engine's best dtype (on an
 AVX2 CPU float32, where bf16 is emulated; with native bf16, bf16). Also reported:
@@ -39,7 +43,7 @@ from statistics import median
 
 import torch
 
-from benchmarks.machine import machine
+from benchmarks.machine import machine, write_report
 from benchmarks.models import ensure_random_model
 from benchmarks.vllm_peer import VllmPeer
 from kervan.envs import KERVAN_WEIGHT_PACKING
@@ -58,10 +62,10 @@ def workload(num: int, prompt_range: tuple[int, int], output_range: tuple[int, i
 
 def run_kervan(engine: Engine, prompts, outputs) -> dict:
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+    allocated = used = steps = produced = 0
+    start = time.perf_counter()  # submitting the requests is timed, as vLLM's generate() times it
     for prompt, n in zip(prompts, outputs):
         engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-    allocated = used = steps = produced = 0
-    start = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
             produced += len(out.outputs[0].new_token_ids)
@@ -112,12 +116,14 @@ def timed_load(fn):
     return out, round(time.perf_counter() - t0, 2)
 
 
-def new_engine(model_dir, dtype: str, args, packing: str = "auto") -> Engine:
+def new_engine(model_dir, dtype: str, args, packing: str = "auto", deterministic: bool = False) -> Engine:
     previous = os.environ.get(KERVAN_WEIGHT_PACKING)
     os.environ[KERVAN_WEIGHT_PACKING] = packing
     try:
         return Engine.from_pretrained(model_dir, dtype=dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-                                      max_num_batched_tokens=args.max_num_batched_tokens)
+                                      max_num_batched_tokens=args.max_num_batched_tokens,
+                                      kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
+                                      deterministic=deterministic)
     finally:
         if previous is None:
             os.environ.pop(KERVAN_WEIGHT_PACKING)
@@ -136,26 +142,34 @@ def run_dtype(model_dir, dtype: str, rounds, calibration, args) -> dict:
     """Every system in one dtype, round by round on the same prompts."""
     engine, kervan_load_s = timed_load(lambda: new_engine(model_dir, dtype, args))
     unpacked = new_engine(model_dir, dtype, args, packing="off") if args.unpacked else None
+    exact = new_engine(model_dir, dtype, args, deterministic=True) if args.deterministic else None
     resolved, config = dtype_name(engine.config.dtype), engine.config
     hf_model, hf_load_s = (None, None) if args.skip_transformers else timed_load(
         lambda: load_transformers(model_dir, config.dtype, config.device))
     sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
     batch, calibrated = (sizes[0], {}) if hf_model is None or len(sizes) == 1 else \
         best_batch_size(hf_model, calibration, sizes)
-    peer = (VllmPeer(args.vllm_python, str(model_dir), resolved, args.max_num_seqs, args.max_num_batched_tokens)
-            if args.vllm_python else None)
+    peer = (VllmPeer(args.vllm_python, str(model_dir), resolved, args.max_num_seqs, args.max_num_batched_tokens,
+                     args.kv_cache_gib) if args.vllm_python else None)
+    systems = {"kervan": lambda p, o: run_kervan(engine, p, o)}
+    if exact is not None:
+        systems["kervan_deterministic"] = lambda p, o: run_kervan(exact, p, o)
+    if unpacked is not None:
+        systems["kervan_unpacked"] = lambda p, o: run_kervan(unpacked, p, o)
+    if hf_model is not None:
+        systems["transformers"] = lambda p, o: run_transformers(hf_model, p, o, batch)
+        systems["transformers_sorted"] = lambda p, o: run_transformers(hf_model, p, o, batch, by_length=True)
+    if peer is not None:
+        systems["vllm"] = peer.run
     runs = []
     try:
-        for seed, (prompts, outputs) in rounds:
-            run = {"seed": seed, "prompt_tokens": sum(map(len, prompts)),
-                   "kervan": run_kervan(engine, prompts, outputs)}
-            if unpacked is not None:
-                run["kervan_unpacked"] = run_kervan(unpacked, prompts, outputs)
-            if hf_model is not None:
-                run["transformers"] = run_transformers(hf_model, prompts, outputs, batch)
-                run["transformers_sorted"] = run_transformers(hf_model, prompts, outputs, batch, by_length=True)
-            if peer is not None:
-                run["vllm"] = peer.run(prompts, outputs)
+        for index, (seed, (prompts, outputs)) in enumerate(rounds):
+            order = list(systems)[index % len(systems):] + list(systems)[:index % len(systems)]  # rotated
+            run = {"seed": seed, "prompt_tokens": sum(map(len, prompts)), "order": order}
+            for name in order:
+                run[name] = systems[name](prompts, outputs)
+                if run[name]["output_tokens"] != sum(outputs):  # every system did the same work
+                    raise RuntimeError(f"{name} produced {run[name]['output_tokens']} tokens, not {sum(outputs)}")
             runs.append(run)
     finally:
         if peer is not None:
@@ -167,19 +181,27 @@ def run_dtype(model_dir, dtype: str, rounds, calibration, args) -> dict:
     for system in SYSTEMS:
         if system in runs[0]:
             result[f"{system}_output_tokens_per_s"] = median(r[system]["output_tokens_per_s"] for r in runs)
-    for peer_name in SYSTEMS[1:]:  # per-round ratios: both systems saw the same moment
+    for peer_name in SYSTEMS[2:]:  # per-round ratios: both systems saw the same moment
         if peer_name in runs[0]:
-            ratios = [r["kervan"]["output_tokens_per_s"] / r[peer_name]["output_tokens_per_s"] for r in runs]
-            result[f"kervan_vs_{peer_name}"] = {"median": round(median(ratios), 3), "min": round(min(ratios), 3),
-                                                "max": round(max(ratios), 3)}
+            result[f"kervan_vs_{peer_name}"] = ratio_summary(runs, "kervan", peer_name)
+    if exact is not None:  # what deterministic mode costs
+        result["kervan_deterministic_vs_kervan"] = ratio_summary(runs, "kervan_deterministic", "kervan")
     if peer is not None:
         result["vllm_version"] = peer.info.get("vllm")
-    del engine, unpacked, hf_model
+    systems.clear()
+    engine = unpacked = exact = hf_model = None  # freed before the next dtype loads its own
     gc.collect()
     return result
 
 
-SYSTEMS = ("kervan", "kervan_unpacked", "transformers", "transformers_sorted", "vllm")
+# Kervan, its deterministic mode (compared with Kervan), then the peers (each compared with Kervan)
+SYSTEMS = ("kervan", "kervan_deterministic", "kervan_unpacked", "transformers", "transformers_sorted", "vllm")
+
+
+def ratio_summary(runs: list[dict], system: str, baseline: str) -> dict:
+    """The median of the per-round throughput ratios, with their min and max."""
+    ratios = [r[system]["output_tokens_per_s"] / r[baseline]["output_tokens_per_s"] for r in runs]
+    return {"median": round(median(ratios), 3), "min": round(min(ratios), 3), "max": round(max(ratios), 3)}
 
 
 def best(by_dtype: dict, system: str) -> dict | None:
@@ -205,7 +227,12 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64",
                     help="transformers' batch sizes to calibrate over (one: use it as it is)")
+    ap.add_argument("--kv-cache-gib", type=float, default=2.0,
+                    help="KV cache of every engine (Kervan's kv_cache_memory_bytes, vLLM's VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--unpacked", action="store_true", help="also the engine without weight packing")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="also the engine in deterministic mode (batch-invariant kernels): what it costs")
+    ap.add_argument("--json-out", default=None, help="also write the report here (benchmarks/results/*.json)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-cpu: run vLLM as a peer")
     ap.add_argument("--seed", type=int, default=0)
@@ -231,16 +258,17 @@ def main() -> None:
         "benchmark": "engine_throughput",
         "model": str(model_dir), "vocab_size": vocab, "machine": machine(), "threads": torch.get_num_threads(),
         "workload": {"num_requests": args.num_requests, "prompt_len": prompt_range, "output_len": output_range,
-                     "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
+                     "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                     "kv_cache_gib": args.kv_cache_gib, "rounds": args.repeat},
         "dtypes": by_dtype,
         "best": {s: b for s in SYSTEMS if (b := best(by_dtype, s))},
         "kv_waste": max(r["kv_waste"] for r in by_dtype.values()),
     }
-    for peer_name in SYSTEMS[1:]:
+    for peer_name in SYSTEMS[2:]:
         if peer_name in report["best"]:
             report[f"kervan_best_vs_{peer_name}_best"] = round(
                 report["best"]["kervan"]["output_tokens_per_s"] / report["best"][peer_name]["output_tokens_per_s"], 3)
-    print(json.dumps(report, indent=2))
+    write_report(report, args.json_out)
 
 
 if __name__ == "__main__":

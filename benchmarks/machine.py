@@ -4,6 +4,9 @@ numbers from an AVX2 machine and from an AVX-512 one are never confused."""
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+from pathlib import Path
 
 import torch
 
@@ -20,7 +23,30 @@ def machine(dtype: str | None = None) -> dict:
     platform = current_platform()
     cpu = platform.cpu
     out = {"cpu": cpu.model, "isa": cpu.isa, "torch_capability": cpu.torch_capability,
-           "native_bf16": cpu.has_native_bf16, "cores": cpu.num_cores, "torch": torch.__version__}
+           "native_bf16": cpu.has_native_bf16, "amx": cpu.has_amx, "cores": cpu.num_cores, "torch": torch.__version__}
     if dtype is not None:
         out.update(dtype_requested=dtype, dtype=dtype_name(platform.resolve_dtype(dtype, "cpu")))
     return out
+
+
+def commit() -> str:
+    """The checkout's commit, ``-dirty`` when it has uncommitted changes (``unknown`` outside git)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
+
+
+def write_report(report: dict, path: str | None) -> None:
+    """Print the report; with ``path``, also write it there with the commit it measured."""
+    report = {**report, "commit": commit()}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")

@@ -22,10 +22,12 @@ from pathlib import Path
 class VllmPeer:
     """The engine side: one peer process per (model, dtype), asked round by round."""
 
-    def __init__(self, python: str, model: str, dtype: str, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, python: str, model: str, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
+                 kv_cache_gib: float = 2.0):
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"}  # the same KV budget as Kervan's
         self.proc = subprocess.Popen([python, str(Path(__file__)), model, dtype, str(max_num_seqs),
                                       str(max_num_batched_tokens)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
         self.lines: list[str] = []
         self.info = self._answer()
 

@@ -1,13 +1,21 @@
 """A throw-away certificate authority for a local mesh (``kervan up --tls``).
 
-One CA, and one certificate per mesh role whose CN is the role (what servers
-check, ``services/common/auth.py``), valid for loopback (``localhost``, 127.0.0.1,
-::1), for ``MESH_NAME`` (what ``--tls-server-name`` checks where peers are dialled
-by IP address) and any extra host names, usable as both server and client
-certificate. ``python -m control_plane.certificates DIR`` writes a set for a
-deploy (``deploy/README.md``).
-Keys are ECDSA P-256 and written owner-only. Production meshes bring their own
-(cert-manager, SPIFFE/SPIRE, a corporate CA) with the same CNs."""
+One CA, and certificates of two kinds:
+
+- a **mesh** certificate per role (or per worker), CN the role (what servers check,
+  ``services/common/auth.py``), usable as server and client certificate, valid only for
+  ``<role>.kervan-mesh`` (what every mesh client checks when it dials that role, whatever
+  address it dials: ``services/common/security.py``) and the role's own extra names: a
+  worker's certificate cannot pose as the router or the scheduler. A worker's may also
+  name the addresses it may register (``kervan-worker://HOST:PORT`` URIs), which the
+  kv-registry holds it to;
+- the router's **public** certificate, what its public port serves to clients (``kervan
+  generate --tls-ca``, the OpenAI front): valid for loopback and the router's public
+  names, server use only, CN ``router-public`` (no mesh role: it opens no internal door).
+
+``python -m control_plane.certificates DIR`` writes a set for a deploy
+(``deploy/README.md``). Keys are ECDSA P-256 and written owner-only. Production meshes
+bring their own (cert-manager, SPIFFE/SPIRE, a corporate CA) with the same names."""
 
 from __future__ import annotations
 
@@ -23,9 +31,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from services.common.security import ROLES
+from services.common.security import MESH_NAME, PUBLIC_ROUTER_CN, ROLES, WORKER_ADDRESS_SCHEME, mesh_name
 
-MESH_NAME = "kervan-mesh"
+__all__ = ["MESH_NAME", "CertificateAuthority", "Issued"]
 
 
 @dataclass(frozen=True)
@@ -58,33 +66,37 @@ class CertificateAuthority:
         self.ca_path = directory / "ca.pem"
         self.ca_path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, role: str, hosts: Sequence[str] = (), valid_days: float = 7.0, name: str | None = None) -> Issued:
-        """A certificate whose CN is ``role``, written as ``<name>.pem`` and ``<name>-key.pem``."""
+    def issue(self, role: str, hosts: Sequence[str] = (), valid_days: float = 7.0, name: str | None = None,
+              addresses: Sequence[str] = ()) -> Issued:
+        """A mesh certificate whose CN is ``role``, valid for ``<role>.kervan-mesh`` and
+        ``hosts``; ``addresses``: the HOST:PORTs a worker may register. Written as
+        ``<name>.pem`` and ``<name>-key.pem``."""
         if role not in ROLES and not role.startswith("test-"):
             raise ValueError(f"role {role!r} is not one of {ROLES}")
+        names = [x509.DNSName(mesh_name(role)), *_host_names(hosts),
+                 *(x509.UniformResourceIdentifier(f"{WORKER_ADDRESS_SCHEME}{a}") for a in addresses)]
+        return self._write(role, names, [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+                           valid_days, name or role)
+
+    def issue_public(self, hosts: Sequence[str] = (), valid_days: float = 7.0, name: str = "router-public") -> Issued:
+        """The router's public certificate: loopback and ``hosts``, server use only."""
+        names = _host_names(["localhost", "127.0.0.1", "::1", *hosts])
+        return self._write(PUBLIC_ROUTER_CN, names, [ExtendedKeyUsageOID.SERVER_AUTH], valid_days, name)
+
+    def _write(self, common_name: str, names: list, usages: list, valid_days: float, name: str) -> Issued:
         key = ec.generate_private_key(ec.SECP256R1())
-        names: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.DNSName(MESH_NAME),
-                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                                         x509.IPAddress(ipaddress.ip_address("::1"))]
-        for host in hosts:
-            try:
-                names.append(x509.IPAddress(ipaddress.ip_address(host)))
-            except ValueError:
-                names.append(x509.DNSName(host))
         now = _now()
         start = now - datetime.timedelta(minutes=5)
         end = now + datetime.timedelta(days=valid_days)
         if valid_days < 0:  # an expired certificate (tests): valid for a day that is over
             start = end - datetime.timedelta(days=1)
         cert = (x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, role)]))
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
                 .issuer_name(self.cert.subject).public_key(key.public_key())
                 .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
                 .add_extension(x509.SubjectAlternativeName(names), critical=False)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
                 .sign(self.key, hashes.SHA256()))
-        name = name or role
         cert_path, key_path = self.directory / f"{name}.pem", self.directory / f"{name}-key.pem"
         cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -94,6 +106,16 @@ class CertificateAuthority:
         return Issued(cert_path, key_path, self.ca_path)
 
 
+def _host_names(hosts: Sequence[str]) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return names
+
+
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
@@ -101,17 +123,26 @@ def _now() -> datetime.datetime:
 def main(argv: list[str] | None = None) -> None:
     import argparse
     ap = argparse.ArgumentParser(prog="python -m control_plane.certificates",
-                                 description="Write a mesh CA and a certificate per role (ROLE.pem, ROLE-key.pem).")
+                                 description="Write a mesh CA, a certificate per role (ROLE.pem, ROLE-key.pem) and "
+                                             "the router's public certificate (router-public.pem).")
     ap.add_argument("directory", type=Path)
     ap.add_argument("--host", action="append", default=[],
-                    help="another name or address every certificate is valid for (repeatable), e.g. the "
-                         "router's public name")
+                    help="a name or address clients reach the router by (repeatable): in its public certificate")
+    ap.add_argument("--role-host", action="append", default=[], metavar="ROLE=NAME",
+                    help="another name one role's mesh certificate is valid for (repeatable)")
     ap.add_argument("--days", type=float, default=365.0)
     args = ap.parse_args(argv)
+    extra: dict[str, list[str]] = {}
+    for item in args.role_host:
+        role, _, name = item.partition("=")
+        if role not in ROLES or not name:
+            ap.error(f"--role-host {item!r}: ROLE=NAME with ROLE one of {', '.join(ROLES)}")
+        extra.setdefault(role, []).append(name)
     ca = CertificateAuthority(args.directory, valid_days=args.days)
     for role in ROLES:
-        ca.issue(role, args.host, args.days)
-    print(f"wrote {ca.ca_path} and a certificate per role ({', '.join(ROLES)}) in {args.directory}")
+        ca.issue(role, extra.get(role, ()), args.days)
+    ca.issue_public(args.host, args.days)
+    print(f"wrote {ca.ca_path}, a certificate per role ({', '.join(ROLES)}) and router-public.pem in {args.directory}")
 
 
 if __name__ == "__main__":

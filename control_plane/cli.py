@@ -23,6 +23,8 @@ import click
 
 DTYPE_HELP = ("auto (bfloat16 where the hardware computes it natively, else float32), bfloat16, float16 "
               "or float32")
+DETERMINISTIC_HELP = ("batch-invariant kernels: greedy tokens and logprobs bit-identical whatever else is batched, "
+                      "however the prompt is chunked, wherever its prefix KV came from (CPU only)")
 
 
 @click.group()
@@ -75,10 +77,11 @@ def sampling_options(fn):
 @sampling_options
 @click.option("-n", "n", default=1, show_default=True, help="Number of samples.")
 @click.option("--dtype", default="auto", show_default=True, help=DTYPE_HELP)
+@click.option("--deterministic", is_flag=True, help=DETERMINISTIC_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def complete(prompt: str, model_dir: str | None, chat: bool, max_tokens: int, temperature: float | None,
              top_p: float | None, top_k: int, min_p: float, seed: int | None, ignore_eos: bool, n: int, dtype: str,
-             as_json: bool) -> None:
+             deterministic: bool, as_json: bool) -> None:
     """Complete PROMPT with the in-process engine."""
     from worker import Engine, InvalidRequest, SamplingParams
 
@@ -88,7 +91,7 @@ def complete(prompt: str, model_dir: str | None, chat: bool, max_tokens: int, te
         unset = {"temperature": temperature, "top_p": top_p}  # None: the engine's default, as for generate
         params = SamplingParams(max_tokens=max_tokens, top_k=top_k, min_p=min_p, seed=seed, n=n,
                                 ignore_eos=ignore_eos, **{k: v for k, v in unset.items() if v is not None})
-        engine = Engine.from_pretrained(model, dtype=dtype)
+        engine = Engine.from_pretrained(model, dtype=dtype, deterministic=deterministic)
         start = time.perf_counter()
         [out] = engine.generate([text], params)
     except (InvalidRequest, ValueError) as exc:
@@ -197,9 +200,13 @@ def generate(prompt, addr, token_ids, chat, model_dir, max_tokens, temperature, 
               help="every worker a group of N ranks each holding 1/N of the experts")
 @click.option("--pipeline-parallel", default=1, show_default=True,
               help="every worker a group of N pipeline stages each holding 1/N of the layers")
+@click.option("--kv-host-bytes", default=0, show_default=True,
+              help="host memory behind each worker's KV pool: evicted prefixes and preempted sequences are kept "
+                   "there and copied back instead of computed again")
+@click.option("--deterministic", is_flag=True, help=DETERMINISTIC_HELP)
 def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens, chat,
        http_port, metrics, num_routers, num_schedulers, redis_persistent, tls, api_key_file, pin_cores, tensor_parallel,
-       expert_parallel, pipeline_parallel) -> None:
+       expert_parallel, pipeline_parallel, kv_host_bytes, deterministic) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C."""
     import asyncio
     from pathlib import Path
@@ -219,7 +226,8 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
                            num_schedulers=num_schedulers, redis_persistent=redis_persistent,
                            api_key_file=Path(api_key_file) if api_key_file else None, pin_cores=pin_cores,
                            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                           pipeline_parallel=pipeline_parallel)
+                           pipeline_parallel=pipeline_parallel, deterministic=deterministic,
+                           kv_host_bytes=kv_host_bytes)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     cluster = Cluster(spec, new_log_dir())
@@ -234,15 +242,20 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
         click.echo(f"Kervan is up in {time.perf_counter() - start:.1f}s: router on {cluster.router_addresses}",
                    err=True)
         scheme = "https" if tls else "http"
-        if "router-http" in cluster.addresses:
-            click.echo(f"OpenAI-compatible API on {scheme}://{cluster.addresses['router-http']}/v1", err=True)
+        fronts = [f"{scheme}://{address}/v1" for name, address in cluster.addresses.items() if name.endswith("-http")]
+        if fronts:
+            click.echo(f"OpenAI-compatible API on {' and '.join(fronts)}", err=True)
+        if cluster.mesh_secret is not None:
+            click.echo("API keys guard the router; every internal service requires the mesh secret kervan up "
+                       "generated (callers without it get UNAUTHENTICATED; --tls for certificates instead)", err=True)
         for name, address in cluster.addresses.items():
             if name.endswith("-metrics"):
                 click.echo(f"{name.removesuffix('-metrics')} metrics: http://{address}/metrics", err=True)
         if request_text is None:
             flags = f" --tls-ca {cluster.tls_dir / 'ca.pem'}" if tls else ""
-            flags += " --api-key <key>" if api_key_file else ""
-            click.echo(f'try: kervan generate --addr {cluster.router_addresses}{flags} "Once upon a time"', err=True)
+            key = "KERVAN_API_KEY=<key> " if api_key_file else ""  # not --api-key: a command line shows in ps
+            click.echo(f'try: {key}kervan generate --addr {cluster.router_addresses}{flags} "Once upon a time"',
+                       err=True)
             click.echo("Ctrl-C stops the cluster (crashed services are restarted until then)", err=True)
             cluster.supervise_until_signal()
             return

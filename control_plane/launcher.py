@@ -20,6 +20,7 @@ issues each role its certificate, and every channel is mutual TLS."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import secrets
 import signal
@@ -38,7 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.redis_server import redis_argv, wait_listening
 from services.common.lifeline import ENV as ENV_LIFELINE
-from services.common.security import PLAINTEXT, MeshSecurity
+from services.common.security import MESH_SECRET_ENV, PLAINTEXT, MeshSecurity
 from worker.platform import usable_cores
 
 PR_SET_PDEATHSIG = 1
@@ -58,6 +59,7 @@ class ClusterSpec:
     block_size: int = 16
     dtype: str = "auto"
     num_kv_blocks: int | None = None
+    kv_host_bytes: int = 0  # host memory behind each worker's KV pool (--kv-host-bytes)
     threads_per_worker: int | None = None  # None: this host's cores shared evenly among its workers
     pin_cores: bool = False  # pin worker i to its own core(s) (benchmarks: no two engines share a core)
     scheduler_args: tuple[str, ...] = ()  # extra flags for the scheduler, e.g. ("--policy", "round_robin")
@@ -75,6 +77,7 @@ class ClusterSpec:
     num_routers: int = 1  # replicas: "router", "router-1", ... (clients list them all: replicas.py)
     num_schedulers: int = 1  # replicas: "scheduler", "scheduler-1", ... (every router lists them all)
     redis_persistent: bool = False  # the private Redis keeps an append-only file (survives its restart)
+    deterministic: bool = False  # every worker runs batch-invariant kernels (--deterministic)
 
     def __post_init__(self) -> None:
         sizes = self.parallel_sizes()
@@ -120,6 +123,7 @@ class Cluster:
     addresses: dict[str, str] = field(default_factory=dict)
     spawned: Counter[str] = field(default_factory=Counter)  # workers started so far, by role
     client_security: MeshSecurity = PLAINTEXT  # the launcher's own (an admin certificate with TLS)
+    mesh_secret: str | None = None  # without TLS but with API keys: what internal services require
     redis_url: str | None = None  # the URL the services use (with the private Redis's password)
     redis_password: str | None = None
     authority: object = None  # with tls: the run's CertificateAuthority (it can issue more certificates)
@@ -158,6 +162,8 @@ class Cluster:
         ca = self.authority = CertificateAuthority(self.tls_dir)
         for role in ROLES:
             self._tls_flags[role] = ca.issue(role).flags()
+        public = ca.issue_public()  # what the router's public port serves (clients check it for 127.0.0.1)
+        self._tls_flags["router"] += ["--public-tls-cert", str(public.cert), "--public-tls-key", str(public.key)]
         admin = ca.issue("admin")
         self.client_security = MeshSecurity.from_files(str(admin.cert), str(admin.key), str(admin.ca))
 
@@ -166,6 +172,9 @@ class Cluster:
         try:
             if self.spec.tls:
                 self._make_certificates()
+            elif self.spec.api_key_file is not None:  # keys guard the router; the secret, every other service
+                self.mesh_secret = secrets.token_hex(32)
+                self.client_security = dataclasses.replace(self.client_security, mesh_secret=self.mesh_secret.encode())
             redis_url = self.redis_url = self.spec.redis_url or self._start_redis()
             self._start("kv-registry", "services.kv_registry", "--block-size", str(self.spec.block_size),
                         *self.spec.registry_args, env={"KERVAN_KV_REGISTRY_REDIS": redis_url})
@@ -185,17 +194,17 @@ class Cluster:
                 raise ValueError("a cluster needs at least one decode or aggregated (both) worker")
             workers = [self.spawn_worker(role) for role in roles]
             self._wait_serving([*schedulers, *workers], timeout)
-            http = []
-            if self.spec.http_port is not None:
-                port = self.spec.http_port or free_port()
-                self.addresses["router-http"] = f"127.0.0.1:{port}"
-                http = ["--http-port", str(port)]
             keys = ["--api-key-file", str(self.spec.api_key_file)] if self.spec.api_key_file is not None else []
             routers = _replica_names("router", self.spec.num_routers)
             for name in routers:
+                http = []
+                if self.spec.http_port is not None:  # every router serves HTTP: the first on the port asked for
+                    port = (self.spec.http_port if name == "router" else 0) or free_port()
+                    self.addresses[f"{name}-http"] = f"127.0.0.1:{port}"
+                    http = ["--http-port", str(port)]
                 self._start(name, "services.router", "--scheduler", ",".join(self.addresses[s] for s in schedulers),
                             "--model", str(self.spec.model_dir), "--block-size", str(self.spec.block_size),
-                            *(http if name == "router" else []), *keys, *self.spec.router_args,
+                            *http, *keys, *self.spec.router_args,
                             port=self.spec.router_port if name == "router" else 0)
             self._wait_serving(routers, timeout)
         except BaseException:
@@ -214,12 +223,18 @@ class Cluster:
             cores = {usable[(slot * threads + k) % len(usable)] for k in range(threads)}
         self.spawned[role] += 1
         extra = ["--num-kv-blocks", str(self.spec.num_kv_blocks)] if self.spec.num_kv_blocks else []
+        extra += ["--kv-host-bytes", str(self.spec.kv_host_bytes)] if self.spec.kv_host_bytes else []
         extra += [arg for name, n in self.spec.parallel_sizes().items() if n > 1
                   for arg in (f"--{name}-parallel", str(n))]
+        extra += ["--deterministic"] if self.spec.deterministic else []
+        port = free_port()
+        tls = None
+        if self.authority is not None:  # its own certificate, naming the one address it may register
+            tls = self.authority.issue("worker", name=name, addresses=[f"127.0.0.1:{port}"]).flags()
         self._start(name, "services.worker", "--role", role, "--model", str(self.spec.model_dir),
                     "--registry", self.addresses["kv-registry"], "--dtype", self.spec.dtype,
                     "--block-size", str(self.spec.block_size), *extra,
-                    *self.spec.worker_args, *args,
+                    *self.spec.worker_args, *args, port=port, tls_flags=tls,
                     env={"OMP_NUM_THREADS": str(threads)}, cores=cores)
         return name
 
@@ -249,12 +264,13 @@ class Cluster:
         return f"redis://:{password}@127.0.0.1:{port}/0"
 
     def _start(self, name: str, module: str, *args: str, port: int = 0, env: dict[str, str] | None = None,
-               cores: set[int] | None = None) -> None:
+               cores: set[int] | None = None, tls_flags: list[str] | None = None) -> None:
         port = port or free_port()
         self.addresses[name] = f"127.0.0.1:{port}"
         role = module.removeprefix("services.").replace("_", "-")  # the mesh role its certificate names
+        tls = tls_flags if tls_flags is not None else self._tls_flags.get(role, [])
         self._spawn(name, [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
-                           *self._metrics_args(name), *self._tls_flags.get(role, []), *args], env, cores)
+                           *self._metrics_args(name), *tls, *args], env, cores)
 
     def _metrics_args(self, name: str) -> list[str]:
         if not self.spec.metrics:
@@ -267,6 +283,8 @@ class Cluster:
                cores: set[int] | None = None) -> None:
         if self._lifeline is None:
             self._lifeline = os.pipe()  # the write end stays here, never written, never inherited
+        if self.mesh_secret is not None and name != "redis":  # in the environment: never on a command line
+            env = {**(env or {}), MESH_SECRET_ENV: self.mesh_secret}
         self._launch[name] = (argv, {**(env or {})}, cores)
         log = open(self.log_dir / f"{name}.log", "ab")
         # Python code between fork and exec (preexec_fn) can crash a process that runs other
@@ -317,7 +335,7 @@ class Cluster:
     def _wait_serving(self, names: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for name in names:
-            with self.client_security.sync_channel(self.addresses[name]) as channel:
+            with self.client_security.sync_channel(self.addresses[name], role=served_role(name)) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
                 while True:
                     self._check_alive()
@@ -339,14 +357,21 @@ class Cluster:
                 raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
 
     def stop(self, grace: float = 10.0) -> None:
-        """Stop in reverse start order: SIGTERM (drain), then SIGKILL after ``grace``."""
+        """Stop in reverse start order (the router before the workers it calls, Redis
+        last): SIGTERM (drain), then SIGKILL for a service still there after ``grace``.
+        The whole stop is bounded too, by twice ``grace``: a service that waits out its
+        grace eats into the next ones' (each keeps at least 1 s)."""
+        deadline = time.monotonic() + 2 * grace
         for name in reversed(list(self.procs)):
             proc = self.procs[name]
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+            wait_s = max(1.0, min(grace, deadline - time.monotonic()))
             try:
-                proc.wait(timeout=grace)
+                proc.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
+                print(f"{name} did not stop within {wait_s:.0f}s of SIGTERM: killed (its log: "
+                      f"{self.log_dir / name}.log)", file=sys.stderr, flush=True)
                 proc.kill()
                 proc.wait()
         self.procs.clear()
@@ -354,6 +379,12 @@ class Cluster:
             for fd in self._lifeline:
                 os.close(fd)
             self._lifeline = None
+
+
+def served_role(name: str) -> str | None:
+    """The mesh role a service of the cluster serves as (None: the router's public port)."""
+    kind = name.rsplit("-", 1)[0] if name[-1].isdigit() else name
+    return {"router": None, "prefill": "worker", "decode": "worker", "both": "worker"}.get(kind, kind)
 
 
 def _replica_names(service: str, num: int) -> list[str]:

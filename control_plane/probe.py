@@ -22,10 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tls-cert", default=None, help="a mesh certificate (PEM), for a service that requires one")
     ap.add_argument("--tls-key", default=None)
     ap.add_argument("--tls-ca", default=None, help="the mesh's CA (PEM): TLS")
+    ap.add_argument("--role", default=None, help="the mesh role served there (its certificate is checked for "
+                                                  "ROLE.kervan-mesh); none: the router's public port")
     args = ap.parse_args(argv)
     security = MeshSecurity.from_files(args.tls_cert, args.tls_key, args.tls_ca)
     try:
-        with security.sync_channel(args.address) as channel:
+        with security.sync_channel(args.address, role=args.role) as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout).status
     except grpc.RpcError as err:

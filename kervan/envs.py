@@ -44,14 +44,15 @@ def group_timeout_s() -> float:
     return float(os.environ.get(KERVAN_GROUP_TIMEOUT_S, "30"))
 
 
-# "auto" (pack linear weights for oneDNN where the platform says it pays) or "off"
+# "auto" (pack linear weights where the platform says it pays: oneDNN's micro-kernel layout where it packs
+# the dtype, else oneDNN's linear layout), "onednn" (oneDNN's linear layout only) or "off"
 KERVAN_WEIGHT_PACKING = "KERVAN_WEIGHT_PACKING"
 
 
 def weight_packing() -> str:
     value = os.environ.get(KERVAN_WEIGHT_PACKING, "auto")
-    if value not in ("auto", "off"):
-        raise ValueError(f"{KERVAN_WEIGHT_PACKING}={value!r}; expected auto or off")
+    if value not in ("auto", "onednn", "off"):
+        raise ValueError(f"{KERVAN_WEIGHT_PACKING}={value!r}; expected auto, onednn or off")
     return value
 
 # standard variables Kervan honours: oneDNN's ISA cap (PyTorch's own,

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from kervan.block_hash import BlockHash
 
-MEDIUM_DEVICE = "device"
+MEDIUM_DEVICE = "device"  # the engine's own pool (accelerator memory; the CPU's KV cache)
+MEDIUM_HOST = "host"  # tier 1 behind the pool: host memory
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import asyncio
 import grpc
 
 from control_plane.client import Completion, accumulate, build_request, stream
+from control_plane.launcher import served_role
 from services.proto import (
     kv_registry_pb2,
     kv_registry_pb2_grpc,
@@ -60,7 +61,7 @@ async def worker_loads(cluster):
     on a mesh with TLS)."""
     loads = {}
     for name in [n for n in cluster.procs if n.split("-")[0] in ("prefill", "decode", "both")]:
-        async with cluster.client_security.channel(cluster.addresses[name]) as ch:
+        async with cluster.client_security.channel(cluster.addresses[name], role=served_role(name)) as ch:
             loads[name] = (await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())).load
     return loads
 

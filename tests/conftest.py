@@ -32,6 +32,14 @@ def _configs():
     }
 
 
+def pytest_configure(config):
+    """Once per run, in the main process and not in each pytest-xdist worker (which would
+    remove what the others recorded): the chaos report starts empty."""
+    if not hasattr(config, "workerinput"):
+        from tests.chaos.checker import REPORT
+        REPORT.unlink(missing_ok=True)
+
+
 MODEL_KINDS = ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "glm4_moe"]
 MOE_KINDS = ["mixtral", "qwen2_moe", "glm4_moe"]
 
@@ -73,22 +81,35 @@ def llama(hf_models):
 
 
 def make_engine(model_dir, **options):
+    """float32 and the default (batch-variant) kernels: tests that compare greedy tokens across
+    batching, chunking or cache hits with it rely on the tiny models' wide init keeping the
+    top logits far apart, not on bit equality (that takes ``deterministic=True``:
+    tests/worker/test_deterministic.py compares logprobs with ==)."""
     from worker import Engine
     options = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 128, **options}
     return Engine.from_pretrained(model_dir, **options)
 
 
-def greedy_tokens(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+# The chaos suite and the OpenAI front run in the machine's own dtype (bf16 where it is native) with
+# --deterministic: a greedy request's tokens are then exact across migrations and cache hits by
+# construction, not by a float32 forced for its fewer near-ties. EXACT_REFERENCE is the in-process
+# engine that computes the same bits (the mesh's block size: the attention kernel is per block size).
+EXACT_MESH = dict(dtype="auto", deterministic=True)
+EXACT_REFERENCE = dict(EXACT_MESH, block_size=16)
+
+
+def greedy_tokens(model_dir, prompts: list[list[int]], max_tokens: int, **options) -> list[list[int]]:
     """The in-process engine's greedy tokens for each prompt: the reference the mesh's
-    answers are checked against (computed once per model, prompts and length)."""
-    return [list(t) for t in _greedy_tokens(str(model_dir), tuple(map(tuple, prompts)), max_tokens)]
+    answers are checked against (computed once per model, prompts, length and options)."""
+    key = tuple(sorted(options.items()))
+    return [list(t) for t in _greedy_tokens(str(model_dir), tuple(map(tuple, prompts)), max_tokens, key)]
 
 
 @functools.cache
-def _greedy_tokens(model_dir: str, prompts: tuple, max_tokens: int) -> tuple:
+def _greedy_tokens(model_dir: str, prompts: tuple, max_tokens: int, options: tuple) -> tuple:
     from worker import SamplingParams
-    outs = make_engine(model_dir).generate([list(p) for p in prompts],
-                                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    outs = make_engine(model_dir, **dict(options)).generate(
+        [list(p) for p in prompts], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     return tuple(tuple(o.token_ids) for o in outs)
 
 

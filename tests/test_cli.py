@@ -15,6 +15,16 @@ from tests.cache_helpers import fresh_cache
 from worker.platform import current_platform, dtype_name
 
 
+@pytest.mark.parametrize("argv", [["control_plane.cli", "complete", "hi", "--deterministic"],
+                                  ["services.worker", "--deterministic"]], ids=["complete", "worker"])
+def test_deterministic_reaches_the_engine_and_is_refused_where_it_cannot_hold(argv):
+    """--deterministic of `kervan complete` and of a worker gets to the engine: without the
+    native kernels it is refused, naming why (not silently served batch-variant)."""
+    env = {**os.environ, "KERVAN_ATTENTION_BACKEND": "torch"}
+    res = subprocess.run([sys.executable, "-m", *argv], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "deterministic mode needs the native CPU kernels" in res.stderr, res.stderr[-2000:]
+
+
 def test_kervan_complete_writes_the_default_model_and_answers(tmp_path):
     env = fresh_cache(tmp_path)
     cmd = [sys.executable, "-m", "control_plane.cli", "complete", "Once upon a time", "--max-tokens", "12",

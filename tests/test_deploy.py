@@ -103,13 +103,18 @@ def test_the_kustomization_builds_and_deployments_are_run_as_an_operator_expects
         # mutual TLS: the role's certificate from its Secret, the Redis password never on a command line
         assert container["args"][1:7] == ["--tls-cert", "/etc/kervan/tls/tls.crt", "--tls-key",
                                           "/etc/kervan/tls/tls.key", "--tls-ca", "/etc/kervan/tls/ca.crt"], name
-        [volume] = pod["volumes"]
-        assert volume["secret"]["secretName"] == f"kervan-tls-{ROLES[name]}", name
+        secrets = [v["secret"]["secretName"] for v in pod["volumes"]]
+        # the router also serves its public certificate: what clients check, never a mesh identity
+        public = ["kervan-tls-router-public"] if name == "router" else []
+        assert secrets == [f"kervan-tls-{ROLES[name]}", *public], name
         assert not any("redis://" in a for a in container["args"]), name
         if name != "lease-watch":  # grpc.health.v1 over mutual TLS (native gRPC probes cannot present a certificate)
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 command = container[probe]["exec"]["command"]
                 assert command[:3] == ["python3", "-m", "control_plane.probe"] and "--tls-ca" in command, (name, probe)
+                # a mesh port's certificate is checked for the role it serves; the router's is public
+                role = None if name == "router" else ROLES[name]
+                assert (command[command.index("--role") + 1] if "--role" in command else None) == role, (name, probe)
     for name in ("prefill", "decode", "router"):
         assert deployments[name]["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"], name
     pdbs = {d["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] for d in docs
@@ -132,7 +137,7 @@ class _FakeEngine:
 
     def stats(self):
         from types import SimpleNamespace
-        return SimpleNamespace(num_preemptions=0)
+        return SimpleNamespace(num_preemptions=0, num_host_blocks=0, num_host_demoted=0, num_host_promoted=0)
 
     def load(self):
         from types import SimpleNamespace

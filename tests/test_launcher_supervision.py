@@ -92,3 +92,22 @@ def test_sighup_stops_the_cluster_like_ctrl_c():
     rest = up.communicate(timeout=60)[1]
     assert up.returncode == 0 and "stopping the cluster" in rest, rest[-2000:]
     assert alive(children) == [] and port_free(addr)
+
+
+def test_stop_kills_services_that_ignore_sigterm_and_names_them(tmp_path, capsys):
+    """A service that hangs in its drain is SIGKILLed after the grace, and the launcher says
+    which one and where its log is (the stop of every service after it shares one bound)."""
+    from control_plane.launcher import Cluster, ClusterSpec
+    cluster = Cluster(ClusterSpec(tmp_path), tmp_path)
+    deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    for name in ("deaf-0", "deaf-1", "deaf-2"):
+        cluster._spawn(name, [sys.executable, "-c", deaf])
+    for name in ("deaf-0", "deaf-1", "deaf-2"):  # each has set its handler before the stop
+        while b"up" not in (tmp_path / f"{name}.log").read_bytes():
+            time.sleep(0.05)
+    procs = dict(cluster.procs)
+    cluster.stop(grace=1.0)
+    assert {name: p.returncode for name, p in procs.items()} == {name: -signal.SIGKILL for name in procs}
+    err = capsys.readouterr().err
+    for name in procs:
+        assert f"{name} did not stop within 1s of SIGTERM: killed (its log: {tmp_path / name}.log)" in err, err

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.client import Completion, accumulate, build_request, stream
-from control_plane.launcher import Cluster, ClusterSpec
+from control_plane.launcher import Cluster, ClusterSpec, served_role
 from services.common.security import MeshSecurity
 from services.proto import (
     common_pb2,
     kv_registry_pb2,
     kv_registry_pb2_grpc,
+    router_pb2,
     router_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
@@ -43,7 +45,8 @@ def tls_cluster(llama, tmp_path_factory):
     # two routers and two schedulers: clients and routers reach the replicas over TLS through one
     # channel each (services/common/replicas.py), certificates checked for the first one's address
     c = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1, dtype="float32", num_kv_blocks=128, tls=True,
-                            api_key_file=keys, registry_args=("--ttl", "2"), num_routers=2, num_schedulers=2),
+                            api_key_file=keys, registry_args=("--ttl", "2"), num_routers=2, num_schedulers=2,
+                            http_port=0),
                 tmp_path_factory.mktemp("tls-cluster-logs"))
     c.start(timeout=240)
     yield c
@@ -53,6 +56,11 @@ def tls_cluster(llama, tmp_path_factory):
 def as_role(cluster, role: str) -> MeshSecurity:
     d = cluster.tls_dir
     return MeshSecurity.from_files(str(d / f"{role}.pem"), str(d / f"{role}-key.pem"), str(d / "ca.pem"))
+
+
+def dial(cluster, role: str, service: str):
+    """A channel to ``service`` with ``role``'s certificate, checking the role it serves."""
+    return as_role(cluster, role).channel(cluster.addresses[service], role=served_role(service))
 
 
 def router_ca(cluster) -> MeshSecurity:
@@ -111,7 +119,7 @@ async def test_internal_services_refuse_callers_without_a_mesh_certificate(tls_c
     }
     for security in callers.values():
         for service in ("decode-0", "scheduler", "kv-registry"):
-            async with security.channel(tls_cluster.addresses[service]) as ch:
+            async with security.channel(tls_cluster.addresses[service], role=served_role(service)) as ch:
                 await expect(lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5),
                              grpc.StatusCode.UNAVAILABLE, "")  # the TLS handshake fails: nothing is served
         async with grpc.aio.insecure_channel(tls_cluster.addresses["decode-0"]) as ch:
@@ -143,7 +151,7 @@ STUBS = {"decode-0": worker_pb2_grpc.WorkerServiceStub, "kv-registry": kv_regist
 @pytest.mark.parametrize("role,service,method,request_,words", role_cases(),
                          ids=[f"{c[0]}->{c[1]}.{c[2]}" for c in role_cases()])
 async def test_each_role_calls_only_what_it_needs(tls_cluster, role, service, method, request_, words):
-    async with as_role(tls_cluster, role).channel(tls_cluster.addresses[service]) as ch:
+    async with dial(tls_cluster, role, service) as ch:
         await expect(lambda: getattr(STUBS[service](ch), method)(request_, timeout=10), DENIED, words)
 
 
@@ -157,10 +165,10 @@ async def test_push_kv_is_only_from_workers_and_is_bounded_before_it_is_buffered
         return gen()
 
     header = worker_pb2.KvHeader(request_id="x", num_bytes=4, dtype="float32", shape=[1], prompt_digest=digest)
-    async with as_role(tls_cluster, "router").channel(tls_cluster.addresses["decode-0"]) as ch:
+    async with dial(tls_cluster, "router", "decode-0") as ch:
         await expect(lambda: worker_pb2_grpc.WorkerServiceStub(ch).PushKv(
             push(worker_pb2.PushKvRequest(header=header)), timeout=10), DENIED, "may not call")
-    async with as_role(tls_cluster, "worker").channel(tls_cluster.addresses["decode-0"]) as ch:
+    async with dial(tls_cluster, "worker", "decode-0") as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)
         huge = worker_pb2.KvHeader(request_id="x", num_bytes=3 << 30, dtype="float32", shape=[3 << 28],
                                    prompt_digest=digest)  # refused at the header: nothing allocated
@@ -176,7 +184,7 @@ async def test_push_kv_is_only_from_workers_and_is_bounded_before_it_is_buffered
         receipt = await stub.PushKv(push(worker_pb2.PushKvRequest(header=long_lease),
                                          worker_pb2.PushKvRequest(chunk=b"\0" * 4)), timeout=10)
         assert len(receipt.handle) == 32  # minted by the receiver
-    async with as_role(tls_cluster, "router").channel(tls_cluster.addresses["decode-0"]) as ch:
+    async with dial(tls_cluster, "router", "decode-0") as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)
         # the KV is bound to the digest of the prompt it was pushed for: another prompt cannot use it
         await expect(lambda: stub.Decode(worker_pb2.DecodeRequest(
@@ -186,7 +194,7 @@ async def test_push_kv_is_only_from_workers_and_is_bounded_before_it_is_buffered
 
 
 async def test_prefill_pushes_only_to_registered_decode_workers(tls_cluster):
-    async with as_role(tls_cluster, "router").channel(tls_cluster.addresses["prefill-0"]) as ch:
+    async with dial(tls_cluster, "router", "prefill-0") as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)
         for address in ("169.254.169.254:80", tls_cluster.addresses["scheduler"], tls_cluster.addresses["prefill-0"]):
             await expect(lambda address=address: stub.Prefill(worker_pb2.PrefillRequest(
@@ -196,12 +204,12 @@ async def test_prefill_pushes_only_to_registered_decode_workers(tls_cluster):
 
 
 async def test_the_registry_bounds_what_workers_send_and_keeps_fencing_tokens_private(tls_cluster):
-    async with as_role(tls_cluster, "admin").channel(tls_cluster.addresses["kv-registry"]) as ch:
+    async with dial(tls_cluster, "admin", "kv-registry") as ch:
         listed = await kv_registry_pb2_grpc.KvRegistryServiceStub(ch).ListWorkers(
             kv_registry_pb2.ListWorkersRequest(), timeout=10)
     assert len(listed.workers) == 2 and {w.info.incarnation for w in listed.workers} == {""}
     live = listed.workers[0].info
-    async with as_role(tls_cluster, "worker").channel(tls_cluster.addresses["kv-registry"]) as ch:
+    async with dial(tls_cluster, "worker", "kv-registry") as ch:
         stub = kv_registry_pb2_grpc.KvRegistryServiceStub(ch)
         info = kv_registry_pb2.WorkerInfo(worker_id=live.worker_id, address=live.address, role=live.role,
                                           model=live.model, block_size=16, hash_name=live.hash_name,
@@ -225,7 +233,7 @@ async def test_the_registry_bounds_what_workers_send_and_keeps_fencing_tokens_pr
         fat = kv_registry_pb2.KvEvent(seq=1, stored=kv_registry_pb2.BlockStored(block_hashes=[b"x" * 65]))
         await expect(lambda: stub.PublishEvents(kv_registry_pb2.PublishEventsRequest(
             worker_id=live.worker_id, events=[fat]), timeout=10), INVALID, "block hash is")
-    async with as_role(tls_cluster, "scheduler").channel(tls_cluster.addresses["kv-registry"]) as ch:
+    async with dial(tls_cluster, "scheduler", "kv-registry") as ch:
         await expect(lambda: kv_registry_pb2_grpc.KvRegistryServiceStub(ch).Match(kv_registry_pb2.MatchRequest(
             block_hashes=[i.to_bytes(8, "big") for i in range(70_000)]), timeout=10), EXHAUSTED, "block hashes")
 
@@ -236,3 +244,119 @@ async def test_after_the_catalog_kv_is_idle_and_requests_flow(tls_cluster):
     assert len(out.token_ids) == 6
     await asyncio.sleep(0)
     await wait_idle(tls_cluster)
+
+
+async def test_a_request_id_reused_on_another_router_touches_only_its_own_request(tls_cluster):
+    """A client's request id is unique on its router only; the workers know each request by
+    an id its router minted. Another tenant's request with the same id, on the other router,
+    cancelled mid-stream (an abort on the one decode worker both use), leaves the first whole."""
+    first = Completion()
+    request = build_request(token_ids=PROMPT, max_tokens=120, temperature=0.0, ignore_eos=True, request_id="shared")
+    kwargs = {"timeout": 60, "security": router_ca(tls_cluster), "api_key": KEY}
+    mine = stream(tls_cluster.addresses["router"], request, **kwargs)
+    accumulate(first, await anext(mine))
+    other = stream(tls_cluster.addresses["router-1"], request, **kwargs)
+    assert (await anext(other)).request_id == "shared"  # the client's id is what its answers carry
+    await other.aclose()  # the other client goes away: its router aborts its request on the worker
+    async for msg in mine:
+        accumulate(first, msg)
+    assert len(first.token_ids) == 120 and first.finish_reason == "length" and first.request_id == "shared"
+    await wait_idle(tls_cluster)
+
+
+class CapturingRouter(router_pb2_grpc.RouterServiceServicer):
+    """A fake router: what it would capture of a client that trusted it."""
+
+    def __init__(self):
+        self.captured = []
+
+    async def Generate(self, request, context):
+        self.captured.append((request, context.invocation_metadata()))
+        yield router_pb2.GenerateResponse(request_id="fake")
+
+
+@pytest.mark.parametrize("stolen", ["worker", "decode-0", "scheduler"])
+async def test_a_mesh_certificate_cannot_pose_as_the_router_or_another_role(tls_cluster, stolen):
+    """A certificate of another role (a worker's, stolen) serving RouterService: a client
+    built like `kervan generate --tls-ca ca.pem` fails the handshake and sends nothing (the
+    key and the prompt stay with it); a router-side client that dials another role (the
+    scheduler, a worker) refuses it too."""
+    from services.common.server import Service, start_server
+    fake = CapturingRouter()
+    service = Service("kervan.v1.RouterService", lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(fake, s))
+    server = await start_server([service], security=as_role(tls_cluster, stolen), public=True)
+    await server.set_serving(True)
+    try:
+        address = f"127.0.0.1:{server.port}"
+        await expect(lambda: ask_at(address, router_ca(tls_cluster)), grpc.StatusCode.UNAVAILABLE, "")
+        other = "worker" if stolen == "scheduler" else "scheduler"  # a role the stolen certificate is not
+        async with as_role(tls_cluster, "router").channel(address, role=other) as ch:
+            await expect(lambda: scheduler_pb2_grpc.SchedulerServiceStub(ch).Place(
+                scheduler_pb2.PlaceRequest(request_id="x", num_prompt_tokens=8), timeout=5),
+                grpc.StatusCode.UNAVAILABLE, "")
+        assert fake.captured == []
+    finally:
+        await server.stop(0)
+
+
+async def ask_at(address: str, security: MeshSecurity) -> None:
+    async for _ in stream(address, build_request(token_ids=PROMPT, max_tokens=2), timeout=5, security=security,
+                          api_key=KEY):
+        pass
+
+
+async def test_a_worker_certificate_registers_only_its_own_address_and_one_worker(tls_cluster):
+    """kervan up issues each worker a certificate naming its address: with it a compromised
+    worker can neither advertise another address (and receive another worker's requests) nor
+    hold another worker's id, nor register a second worker beside its own."""
+    live = {w.info.role: w.info for w in (await list_workers(tls_cluster)).workers}
+    decode, prefill = live["decode"], live["prefill"]
+    d = tls_cluster.tls_dir  # decode-0's own certificate, as the launcher issued it
+    stolen = MeshSecurity.from_files(str(d / "decode-0.pem"), str(d / "decode-0-key.pem"), str(d / "ca.pem"))
+    async with stolen.channel(tls_cluster.addresses["kv-registry"], role="kv-registry") as ch:
+        stub = kv_registry_pb2_grpc.KvRegistryServiceStub(ch)
+
+        def register(worker_id: str, address: str, role: str = "decode"):
+            info = kv_registry_pb2.WorkerInfo(worker_id=worker_id, address=address, role=role, model=decode.model,
+                                              block_size=16, hash_name=decode.hash_name, max_model_len=64, max_n=1)
+            return stub.Register(kv_registry_pb2.RegisterRequest(worker=info), timeout=10)
+        await expect(lambda: register("decode@evil", prefill.address), DENIED, "may register")
+        await expect(lambda: register(prefill.worker_id, prefill.address, "prefill"), DENIED, "may register")
+        await expect(lambda: register("decode@other", decode.address), DENIED, "ROLE@ADDRESS")
+        await expect(lambda: register(f"both@{decode.address}", decode.address, "both"), DENIED,
+                     "holds the live registration")
+    after = {w.info.worker_id for w in (await list_workers(tls_cluster)).workers}
+    assert after == {decode.worker_id, prefill.worker_id}
+
+
+async def list_workers(cluster) -> kv_registry_pb2.ListWorkersResponse:
+    async with dial(cluster, "admin", "kv-registry") as ch:
+        return await kv_registry_pb2_grpc.KvRegistryServiceStub(ch).ListWorkers(kv_registry_pb2.ListWorkersRequest(),
+                                                                               timeout=10)
+
+
+async def test_each_router_serves_https_with_its_public_certificate(tls_cluster):
+    """The OpenAI front over HTTPS with the public certificate (checked for 127.0.0.1 with the
+    mesh's CA), a key required; behind it the front dials its own router, checking that
+    certificate by the first name it carries."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    context = ssl.create_default_context(cafile=str(tls_cluster.tls_dir / "ca.pem"))
+    body = json.dumps({"model": tls_cluster.spec.model_dir.name, "prompt": PROMPT, "max_tokens": 3,
+                       "temperature": 0}).encode()
+
+    def post(address: str, key: str | None) -> tuple[int, dict]:
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        request = urllib.request.Request(f"https://{address}/v1/completions", data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=30, context=context) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+    for name in ("router", "router-1"):
+        status, answer = await asyncio.to_thread(post, tls_cluster.addresses[f"{name}-http"], KEY)
+        assert status == 200 and answer["usage"]["completion_tokens"] == 3, answer
+        status, _ = await asyncio.to_thread(post, tls_cluster.addresses[f"{name}-http"], None)
+        assert status == 401

@@ -9,6 +9,8 @@ on its root, and its continuation on the other worker hangs from the same root."
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections import defaultdict
 from concurrent import futures
@@ -62,7 +64,8 @@ async def test_one_request_is_one_trace_across_every_process(llama, tmp_path, re
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # export every 0.2 s, not 5
     cluster = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=2, dtype="float32", num_kv_blocks=256,
-                                  scheduler_args=("--min-remote-prefill-blocks", "1")), tmp_path)
+                                  scheduler_args=("--min-remote-prefill-blocks", "1"),
+                                  worker_args=("--max-num-seqs", "1")), tmp_path)  # streams queue: see migrated_trace
     await asyncio.to_thread(cluster.start, 240)
     try:
         prompt = make_prompts([40], seed=46)[0]  # uncached: prefilled on the prefill worker, KV pushed
@@ -124,14 +127,17 @@ async def test_one_request_is_one_trace_across_every_process(llama, tmp_path, re
 
 
 async def migrated_trace(cluster, sink):
-    """Kill decode-0 under streams that delivered tokens; returns (root span, spans of its
-    trace) of a request that migrated."""
-    import subprocess
-
-    from tests.chaos.checker import streams_decoding_on
-    prompts = make_prompts([20, 21, 22, 23], seed=47)
-    tasks = await streams_decoding_on(cluster.router_address, cluster.addresses["decode-0"], prompts, 300, 120)
-    subprocess.run(["kill", "-9", str(cluster.procs["decode-0"].pid)], check=True)
+    """Kill a decode worker under streams that delivered tokens; returns (root span, spans of
+    its trace) of a request that migrated."""
+    from tests.chaos.checker import streams_decoding_on_one_of
+    prompts = make_prompts([20, 21, 22, 23, 24, 25, 26, 27], seed=47)
+    # the tiny model decodes 400 tokens in under half a second: with one sequence per worker the
+    # eight streams queue on the two decode workers, and the one first seen streaming is killed at
+    # once (by a signal from here, not a `kill` process to start); either will do, as placement
+    # may give one worker few enough streams to finish before the last client holds its token
+    decode = {cluster.addresses[name]: name for name in ("decode-0", "decode-1")}
+    tasks, victim = await streams_decoding_on_one_of(cluster.router_address, list(decode), prompts, 480, 120)
+    os.kill(cluster.procs[decode[victim]].pid, signal.SIGKILL)
     await asyncio.gather(*tasks)
     deadline = time.monotonic() + 30
     while True:

@@ -203,6 +203,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    # tier 1 behind the pool (``worker/kv/host_tier.py``): host memory for blocks that leave it
+    # (evicted prefixes, preempted sequences), copied back on a hit instead of computed; 0: none
+    kv_host_bytes: int = 0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position
@@ -215,6 +218,10 @@ class EngineConfig:
     expert_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enforce_eager: bool = False  # no CUDA graphs for decode steps (``worker/runner/graphs.py``)
+    # batch-invariant kernels: a request's greedy tokens and logprobs are bit-identical whatever
+    # else is in its steps, however its prompt is chunked, wherever its prefix KV came from
+    # (``worker/layers/batch_invariant.py``); the CPU with the native kernels only, for now
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -229,6 +236,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.kv_host_bytes < 0:
+            raise ConfigError(f"kv_host_bytes must be >= 0, got {self.kv_host_bytes}")
 
     @property
     def world_size(self) -> int:
@@ -239,12 +248,19 @@ class EngineConfig:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * elem
 
+    def host_tier_blocks(self, model: ModelConfig) -> int:
+        """Blocks the host tier holds (0: no tier)."""
+        return self.kv_host_bytes // self.bytes_per_block(model) if self.kv_host_bytes else 0
+
     def resolve(self, model: ModelConfig, platform: Platform) -> EngineConfig:
         """Fill the values that depend on the hardware and the model; returns a new config."""
         device = platform.resolve_device(self.device)
         if device.startswith("cuda") and platform.cuda is None:
             raise ConfigError(f"device {self.device!r} requested but CUDA is not available")
         concrete = replace(self, device=device, dtype=platform.resolve_dtype(self.dtype, device))
+        if self.deterministic and not device.startswith("cpu"):
+            raise ConfigError(f"deterministic mode runs on the CPU's native kernels; on {device} Kervan has no "
+                              f"batch-invariant attention and matmuls yet (use device='cpu')")
         check_parallel(model, self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size,
                        platform.num_ranks(device))
         num_blocks = self.num_kv_blocks or max(2, self.kv_cache_memory_bytes // concrete.bytes_per_block(model))

@@ -24,6 +24,9 @@ def safetensor_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        outside = [n for n in names if not _plain_file_name(n)]
+        if outside:  # "../x", "/etc/x", "sub/x": a shard is a file of the model directory itself
+            raise ConfigError(f"{index.name} names shards outside the model directory: {outside[:3]}")
         files = [model_dir / n for n in names]
         absent = [str(f) for f in files if not f.is_file()]
         if absent:
@@ -33,6 +36,10 @@ def safetensor_files(model_dir: Path) -> list[Path]:
     if not files:
         raise ConfigError(f"{model_dir}: no *.safetensors files (Kervan never loads pickled weights)")
     return files
+
+
+def _plain_file_name(name: object) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
 
 
 class CheckpointTensor:
@@ -69,5 +76,5 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int,
     with torch.device(device):
         model = DecoderModel(cfg, dtype, max_positions)
     load_weights(model, iter_tensors(model_dir, dtype))
-    pack_weights(model.dense_linears(), dtype, torch.device(device).type)
+    pack_weights(model.dense_linears(), dtype, torch.device(device).type, wide=model.lm_head)
     return model.eval()

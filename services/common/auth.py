@@ -7,7 +7,8 @@
   not place requests, only workers may register, heartbeat or publish blocks. A call
   without a certificate is UNAUTHENTICATED, from a role the method does not admit
   PERMISSION_DENIED. Without TLS (loopback only) callers cannot be told apart, and
-  every role is admitted.
+  every role is admitted; with a mesh secret (``security.py``), an internal service
+  admits only calls that carry it (UNAUTHENTICATED otherwise).
 - A server given API keys (the router's public API) also requires
   ``authorization: Bearer <key>`` metadata; keys are compared in constant time and
   may carry an expiry. A missing, wrong or expired key is UNAUTHENTICATED."""
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import inspect
+import re
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -26,8 +28,10 @@ import grpc
 
 from services.common.errors import rewrap
 from services.common.metrics import RPC_ERRORS
+from services.common.security import MESH_SECRET_METADATA
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_COMMENT = re.compile(r"(?:^|\s)#")
 ANY_ROLE = "*"
 
 
@@ -39,7 +43,9 @@ class ApiKey:
 
 class ApiKeys:
     """The keys a public API accepts. A file holds one per line, optionally followed by
-    ``expires=<ISO 8601 time>``; blank lines and ``#`` comments are skipped."""
+    ``expires=<ISO 8601 time with its zone>``; blank lines are skipped, and so is a
+    comment: ``#`` at the start of a line or after a space (a ``#`` inside a key is part
+    of it)."""
 
     def __init__(self, keys: Collection[ApiKey]):
         self.keys = tuple(keys)
@@ -48,7 +54,7 @@ class ApiKeys:
     def from_file(cls, path: str | Path) -> ApiKeys:
         keys = []
         for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-            words = line.split("#", 1)[0].split()
+            words = _COMMENT.split(line, 1)[0].split()
             if not words:
                 continue
             expires = None
@@ -56,7 +62,13 @@ class ApiKeys:
                 name, _, value = word.partition("=")
                 if name != "expires":
                     raise ValueError(f"{path}:{n}: unknown key option {name!r} (only expires=<ISO time>)")
-                expires = datetime.fromisoformat(value).timestamp()
+                try:
+                    when = datetime.fromisoformat(value)
+                except ValueError:
+                    raise ValueError(f"{path}:{n}: expires={value!r} is not an ISO 8601 time") from None
+                if when.tzinfo is None:  # local time would shift with the host's zone
+                    raise ValueError(f"{path}:{n}: expires={value} has no time zone: add Z or +HH:MM")
+                expires = when.timestamp()
             if len(words[0]) < 16:
                 raise ValueError(f"{path}:{n}: an API key needs at least 16 characters")
             keys.append(ApiKey(words[0].encode(), expires))
@@ -91,10 +103,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     admitted; a method not named admits every role. ``mesh_tls``: whether callers
     hold certificates (roles are checked only then)."""
 
-    def __init__(self, callers: Mapping[str, Collection[str]], mesh_tls: bool, api_keys: ApiKeys | None = None):
+    def __init__(self, callers: Mapping[str, Collection[str]], mesh_tls: bool, api_keys: ApiKeys | None = None,
+                 mesh_secret: bytes | None = None):
         self.callers = callers
         self.mesh_tls = mesh_tls
         self.api_keys = api_keys
+        self.mesh_secret = mesh_secret
 
     def roles_for(self, method: str) -> Collection[str]:
         service = method[:method.rindex("/") + 1]
@@ -103,11 +117,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         method = details.method
-        if handler is None or method.startswith(OPEN_PREFIXES) or (self.api_keys is None and not self.mesh_tls):
+        if handler is None or method.startswith(OPEN_PREFIXES) or (
+                self.api_keys is None and not self.mesh_tls and self.mesh_secret is None):
             return handler  # nothing to check: no wrapper around every streamed message
         refusal = None
+        metadata = {k: v for k, v in details.invocation_metadata or () if isinstance(v, str)}
         if self.api_keys is not None:
-            refusal = self.api_keys.check({k: v for k, v in details.invocation_metadata or () if isinstance(v, str)})
+            refusal = self.api_keys.check(metadata)
+        if self.mesh_secret is not None and not hmac.compare_digest(
+                metadata.get(MESH_SECRET_METADATA, "").encode(), self.mesh_secret):
+            refusal = f"this service needs the mesh's credential ({MESH_SECRET_METADATA} metadata)"
         roles = self.roles_for(method)
 
         async def check(context: grpc.aio.ServicerContext) -> None:

@@ -8,6 +8,7 @@ INTERNAL for their own mistakes:
     Unavailable, Redis down     -> UNAVAILABLE
     FailedPrecondition          -> FAILED_PRECONDITION
     NotFound, AlreadyExists     -> NOT_FOUND, ALREADY_EXISTS
+    PermissionDenied            -> PERMISSION_DENIED
     Aborted                     -> ABORTED (a peer of this server failed the call: not this server)
     anything else               -> INTERNAL (logged with its traceback and the request id)
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import re
 
 import grpc
 from google.protobuf.any_pb2 import Any
@@ -28,6 +30,7 @@ from google.rpc import status_pb2
 from google.rpc.error_details_pb2 import RetryInfo
 from grpc_status import rpc_status
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MasterDownError, OutOfMemoryError, ReadOnlyError, ResponseError, TryAgainError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kervan.sampling import InvalidRequest
@@ -57,6 +60,10 @@ class AlreadyExists(Exception):
     """The request names something that exists already (e.g. an in-flight request id)."""
 
 
+class PermissionDenied(Exception):
+    """The caller's identity may not do this (a worker certificate registering another's address)."""
+
+
 class Aborted(Exception):
     """The call failed on another server this one depends on (a prefill worker's KV push
     to its decode worker): the caller should not blame this server."""
@@ -66,12 +73,26 @@ class FailedPrecondition(Exception):
     """The call does not fit this server's state or role (e.g. Decode on a prefill worker)."""
 
 
+_UNSERVED = re.compile(r"(?:^|caused error: \(')(?:BUSY|MISCONF|OOM|READONLY|MASTERDOWN|TRYAGAIN|LOADING) ")
+
+
+def redis_unavailable(exc: BaseException) -> bool:
+    """A Redis that answers but cannot serve now — a script running past its limit (BUSY),
+    memory full (OOM), persistence failing (MISCONF), a read-only replica, a failover in
+    progress: the caller may try again or fall back, as when Redis is unreachable."""
+    if isinstance(exc, (OutOfMemoryError, ReadOnlyError, MasterDownError, TryAgainError)):
+        return True
+    # as Redis words it, or wrapped by redis-py's pipeline ("Command # 1 (MGET ...) of pipeline
+    # caused error: ('BUSY Redis is busy running a script...',)")
+    return isinstance(exc, ResponseError) and _UNSERVED.search(str(exc)) is not None
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, (Unavailable, RedisConnectionError, RedisTimeoutError)):
+    if isinstance(exc, (Unavailable, RedisConnectionError, RedisTimeoutError)) or redis_unavailable(exc):
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, FailedPrecondition):
         return grpc.StatusCode.FAILED_PRECONDITION
@@ -81,6 +102,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.ALREADY_EXISTS
     if isinstance(exc, Aborted):
         return grpc.StatusCode.ABORTED
+    if isinstance(exc, PermissionDenied):
+        return grpc.StatusCode.PERMISSION_DENIED
     return grpc.StatusCode.INTERNAL
 
 

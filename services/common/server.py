@@ -82,7 +82,8 @@ async def start_server(services: list[Service], host: str = "127.0.0.1", port: i
     its clients verify it, and present ``api_keys`` when it has some)."""
     security.check_listen(host, "the gRPC server")
     callers = {k: v for s in services for k, v in s.method_callers().items()}
-    auth = AuthInterceptor(callers, mesh_tls=security.tls and not public, api_keys=api_keys)
+    auth = AuthInterceptor(callers, mesh_tls=security.tls and not public, api_keys=api_keys,
+                           mesh_secret=None if public else security.mesh_secret)
     server = grpc.aio.server(interceptors=[auth, ErrorInterceptor()], options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),

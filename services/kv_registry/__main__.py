@@ -11,7 +11,7 @@ from services.common.metrics import add_metrics_argument, serve_metrics
 from services.common.security import MeshSecurity, add_security_arguments
 from services.common.server import Service, run, serve_until_signal, start_server
 from services.common.tracing import configure_tracing
-from services.kv_registry.index import PrefixIndex
+from services.kv_registry.index import MAX_BLOCKS_PER_WORKER, PrefixIndex
 from services.kv_registry.metrics import CountingConnection
 from services.kv_registry.servicer import CALLERS, KvRegistryServicer
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
@@ -35,6 +35,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--redis-max-connections", type=int, default=16,
                     help="Redis connections at most (more concurrent calls wait for one); bounds the open sockets, "
                          "which a pool without a bound grows to every burst's peak, after each Redis restart")
+    ap.add_argument("--max-blocks-per-worker", type=int, default=MAX_BLOCKS_PER_WORKER,
+                    help="the most KV blocks the registry keeps for one worker (a worker that registered a smaller "
+                         "capacity is held to that): a PublishEvents past it is refused")
+    ap.add_argument("--require-worker-addresses", action="store_true",
+                    help="with TLS: refuse a worker certificate that names no address it may register "
+                         "(kervan-worker://HOST:PORT URIs); without this flag only certificates that name some are "
+                         "held to them")
     add_metrics_argument(ap)
     add_security_arguments(ap)
     return parse_args_with_env(ap, "kv_registry", argv)
@@ -44,9 +51,9 @@ async def serve(args: argparse.Namespace) -> None:
     security = MeshSecurity.from_args(args)
     client = redis_url.connect(args.redis, args.redis_timeout, args.redis_max_connections, CountingConnection)
     await client.ping()
-    index = PrefixIndex(client, args.ttl)
+    index = PrefixIndex(client, args.ttl, args.max_blocks_per_worker)
     await index.forget_all()  # rebuild from the workers' dumps, asked for on their next heartbeat
-    servicer = KvRegistryServicer(index, args.block_size, HASH_NAME)
+    servicer = KvRegistryServicer(index, args.block_size, HASH_NAME, args.require_worker_addresses)
     handle = await start_server([Service(SERVICE_NAME, lambda s: (
         kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(servicer, s)), CALLERS)], args.host, args.port,
         security=security)

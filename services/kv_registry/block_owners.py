@@ -23,18 +23,22 @@ class BlockOwners:
     def key(self, block_hex: str) -> str:
         return self.block_prefix + block_hex
 
-    async def match(self, block_hashes: list[bytes], unknown_key: str) -> tuple[dict[str, int], list[str]]:
-        """Worker id -> how many leading blocks of the prompt it holds; the unknown workers."""
+    async def match(self, block_hashes: list[bytes], unknown_key: str, tiered_key: str
+                    ) -> tuple[dict[str, int], list[str], set[str]]:
+        """Worker id -> how many leading blocks of the prompt it holds; the unknown workers;
+        the workers that keep blocks in more than one tier."""
         async with self.r.pipeline(transaction=False) as pipe:
             if block_hashes:
                 pipe.mget([self.key(h.hex()) for h in block_hashes])
             pipe.hgetall(self.slots_key)
             pipe.smembers(unknown_key)
-            *bitmaps, slots, unknown = await pipe.execute()
+            pipe.smembers(tiered_key)
+            *bitmaps, slots, unknown, tiered = await pipe.execute()
         unknown_ids = sorted(w.decode() for w in unknown)
+        tiered_ids = {w.decode() for w in tiered}
         if not block_hashes:
-            return {}, unknown_ids
-        return leading_owners(bitmaps[0], {int(s): w.decode() for w, s in slots.items()}), unknown_ids
+            return {}, unknown_ids, tiered_ids
+        return leading_owners(bitmaps[0], {int(s): w.decode() for w, s in slots.items()}), unknown_ids, tiered_ids
 
 
 def leading_owners(bitmaps: list[bytes | None], workers: dict[int, str]) -> dict[str, int]:

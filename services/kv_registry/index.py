@@ -11,10 +11,14 @@ Keys (``kervan:`` prefix):
     blk:{hash hex}        bitmap of the slots of the workers holding that block
                           (``block_owners.py``)
     own:{id}              hash: block hash (hex) -> tier, what the worker holds
+    tiered                set of workers that hold blocks in a tier other than the device's
     unknown               set of worker ids whose block sets the registry cannot
                           vouch for (a gap in their events, or the registry
                           restarted) until a full dump replaces them
     fence                 counter of fencing tokens: each registration's incarnation
+    cert:{sha256}         the worker id a certificate last registered (TLS meshes)
+    retired               hash: slot -> the worker whose blocks' bits still carry it
+    purging:{slot}        the blocks of a retired slot, cleared in batches (then the slot is free)
 
 A worker whose ``w:{id}`` key expired is dead: its ownership is purged the next
 time the live set is read. A worker the registry cannot account for is
@@ -26,20 +30,29 @@ one Lua script (``scripts.py``), so no purge can interleave with a registration.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from dataclasses import asdict, dataclass, fields
 
 import redis.asyncio as redis
 
-from kervan.kv_events import BlockRemoved, BlockStored, KVEvent
-from services.common.errors import AlreadyExists, FailedPrecondition
+from kervan.kv_events import MEDIUM_HOST, BlockRemoved, BlockStored, KVEvent
+from kervan.sampling import InvalidRequest
+from services.common.errors import AlreadyExists, FailedPrecondition, PermissionDenied
 from services.common.load import SCALARS, Load
 from services.kv_registry import scripts
 from services.kv_registry.block_owners import BlockOwners
 
 log = logging.getLogger(__name__)
 P = "kervan:"
+MAX_BLOCKS_PER_WORKER = 1 << 20  # the registry's bound on one worker's blocks (16M tokens at 16 per block)
+CHUNK_HASHES = 2048  # block hashes per script call: each call holds Redis a few ms at most
+SWEEP_BATCH = 2048  # retired blocks cleared per script call
+IDENTITY_TTL_S = 86400  # how long a certificate's tie to its worker id outlives the last registration
+RETIRED = f"{P}retired"
+TIERED = f"{P}tiered"
+PURGING = f"{P}purging:"
 LEASE_PREFIX = f"{P}w:"  # a worker's lease key is LEASE_PREFIX + its id (the lease watch listens for their expiry)
 
 
@@ -54,11 +67,35 @@ class WorkerRecord:
     hash_name: str
     max_model_len: int  # the longest request it serves (prompt + max_tokens)
     max_n: int  # the most samples per request it serves
+    kv_capacity_blocks: int = 0  # the most blocks it holds (0: not said; the registry's bound)
+    registration_nonce: str = ""  # its process's: a retried Register gets the same registration
 
     @classmethod
     def from_hash(cls, f: dict[str, str]) -> WorkerRecord:
         """The record a registration stored in the worker's Redis hash (every value a string)."""
         return cls(**{k.name: int(f[k.name]) if k.type == "int" else f[k.name] for k in fields(cls)})
+
+
+def _chunks(events: list[tuple[str, int, str, list[str]]]) -> list[list]:
+    """Script arguments for ``events`` in calls of at most ``CHUNK_HASHES`` hashes each; an
+    event larger than that goes on as its rest (``s``/``r``: applied right after it)."""
+    chunks: list[list] = [[]]
+    room = CHUNK_HASHES
+    for kind, seq, tier, hexes in events:
+        if room == 0:
+            chunks.append([])
+            room = CHUNK_HASHES
+        start = 0
+        while True:
+            part = hexes[start:start + room]
+            chunks[-1] += [kind if start == 0 else kind.lower(), seq, tier, len(part), *part]
+            start += len(part)
+            room -= len(part)
+            if start >= len(hexes):
+                break
+            chunks.append([])
+            room = CHUNK_HASHES
+    return chunks
 
 
 class StaleIncarnation(FailedPrecondition):
@@ -69,23 +106,43 @@ class StaleIncarnation(FailedPrecondition):
 
 
 class PrefixIndex:
-    def __init__(self, client: redis.Redis, ttl_s: int = 5):
+    def __init__(self, client: redis.Redis, ttl_s: int = 5, max_blocks_per_worker: int = MAX_BLOCKS_PER_WORKER):
         self.r = client
         self.ttl_s = ttl_s
+        self.max_blocks_per_worker = max_blocks_per_worker
+        self._sweeping: asyncio.Task | None = None
         self.owners = BlockOwners(client, P)
         self._renew = client.register_script(scripts.RENEW)
         self._apply = client.register_script(scripts.APPLY)
         self._register = client.register_script(scripts.REGISTER)
         self._purge = client.register_script(scripts.PURGE)
         self._live = client.register_script(scripts.LIVE)
+        self._claim = client.register_script(scripts.CLAIM_IDENTITY)
+        self._sweep = client.register_script(scripts.SWEEP)
 
     async def match(self, block_hashes: list[bytes]) -> tuple[dict[str, int], list[str]]:
         """Worker id -> how many leading blocks of the prompt it holds, and the workers
         whose block sets are unknown (their counts are the last known state)."""
-        return await self.owners.match(block_hashes, f"{P}unknown")
+        matched, unknown, _ = await self.match_tiers(block_hashes)
+        return matched, unknown
+
+    async def match_tiers(self, block_hashes: list[bytes]) -> tuple[dict[str, int], list[str], dict[str, int]]:
+        """``match``, and of each worker's matched blocks how many are in its host tier (one
+        more round trip, only when a matched worker keeps blocks in another tier)."""
+        matched, unknown, tiered = await self.owners.match(block_hashes, f"{P}unknown", TIERED)
+        looked = [w for w in matched if w in tiered and matched[w]]
+        if not looked:
+            return matched, unknown, {}
+        async with self.r.pipeline(transaction=False) as pipe:
+            for w in looked:
+                pipe.hmget(f"{P}own:{w}", [h.hex() for h in block_hashes[:matched[w]]])
+            tiers = await pipe.execute()
+        host = {w: sum(t == MEDIUM_HOST.encode() for t in ts) for w, ts in zip(looked, tiers)}
+        return matched, unknown, {w: n for w, n in host.items() if n}
 
     async def forget_all(self) -> None:
         """On registry start: nothing in Redis is vouched for until each worker's dump."""
+        self.sweep_soon()  # a registry that died mid-sweep left retired slots
         workers = await self.r.smembers(f"{P}workers")
         if workers:
             await self.r.sadd(f"{P}unknown", *workers)
@@ -95,12 +152,23 @@ class PrefixIndex:
         refuses an id whose lease is live (another process holds it)."""
         fields = {k: str(v) for k, v in {**asdict(worker), **{k: 0 for k in SCALARS}}.items() if k != "incarnation"}
         answer = await self._register(keys=self._keys(worker.worker_id) + [f"{P}fence"],
-                                      args=[worker.worker_id, self.owners.block_prefix, self.ttl_s,
-                                            secrets.token_hex(8), *(x for kv in fields.items() for x in kv)])
+                                      args=[worker.worker_id, self.owners.block_prefix, PURGING, self.ttl_s,
+                                            secrets.token_hex(8), worker.registration_nonce,
+                                            *(x for kv in fields.items() for x in kv)])
+        self.sweep_soon()
         if answer == -1:
             raise AlreadyExists(f"worker id {worker.worker_id!r} is held by a live process (its lease has "
                                 f"{await self.r.ttl(LEASE_PREFIX + worker.worker_id)}s left)")
         return answer[0].decode() if isinstance(answer[0], bytes) else str(answer[0])
+
+    async def claim_identity(self, identity: str, worker_id: str) -> None:
+        """Ties a certificate's identity to ``worker_id``; refuses another id while the one
+        it holds has a live lease (one live registration per certificate)."""
+        answer = await self._claim(keys=[f"{P}cert:{identity}"], args=[worker_id, LEASE_PREFIX, IDENTITY_TTL_S])
+        if answer != b"ok" and answer != "ok":
+            held = answer.decode() if isinstance(answer, bytes) else str(answer)
+            raise PermissionDenied(f"this certificate holds the live registration of worker {held!r}: one worker "
+                                   f"per certificate")
 
     async def deregister(self, worker_id: str, incarnation: str) -> None:
         if not await self.purge(worker_id, incarnation):
@@ -109,12 +177,26 @@ class PrefixIndex:
     async def purge(self, worker_id: str, incarnation: str = "") -> bool:
         """Drops the worker if it is still in the state the caller saw: registered with
         ``incarnation``, or (``""``) with its lease expired. True if it was dropped."""
-        return bool(await self._purge(keys=self._keys(worker_id),
-                                      args=[worker_id, self.owners.block_prefix, incarnation]))
+        purged = bool(await self._purge(keys=self._keys(worker_id),
+                                        args=[worker_id, self.owners.block_prefix, PURGING, incarnation]))
+        self.sweep_soon()
+        return purged
+
+    def sweep_soon(self) -> None:
+        """Clear retired slots' block bits in the background, a batch per script call."""
+        if self._sweeping is None or self._sweeping.done():
+            self._sweeping = asyncio.get_running_loop().create_task(self.sweep())
+
+    async def sweep(self) -> None:
+        try:
+            while await self._sweep(keys=[RETIRED], args=[self.owners.block_prefix, PURGING, SWEEP_BATCH]):
+                await asyncio.sleep(0)  # other calls run between batches
+        except redis.RedisError as err:  # the next registration, purge or listing sweeps again
+            log.warning("sweeping retired KV ownership stopped: %s", err)
 
     def _keys(self, worker_id: str) -> list[str]:
         return [f"{LEASE_PREFIX}{worker_id}", f"{P}seq:{worker_id}", f"{P}workers", f"{P}unknown",
-                f"{P}own:{worker_id}", self.owners.slots_key]
+                f"{P}own:{worker_id}", self.owners.slots_key, RETIRED, TIERED]
 
     async def heartbeat(self, worker_id: str, incarnation: str, load: Load) -> bool:
         """Renew and record load; True when the registry needs the worker's full dump."""
@@ -129,12 +211,14 @@ class PrefixIndex:
         """Apply events in sequence order, atomically and only for the registered
         incarnation; returns the last applied seq and whether the registry needs the
         worker's full dump (a gap now or before)."""
-        ops: list = []
-        for e in events:
-            kind = "S" if isinstance(e, BlockStored) else "R" if isinstance(e, BlockRemoved) else "C"
-            hexes = [h.hex() for h in getattr(e, "block_hashes", [])]
-            ops += [kind, e.seq, getattr(e, "medium", ""), len(hexes), *hexes]
-        last, unknown, gap = await self._write(worker_id, incarnation, ops)
+        ops = [("S" if isinstance(e, BlockStored) else "R" if isinstance(e, BlockRemoved) else "C", e.seq,
+                getattr(e, "medium", ""), [h.hex() for h in getattr(e, "block_hashes", [])]) for e in events]
+        last, unknown, gap = 0, False, False
+        for chunk in _chunks(ops):
+            last, unknown, chunk_gap = await self._write(worker_id, incarnation, chunk)
+            gap = gap or chunk_gap
+        if any(kind == "C" for kind, *_ in ops):
+            self.sweep_soon()  # the clear retired the worker's old slot
         if gap:
             log.warning("worker %s: KV events missing (batch %d..%d); asking for a full dump", worker_id,
                         events[0].seq, events[-1].seq)
@@ -142,20 +226,24 @@ class PrefixIndex:
 
     async def replace_blocks(self, worker_id: str, incarnation: str, seq: int, tiers: dict[str, list[bytes]]) -> int:
         """A full dump, as of event ``seq``: becomes all the registry knows of the worker."""
-        ops: list = ["C", seq, "", 0]
-        for tier, hashes in tiers.items():
-            ops += ["S", seq, tier, len(hashes), *(h.hex() for h in hashes)]
-        await self._write(worker_id, incarnation, ops, replace=True)
+        ops = [("C", seq, "", []), *(("S", seq, tier, [h.hex() for h in hashes]) for tier, hashes in tiers.items())]
+        chunks = _chunks(ops)
+        for k, chunk in enumerate(chunks):
+            await self._write(worker_id, incarnation, chunk, mode="2" if k == len(chunks) - 1 else "1")
+        self.sweep_soon()  # the clear retired the worker's old slot
         return len({h for hashes in tiers.values() for h in hashes})
 
-    async def _write(self, worker_id: str, incarnation: str, ops: list, replace: bool = False
-                     ) -> tuple[int, bool, bool]:
-        answer = await self._apply(keys=[f"{LEASE_PREFIX}{worker_id}", f"{P}own:{worker_id}", f"{P}seq:{worker_id}",
-                                         f"{P}unknown"],
-                                   args=[incarnation, worker_id, self.owners.block_prefix, "1" if replace else "0",
-                                         *ops])
+    async def _write(self, worker_id: str, incarnation: str, ops: list, mode: str = "0") -> tuple[int, bool, bool]:
+        own = f"{P}own:{worker_id}"
+        answer = await self._apply(keys=[f"{LEASE_PREFIX}{worker_id}", own, f"{P}seq:{worker_id}", f"{P}unknown",
+                                         TIERED, self.owners.slots_key, RETIRED],
+                                   args=[incarnation, self.owners.block_prefix, PURGING, mode, worker_id,
+                                         self.max_blocks_per_worker, *ops])
         if answer == -1:
             raise StaleIncarnation(worker_id, incarnation)
+        if answer == -2:
+            raise InvalidRequest(f"worker {worker_id!r} would hold more KV blocks than its capacity "
+                                 f"(kv_capacity_blocks, at most {self.max_blocks_per_worker})")
         return int(answer[0]), bool(answer[1]), bool(answer[2])
 
     async def live_workers(self) -> list[tuple[WorkerRecord, Load]]:

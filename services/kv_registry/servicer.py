@@ -14,6 +14,7 @@ from kervan.sampling import InvalidRequest
 from services.common.convert import event_from_proto, load_from_proto, load_to_proto, tier_from_proto
 from services.common.errors import FailedPrecondition, Overloaded
 from services.kv_registry.generation import Generations
+from services.kv_registry.identity import registration_identity
 from services.kv_registry.index import PrefixIndex, WorkerRecord
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 
@@ -35,8 +36,9 @@ def check_hashes(hashes, limit: int, what: str) -> None:
 
 
 class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
-    def __init__(self, index: PrefixIndex, block_size: int, hash_name: str):
+    def __init__(self, index: PrefixIndex, block_size: int, hash_name: str, require_worker_addresses: bool = False):
         self.index = index
+        self.require_worker_addresses = require_worker_addresses
         self.generations = Generations(index.r, "kervan:generation", grace_s=2.0 * index.ttl_s)
         self._last_live: list[kv_registry_pb2.LiveWorker] = []
         self.block_size = block_size
@@ -54,6 +56,12 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
                                  "are required")
         if max(len(w.worker_id), len(w.address), len(w.model)) > MAX_ID_CHARS:
             raise InvalidRequest(f"worker_id, address and model are at most {MAX_ID_CHARS} characters")
+        for name in ("worker_id", "address", "model", "role"):  # they reach logs and metrics labels
+            if not getattr(w, name).isprintable():
+                raise InvalidRequest(f"{name} must be printable text, without control characters")
+        identity = registration_identity(context, w, self.require_worker_addresses)
+        if identity is not None:
+            await self.index.claim_identity(identity, w.worker_id)
         token = await self.index.register(WorkerRecord(**{f.name: getattr(w, f.name) for f in fields(WorkerRecord)}))
         return kv_registry_pb2.RegisterResponse(ttl_s=self.index.ttl_s, incarnation=token)
 
@@ -84,8 +92,8 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
 
     async def Match(self, request, context) -> kv_registry_pb2.MatchResponse:
         check_hashes(request.block_hashes, MAX_MATCH_HASHES, "Match")
-        matched, unknown = await self.index.match(list(request.block_hashes))
-        return kv_registry_pb2.MatchResponse(matched_blocks=matched, unknown_workers=unknown)
+        matched, unknown, host = await self.index.match_tiers(list(request.block_hashes))
+        return kv_registry_pb2.MatchResponse(matched_blocks=matched, unknown_workers=unknown, host_blocks=host)
 
     async def ListWorkers(self, request, context) -> kv_registry_pb2.ListWorkersResponse:
         await self.generations.check()

@@ -20,7 +20,7 @@ KV_TIER_HOST: KvTier
 KV_TIER_DISK: KvTier
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "model", "incarnation", "block_size", "hash_name", "max_model_len", "max_n")
+    __slots__ = ("worker_id", "address", "role", "model", "incarnation", "block_size", "hash_name", "max_model_len", "max_n", "kv_capacity_blocks", "registration_nonce")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class WorkerInfo(_message.Message):
     HASH_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     MAX_N_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_NONCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     role: str
@@ -39,7 +41,9 @@ class WorkerInfo(_message.Message):
     hash_name: str
     max_model_len: int
     max_n: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., incarnation: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_n: _Optional[int] = ...) -> None: ...
+    kv_capacity_blocks: int
+    registration_nonce: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., incarnation: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_n: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., registration_nonce: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker",)
@@ -168,8 +172,15 @@ class MatchRequest(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
-    __slots__ = ("matched_blocks", "unknown_workers")
+    __slots__ = ("matched_blocks", "unknown_workers", "host_blocks")
     class MatchedBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class HostBlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -178,9 +189,11 @@ class MatchResponse(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     matched_blocks: _containers.ScalarMap[str, int]
     unknown_workers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, matched_blocks: _Optional[_Mapping[str, int]] = ..., unknown_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+    host_blocks: _containers.ScalarMap[str, int]
+    def __init__(self, matched_blocks: _Optional[_Mapping[str, int]] = ..., unknown_workers: _Optional[_Iterable[str]] = ..., host_blocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

@@ -8,6 +8,7 @@ setups and tests)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from services.common import replicas
 from services.common.auth import ApiKeys
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
-from services.common.security import MeshSecurity, add_security_arguments
+from services.common.security import MeshSecurity, add_security_arguments, mesh_name
 from services.common.server import KEEPALIVE, Service, run, serve_until_signal, start_server
 from services.common.tracing import configure_tracing
 from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -51,13 +52,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-in-flight", type=int, default=1024,
                     help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED")
     ap.add_argument("--max-request-bytes", type=int, default=4 << 20,
-                    help="larger requests are refused with RESOURCE_EXHAUSTED")
+                    help="larger requests are refused with RESOURCE_EXHAUSTED (HTTP bodies: 413, unread)")
     ap.add_argument("--http-port", type=int, default=None,
                     help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                          "/v1/models, /health) on this port, on --host (0: a free port, printed at start)")
     ap.add_argument("--api-key-file", default=None,
                     help="clients must send 'authorization: Bearer <key>' with a key from this file (one per line, "
                          "optionally 'expires=<ISO time>'); health and reflection stay open")
+    ap.add_argument("--salt-per-key", action="store_true",
+                    help="salt each request's KV blocks with its API key (and its cache_salt): tenants with "
+                         "different keys never share, hit or time each other's prefix cache")
+    ap.add_argument("--public-tls-cert", default=None,
+                    help="what the public port (gRPC and HTTP) serves to clients, with --public-tls-key (default: "
+                         "--tls-cert, this router's mesh certificate); the mesh certificate stays its identity "
+                         "towards the scheduler and workers")
+    ap.add_argument("--public-tls-key", default=None)
+    ap.add_argument("--public-tls-ca", default=None,
+                    help="the CA of --public-tls-cert, when not the mesh's (the HTTP front checks its router by it)")
     add_metrics_argument(ap)
     add_security_arguments(ap)
     return parse_args_with_env(ap, "router", argv)
@@ -82,7 +93,7 @@ async def serve(args: argparse.Namespace) -> None:
     scheduler_channel = None
     if args.scheduler:
         scheduler_channel = security.channel(replicas.target(args.scheduler),
-                                             KEEPALIVE + replicas.options(SCHEDULER_SERVICE))
+                                             KEEPALIVE + replicas.options(SCHEDULER_SERVICE), role="scheduler")
         routes = ScheduledRoutes(scheduler_pb2_grpc.SchedulerServiceStub(scheduler_channel), args.block_size, channels)
     elif args.worker:
         routes = StaticRoutes(Placement(worker=channels.stub(args.worker), worker_address=args.worker))
@@ -92,16 +103,20 @@ async def serve(args: argparse.Namespace) -> None:
     else:
         raise SystemExit("give --scheduler, or --worker, or --prefill and --decode")
     servicer = RouterServicer(routes, Tokenizer.from_dir(model_dir), model_limits(model_dir), args.max_in_flight,
-                              MigrationPolicy(args.max_migrations, args.stall_timeout_s, args.first_token_timeout_s))
+                              MigrationPolicy(args.max_migrations, args.stall_timeout_s, args.first_token_timeout_s),
+                              salt_per_key=args.salt_per_key)
+    public, towards_self = public_security(args, security)
     handle = await start_server(
         [Service(SERVICE_NAME, lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s))],
-        args.host, args.port, max_message_bytes=args.max_request_bytes, security=security, api_keys=api_keys,
+        args.host, args.port, max_message_bytes=args.max_request_bytes, security=public, api_keys=api_keys,
         public=True)
     front = None
     if args.http_port is not None:
-        front = OpenAIFront(f"127.0.0.1:{handle.port}", model_limits(model_dir).name, Tokenizer.from_dir(model_dir),
-                            ChatTemplate.from_dir(model_dir), security, api_keys)
-        http_port = await front.start(args.host, args.http_port, tls_cert=args.tls_cert, tls_key=args.tls_key)
+        front = OpenAIFront(own_address(args.host, handle.port), model_limits(model_dir).name,
+                            Tokenizer.from_dir(model_dir),
+                            ChatTemplate.from_dir(model_dir), towards_self, api_keys, args.max_request_bytes)
+        http_port = await front.start(args.host, args.http_port, tls_cert=args.public_tls_cert or args.tls_cert,
+                                      tls_key=args.public_tls_key or args.tls_key)
         scheme = "https" if security.tls else "http"
         print(f"router HTTP (OpenAI API) on {scheme}://{args.host}:{http_port}/v1", flush=True)
     serve_metrics(args.metrics_port, args.host, "router")
@@ -117,6 +132,34 @@ async def serve(args: argparse.Namespace) -> None:
             await scheduler_channel.close()
 
     await serve_until_signal(handle, close, on_drain=drain)
+
+
+def public_security(args: argparse.Namespace, mesh: MeshSecurity) -> tuple[MeshSecurity, MeshSecurity]:
+    """What the public port serves (the public certificate, or the mesh one), and what the
+    HTTP front dials this router with: its mesh identity, checking the public certificate
+    for the first name it carries (the front dials an address the certificate may not list)."""
+    if not mesh.tls:
+        return mesh, mesh
+    if not (args.public_tls_cert or args.public_tls_key):  # the mesh certificate serves: check it as the router's
+        return mesh, dataclasses.replace(mesh, server_name=mesh_name("router", mesh.server_name))
+    if not (args.public_tls_cert and args.public_tls_key):
+        raise SystemExit("security: --public-tls-cert needs --public-tls-key, and the key the certificate")
+    from cryptography import x509
+    pem = Path(args.public_tls_cert).read_bytes()
+    ca = Path(args.public_tls_ca).read_bytes() if args.public_tls_ca else mesh.ca
+    names = x509.load_pem_x509_certificate(pem).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value
+    first = [str(n.value) for n in names if isinstance(n, (x509.DNSName, x509.IPAddress))][0]
+    public = MeshSecurity(cert=pem, key=Path(args.public_tls_key).read_bytes(), ca=mesh.ca)
+    return public, dataclasses.replace(mesh, ca=ca, server_name=first)
+
+
+def own_address(host: str, port: int) -> str:
+    """Where the HTTP front reaches this router's gRPC server: the address it listens on
+    (loopback when it listens on every address)."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        return f"127.0.0.1:{port}"
+    return f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def main(argv: list[str] | None = None) -> None:

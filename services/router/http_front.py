@@ -14,7 +14,9 @@ anything else 500) in OpenAI's error body. A streaming client that disconnects
 cancels its calls, which aborts the request on the workers and frees its KV.
 
 With API keys, every route but ``/health`` needs ``Authorization: Bearer <key>``
-(401 before the body is read); the header goes on to the gRPC call. With TLS the
+(401 before the body is read); the header goes on to the gRPC call. A body is read
+only up to ``max_body_bytes`` (the router's ``--max-request-bytes``): a longer one, by
+its ``Content-Length`` or as it streams in, gets 413 and is not read further. With TLS the
 front serves HTTPS with the router's certificate."""
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ def rpc_error_response(err: grpc.aio.AioRpcError) -> JSONResponse:
 
 class OpenAIFront:
     def __init__(self, router_address: str, model_name: str, tokenizer: Tokenizer | None,
-                 chat_template: ChatTemplate, security: MeshSecurity = PLAINTEXT, api_keys: ApiKeys | None = None):
+                 chat_template: ChatTemplate, security: MeshSecurity = PLAINTEXT, api_keys: ApiKeys | None = None,
+                 max_body_bytes: int = 4 << 20):
+        self.max_body_bytes = max_body_bytes
         self.channel = security.channel(router_address)
         self.api_keys = api_keys
         self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
@@ -127,13 +131,31 @@ class OpenAIFront:
         return await self._serve(request, "chat.completion",
                                  lambda body: parse_chat(body, self.model_name, self.chat_template.render))
 
+    async def _bounded_body(self, request: Request) -> bytes | None:
+        """The body, or None once it proves longer than ``max_body_bytes`` (the rest unread)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def _serve(self, request: Request, kind: str, parse):
         if (refused := self._refusal(request)) is not None:
             return refused
+        raw = await self._bounded_body(request)
+        if raw is None:
+            return error_response(413, f"the body is larger than {self.max_body_bytes} bytes", "request_too_large")
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return error_response(400, f"the body is not JSON: {exc}", "invalid_argument")
+        except RecursionError:
+            return error_response(400, "the body is not JSON this server reads: nested too deeply", "invalid_argument")
         if not isinstance(body, dict):
             return error_response(400, "the body must be a JSON object", "invalid_argument")
         try:

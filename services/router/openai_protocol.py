@@ -9,7 +9,8 @@ refuses exactly what a gRPC client is refused. Extensions vLLM also takes:
 What is refused rather than silently ignored: ``echo``, ``suffix``, penalties other
 than 0, ``logit_bias``, ``best_of`` other than ``n``, ``logprobs`` beyond the sampled
 token's (completions ``logprobs`` 0 or 1, chat ``top_logprobs`` 0), tools and
-response formats."""
+response formats. Every integer is bounded by the protobuf field it fills before it is
+set (a 400 naming the field, never protobuf's ValueError as a 500)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from services.proto import common_pb2, router_pb2
 
 FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
                   common_pb2.FINISH_REASON_ABORT: "abort"}
+UINT32, UINT64 = (1 << 32) - 1, (1 << 64) - 1
+INT32 = (-(1 << 31), (1 << 31) - 1)
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "suffix", "logit_bias")
 
 
@@ -54,6 +57,7 @@ def parse_completion(body: dict, served_model: str) -> OpenAIRequest:
         prompts = prompt
     else:
         raise InvalidRequest("prompt must be a string, a list of token ids, or a non-empty list of either")
+    prompts = [p if isinstance(p, str) else _ids(p, "prompt") for p in prompts]
     if body.get("echo"):
         raise InvalidRequest("echo is not supported")
     logprobs = _int(body, "logprobs", None)
@@ -77,7 +81,7 @@ def _request(body: dict, served_model: str, prompts: list, logprobs: bool, max_t
     for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         if _number(body, key, None) not in (None, 0.0, 1.0 if key == "repetition_penalty" else 0.0):
             raise InvalidRequest(f"{key} is not supported (only its neutral value)")
-    n = _int(body, "n", 1)
+    n = _int(body, "n", 1, 0, UINT32)
     best_of = _int(body, "best_of", None)
     if best_of is not None and best_of != n:
         raise InvalidRequest("best_of must equal n (Kervan returns every sample it draws)")
@@ -85,18 +89,16 @@ def _request(body: dict, served_model: str, prompts: list, logprobs: bool, max_t
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise InvalidRequest("stop must be a string or a list of strings")
-    sampling = common_pb2.SamplingParams(top_k=_int(body, "top_k", 0), min_p=_number(body, "min_p", 0.0),
+    sampling = common_pb2.SamplingParams(top_k=_int(body, "top_k", 0, *INT32), min_p=_number(body, "min_p", 0.0),
                                          ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs,
                                          stop=stop, stop_token_ids=_ids(body.get("stop_token_ids") or []),
                                          n=n)
-    max_tokens = _int(body, max_tokens_key, None)
+    max_tokens = _int(body, max_tokens_key, None, 0, UINT32)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", None)
+        max_tokens = _int(body, "max_tokens", None, 0, UINT32)
     for name, value in (("max_tokens", max_tokens), ("temperature", _number(body, "temperature", None)),
-                        ("top_p", _number(body, "top_p", None)), ("seed", _int(body, "seed", None))):
+                        ("top_p", _number(body, "top_p", None)), ("seed", _int(body, "seed", None, 0, UINT64))):
         if value is not None:
-            if name in ("max_tokens", "seed") and value < 0:
-                raise InvalidRequest(f"{name} must be >= 0, got {value}")
             setattr(sampling, name, value)
     model = body.get("model") or served_model
     if not isinstance(model, str):
@@ -139,20 +141,22 @@ def _is_ids(value: object) -> bool:
                                                            for t in value)
 
 
-def _ids(value: object) -> list[int]:
+def _ids(value: object, name: str = "stop_token_ids") -> list[int]:
     if value == []:
         return []
-    if not _is_ids(value) or min(value) < 0:
-        raise InvalidRequest("stop_token_ids must be a list of non-negative token ids")
+    if not _is_ids(value) or min(value) < 0 or max(value) > UINT32:
+        raise InvalidRequest(f"{name} must be a list of token ids, each in [0, {UINT32}]")
     return value
 
 
-def _int(body: dict, key: str, default):
+def _int(body: dict, key: str, default, low: int | None = None, high: int | None = None):
     value = body.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequest(f"{key} must be an integer, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise InvalidRequest(f"{key} must be in [{low}, {high}], got {value}")
     return value
 
 

@@ -35,7 +35,7 @@ class Channels:
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
         if address not in self._channels:
-            channel = self.security.channel(address, KEEPALIVE)
+            channel = self.security.channel(address, KEEPALIVE, role="worker")
             self._channels[address] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
         return self._channels[address][1]
 

@@ -69,7 +69,7 @@ class WorkerBusy(Exception):
     """The worker refused the request at admission; another may have room."""
 
     def __init__(self, address: str, err: grpc.aio.AioRpcError):
-        super().__init__(err.details() or f"worker {address} is at its request limit")
+        super().__init__(err.details() or "a worker is at its request limit")
         self.address = address
         self.retry_after_s = retry_after_s(err) or 0.5
 

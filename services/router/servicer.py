@@ -9,6 +9,7 @@ addresses and URLs inside it (``public_message``)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import time
@@ -27,6 +28,7 @@ from services.router import metrics
 from services.router.routes import ScheduledRoutes, StaticRoutes
 from services.router.runner import MigrationPolicy, RequestRunner
 from services.router.sample_stream import SampleStream
+from services.router.scrub import public_message
 from services.router.stop_strings import validate_stop
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -44,24 +46,6 @@ class ModelLimits:
 
 log = logging.getLogger(__name__)
 MAX_CACHE_SALT = 256
-# what identifies the mesh's insides: host:port addresses, URLs (a Redis one may carry a password)
-_INTERNALS = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+"  # URLs
-                        r"|\[[0-9a-fA-F:.]+\]:\d{1,5}\b"  # [IPv6]:port
-                        r"|\b\d{1,3}(?:\.\d{1,3}){3}:\d{1,5}\b"  # IPv4:port
-                        r"|\b[A-Za-z][\w.-]*:\d{2,5}\b")  # host:port
-# statuses about the request itself keep their message; the others describe the mesh
-_REQUEST_STATUSES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
-                     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
-                     grpc.StatusCode.RESOURCE_EXHAUSTED}
-
-
-def public_message(code: grpc.StatusCode, message: str) -> str:
-    """What a client is told of a failure inside the mesh: the message with internal
-    addresses and URLs taken out (the whole message is logged)."""
-    if code in _REQUEST_STATUSES:
-        return message
-    log.warning("request failed %s: %s", code.name, message)
-    return _INTERNALS.sub("<internal>", message)
 
 
 class _Deadline:
@@ -77,8 +61,9 @@ class _Deadline:
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, routes: StaticRoutes | ScheduledRoutes, tokenizer: Tokenizer | None, limits: ModelLimits,
-                 max_in_flight: int = 1024, migration: MigrationPolicy | None = None):
+                 max_in_flight: int = 1024, migration: MigrationPolicy | None = None, salt_per_key: bool = False):
         self.runner = RequestRunner(routes, limits.name, migration or MigrationPolicy())
+        self.salt_per_key = salt_per_key
         self.max_in_flight = max_in_flight
         self.tokenizer = tokenizer
         self.limits = limits
@@ -87,6 +72,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
         rid, prompt, params = self._admit(request)
+        # the workers know the request by an id this router mints: a client's id is unique on this
+        # router only, and another router's client may reuse it (an abort goes to a worker by id)
+        internal = uuid.uuid4().hex
         self.in_flight.add(rid)
         metrics.IN_FLIGHT.inc()
         metrics.PROMPT_TOKENS.inc(len(prompt))
@@ -94,11 +82,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         span.set_attributes({"gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.limits.name,
                              "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature":
                              params.temperature, "gen_ai.usage.input_tokens": len(prompt), "kervan.request_id": rid,
-                             "kervan.n": params.n})
+                             "kervan.internal_request_id": internal, "kervan.n": params.n})
         try:
             streams: dict[int, SampleStream] = {}
             cached = 0  # prompt tokens served from a cache, as the first attempt's worker said
-            updates = self.runner.run(rid, prompt, request.sampling, params.n, _Deadline(context), request.cache_salt)
+            updates = self.runner.run(internal, prompt, request.sampling, params.n, _Deadline(context),
+                                      self._cache_salt(request.cache_salt, context))
             try:
                 async for attempt, update in updates:
                     cached = max(cached, update.cached_prompt_tokens)
@@ -115,6 +104,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 await context.abort(err.code(), public_message(err.code(), err.details() or "worker failed"))
             except Unavailable as exc:
                 raise Unavailable(public_message(grpc.StatusCode.UNAVAILABLE, str(exc))) from None
+            except Overloaded as exc:  # a worker's refusal may name it
+                raise Overloaded(public_message(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)),
+                                 exc.retry_after_s) from None
             finally:
                 await updates.aclose()
                 span.set_attributes({"gen_ai.usage.output_tokens": sum(x.completion_tokens for x in streams.values()),
@@ -122,6 +114,14 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         finally:
             self.in_flight.discard(rid)
             metrics.IN_FLIGHT.dec()
+
+    def _cache_salt(self, salt: str, context: grpc.aio.ServicerContext) -> str:
+        """With ``salt_per_key``, the caller's API key salts its prompts' KV blocks too: a
+        tenant never hits (or times) another tenant's prefix cache."""
+        if not self.salt_per_key:
+            return salt
+        key = dict(context.invocation_metadata() or ()).get("authorization", "")
+        return hashlib.sha256(key.encode()).hexdigest()[:32] + ":" + salt
 
     def _admit(self, request: router_pb2.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
         """The request id, prompt and sampling of a request this router takes; raises for

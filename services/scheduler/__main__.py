@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "SGLang's cache-aware router on skewed shared prefixes, benchmarks/README.md)")
     ap.add_argument("--overlap-weight", type=float, default=PlacementConfig.overlap_weight,
                     help="weight of uncached prompt blocks")
+    ap.add_argument("--host-block-cost", type=float, default=PlacementConfig.host_block_cost,
+                    help="a matched block in a worker's host tier, as a share of an uncached block's cost (a copy "
+                         "back instead of a prefill)")
     ap.add_argument("--eviction-weight", type=float, default=PlacementConfig.eviction_weight,
                     help="weight of cached blocks a request would evict")
     ap.add_argument("--temperature", type=float, default=PlacementConfig.temperature,
@@ -75,7 +78,8 @@ def placement_config(args: argparse.Namespace) -> PlacementConfig:
 
 async def serve(args: argparse.Namespace) -> None:
     security = MeshSecurity.from_args(args)
-    channel = security.channel(replicas.target(args.registry), KEEPALIVE + replicas.options(REGISTRY_SERVICE))
+    channel = security.channel(replicas.target(args.registry), KEEPALIVE + replicas.options(REGISTRY_SERVICE),
+                               role="kv-registry")
     servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(channel), placement_config(args),
                                  RecentPlacements(args.load_window_s, args.prefix_window_s), args.seed,
                                  args.max_ejection_share, args.panic_threshold, args.workers_cache_s)

@@ -9,7 +9,10 @@ its blocks twice, as prefill work and as memory, and a worker already holding
 the prefix keeps winning until it is really busier. A last term,
 ``eviction_weight * evicted_blocks``, counts the cached blocks the new ones would
 push out where the worker has too few empty blocks: a new prefix goes where it
-destroys no other (it is the same everywhere once every cache is full).
+destroys no other (it is the same everywhere once every cache is full). A matched
+block a worker holds in its host tier rather than its pool is copied back, not
+computed: it counts ``host_block_cost`` (a share of an uncached block) as work, and a
+whole block as memory.
 
 Filters first (role; model; the request's size: only workers whose registered
 limits hold it, and none at all is the client's mistake, ``InvalidRequest``;
@@ -50,6 +53,7 @@ class Candidate:
     address: str
     role: str  # "prefill" | "decode" | "both"
     matched_blocks: int  # leading prompt blocks it already caches
+    host_blocks: int = 0  # of those, the ones in its host tier (copied back into its pool, not computed)
     active_blocks: int  # KV blocks its running requests hold
     prefill_tokens: int = 0  # prompt tokens queued for prefill on it
     free_blocks: int = 1 << 30  # KV blocks not held by a request (cached or empty)
@@ -95,6 +99,10 @@ class PlacementConfig:
     # placed on it lately, which its reports may not show yet), as SGLang's smallest tree;
     # a temperature above 0 draws by the cost either way
     new_prefix: str = "cost"
+    # a matched block in a worker's host tier, as a share of an uncached block's cost (a copy
+    # back into the pool instead of a prefill: 0.1 measured as a revisit's TTFT on SmolLM2,
+    # benchmarks/README.md's kv_tiers)
+    host_block_cost: float = 0.1
 
 
 # Why a request prefills where it does.
@@ -128,8 +136,10 @@ class Decision:
 
 def cost(c: Candidate, num_prompt_blocks: int, cfg: PlacementConfig) -> float:
     uncached = max(0, num_prompt_blocks - c.matched_blocks)
-    evicted = min(c.evictable_blocks, max(0, uncached + 1 - (c.free_blocks - c.evictable_blocks)))
-    return cfg.overlap_weight * uncached + c.active_blocks + uncached + cfg.eviction_weight * evicted
+    copied = min(c.host_blocks, c.matched_blocks)  # need pool blocks too, and a copy each
+    evicted = min(c.evictable_blocks, max(0, uncached + copied + 1 - (c.free_blocks - c.evictable_blocks)))
+    return (cfg.overlap_weight * (uncached + cfg.host_block_cost * copied) + c.active_blocks + uncached + copied
+            + cfg.eviction_weight * evicted)
 
 
 def held_blocks(c: Candidate) -> int:
@@ -138,7 +148,8 @@ def held_blocks(c: Candidate) -> int:
 
 
 def has_room(c: Candidate, num_prompt_blocks: int) -> bool:
-    return c.free_blocks > num_prompt_blocks - c.matched_blocks  # the uncached blocks and one to decode into
+    # the uncached blocks, those copied back from host memory, and one to decode into
+    return c.free_blocks > num_prompt_blocks - c.matched_blocks + min(c.host_blocks, c.matched_blocks)
 
 
 def choose(pool: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig,

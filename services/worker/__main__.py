@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=16,
                     help="tokens per KV block; every process of a mesh takes the same (the kv-registry refuses others)")
     ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--kv-host-bytes", type=int, default=0,
+                    help="host memory behind the KV pool: blocks leaving it (evicted prefixes, preempted sequences) "
+                         "are kept there and copied back on a hit instead of computed (0: none)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                     help="tokens one engine step computes at most: a longer prompt is prefilled in chunks of this "
@@ -72,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     group.add_argument("--pipeline-parallel", type=int, default=1, help="stages each holding 1/N of the layers")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="batch-invariant kernels: a request's greedy tokens and logprobs are bit-identical whatever "
+                         "else it is batched with, however its prompt is chunked, wherever its prefix KV came from "
+                         "(cache, KV push, a migration's re-prefill); every worker of a mesh must run it (CPU only)")
     ap.add_argument("--max-step-failures", type=int, default=3,
                     help="engine steps failing in a row after which the worker leaves the mesh and exits (70)")
     ap.add_argument("--engine-wedge-timeout-s", type=float, default=120.0,
@@ -88,7 +95,8 @@ async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: 
     security = MeshSecurity.from_args(args)
     registry_channel = registry = None
     if args.registry:
-        registry_channel = security.channel(replicas.target(args.registry), replicas.options(REGISTRY_SERVICE))
+        registry_channel = security.channel(replicas.target(args.registry), replicas.options(REGISTRY_SERVICE),
+                                        role="kv-registry")
         registry = kv_registry_pb2_grpc.KvRegistryServiceStub(registry_channel)
     servicer = WorkerServicer(async_engine, args.role, args.kv_transport, args.kv_lease,
                               DecodePeers(registry, security), args.max_concurrent_pushes)
@@ -160,16 +168,17 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = Path(args.model) if args.model else ensure_default_model()
     try:
         engine = Engine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                                        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                                        num_kv_blocks=args.num_kv_blocks, kv_host_bytes=args.kv_host_bytes,
+                                        max_num_seqs=args.max_num_seqs,
                                         max_num_batched_tokens=args.max_num_batched_tokens,
                                         tensor_parallel_size=args.tensor_parallel,
                                         expert_parallel_size=args.expert_parallel,
                                         pipeline_parallel_size=args.pipeline_parallel,
-                                        enforce_eager=args.enforce_eager)
+                                        enforce_eager=args.enforce_eager, deterministic=args.deterministic)
     except ConfigError as exc:
         raise SystemExit(f"worker: {exc}") from None
-    log.info("engine: %s on %s, native CPU kernels %s", dtype_name(engine.config.dtype), engine.config.device,
-             "on" if engine.uses_native_kernels else "off")
+    log.info("engine: %s on %s, native CPU kernels %s%s", dtype_name(engine.config.dtype), engine.config.device,
+             "on" if engine.uses_native_kernels else "off", ", deterministic" if engine.config.deterministic else "")
     # a worker group that lost a rank exits at once: the mesh sees one dead worker, its requests move
     async_engine = AsyncEngine(engine, args.max_waiting, on_group_failed=lambda exc: os._exit(70),
                                max_step_failures=args.max_step_failures, wedge_timeout_s=args.engine_wedge_timeout_s)

@@ -47,7 +47,7 @@ class DecodePeers:
         if address in self._channels:
             self._channels.move_to_end(address)
         else:
-            channel = self.security.channel(address, CHANNEL_OPTIONS)
+            channel = self.security.channel(address, CHANNEL_OPTIONS, role="worker")
             self._channels[address] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
             while len(self._channels) > self.max_channels:
                 _, (old, _) = self._channels.popitem(last=False)

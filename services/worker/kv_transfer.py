@@ -2,8 +2,9 @@
 
 One interface, two paths, both on the decode worker's ``PushKv`` stream:
 - shared memory (same host): the sender copies the tensor into a fresh
-  ``multiprocessing.shared_memory`` segment and sends only a header naming it;
-  the receiver copies it out and unlinks the segment;
+  ``multiprocessing.shared_memory`` segment (its pages reserved first: without room
+  the push takes the gRPC stream, counted) and sends only a header naming it; the
+  receiver copies it out and unlinks the segment;
 - gRPC streaming (any host): the header, then the raw bytes in 1 MiB chunks.
 
 Only raw tensor bytes plus an explicit shape and a dtype from a short allow-list
@@ -23,6 +24,8 @@ died (SIGKILLed mid-handoff) is swept when a worker starts."""
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import hashlib
 import logging
 import os
@@ -72,18 +75,33 @@ async def stream_messages(head: worker_pb2.KvHeader, data: torch.Tensor) -> Asyn
         yield worker_pb2.PushKvRequest(chunk=raw[start:start + CHUNK_BYTES].tobytes())
 
 
+class SharedMemoryFull(Exception):
+    """No room in shared memory for a segment (a small or full ``/dev/shm``)."""
+
+
 class SharedMemoryExport:
     """A tensor copied into a named segment; the receiver unlinks it after copying out,
-    the sender's ``discard`` unlinks it if the push failed."""
+    the sender's ``discard`` unlinks it if the push failed.
+
+    The segment's pages are reserved before the copy (``posix_fallocate``): on a tmpfs
+    without room (Docker's 64 MiB ``/dev/shm``) a plain segment is created all the same and
+    the copy into it dies of SIGBUS; here it raises ``SharedMemoryFull`` instead, and
+    leaves nothing behind."""
 
     def __init__(self, data: torch.Tensor):
         raw = _as_bytes(data)
+        size = max(1, raw.numel())
         self.shm = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}", create=True,
-                                              size=max(1, raw.numel()))
+                                              size=size)
         # the receiver owns the segment's end; don't let this process's tracker unlink it
         resource_tracker.unregister(self.shm._name, "shared_memory")
-        np.frombuffer(self.shm.buf, dtype=np.uint8, count=raw.numel())[:] = raw.numpy()
         self.name = self.shm.name
+        try:
+            _reserve(self.shm._fd, size)
+        except SharedMemoryFull:
+            self.discard()
+            raise
+        np.frombuffer(self.shm.buf, dtype=np.uint8, count=raw.numel())[:] = raw.numpy()
 
     def close(self) -> None:
         self.shm.close()
@@ -94,6 +112,26 @@ class SharedMemoryExport:
             shared_memory.SharedMemory(name=self.name).unlink()
         except FileNotFoundError:
             pass
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Back ``size`` bytes of a segment with pages now, or raise ``SharedMemoryFull``."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            raise SharedMemoryFull(f"{SHM_DIR} has no room for {size} bytes") from None
+        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+    except AttributeError:  # no posix_fallocate (macOS)
+        pass
+    try:  # a file system that cannot reserve: at least see that the room is there
+        stat = os.statvfs(SHM_DIR)
+    except OSError:
+        return
+    if stat.f_bavail * stat.f_frsize < size:
+        raise SharedMemoryFull(f"{SHM_DIR} has {stat.f_bavail * stat.f_frsize} bytes free, not {size}")
 
 
 def sweep_stale_segments(directory: str = SHM_DIR) -> int:
@@ -166,7 +204,9 @@ class _Staged:
 class KvStaging:
     """KV received for requests whose Decode has not arrived yet, each under a lease.
     ``reserve`` commits a push's bytes against the budget when its header arrives;
-    ``put`` turns the reservation into a staged entry, ``release`` gives it back."""
+    ``put`` turns the reservation into a staged entry, ``release`` gives it back. An
+    entry goes when its lease ends, whether or not anything else happens on the worker
+    (a timer on the event loop that staged it)."""
 
     def __init__(self, max_bytes: int = 2 << 30, max_lease_s: float = 30.0):
         self.max_bytes = max_bytes
@@ -195,6 +235,10 @@ class KvStaging:
         lease_s = min(head.lease_ms / 1000 or self.max_lease_s, self.max_lease_s)
         handle = secrets.token_hex(16)
         self._items[handle] = _Staged(head.request_id, head.prompt_digest, data, time.monotonic() + lease_s)
+        try:
+            asyncio.get_running_loop().call_later(lease_s + 0.01, self.expire)
+        except RuntimeError:  # no event loop (a direct caller): the next reserve or take expires it
+            pass
         return handle
 
     def take(self, handle: str, request_id: str, prompt: Sequence[int]) -> torch.Tensor:

@@ -21,17 +21,21 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 from collections.abc import Callable
 
 import grpc
 
 from kervan.block_hash import HASH_NAME
-from kervan.kv_events import MEDIUM_DEVICE, KVEvent
+from kervan.kv_events import MEDIUM_DEVICE, MEDIUM_HOST, KVEvent
 from services.common.convert import event_to_proto, load_to_proto, tier_to_proto
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from services.worker.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
+# a registration is retried on these: another process's lease that has yet to end, or a
+# registry (or its Redis) that did not answer in time
+RETRIED = {grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 class Membership:
@@ -44,7 +48,8 @@ class Membership:
         self.info = kv_registry_pb2.WorkerInfo(
             worker_id=f"{role}@{address}", address=address, role=role, model=model,
             block_size=engine.block_size, hash_name=HASH_NAME, max_model_len=engine.limits.max_model_len,
-            max_n=engine.limits.max_n)
+            max_n=engine.limits.max_n, kv_capacity_blocks=engine.stats().num_blocks,
+            registration_nonce=secrets.token_hex(16))
         self.heartbeat_s = heartbeat_s
         self.event_interval_s = event_interval_s
         self.load_interval_s = load_interval_s
@@ -62,10 +67,10 @@ class Membership:
             try:
                 reply = await self.registry.Register(kv_registry_pb2.RegisterRequest(worker=self.info), timeout=5)
                 break
-            except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.ALREADY_EXISTS or loop.time() > deadline:
+            except grpc.aio.AioRpcError as err:  # asked again with its nonce: a landed first try is given back
+                if err.code() not in RETRIED or loop.time() > deadline:
                     raise
-                log.warning("%s; waiting for that lease to end", err.details())
+                log.warning("%s; registering again", err.details() or err.code().name)
                 await asyncio.sleep(0.5)
         self.info.incarnation = reply.incarnation
 
@@ -160,9 +165,11 @@ class Membership:
         return reply.needs_full_dump
 
     async def _dump(self) -> None:
-        seq, cached = await self.engine.call(lambda e: e.cached_blocks())
+        (seq, cached), host = await self.engine.call(lambda e: (e.cached_blocks(), e.host_blocks()))
+        tiers = [kv_registry_pb2.TierBlocks(tier=tier_to_proto(MEDIUM_DEVICE), block_hashes=cached)]
+        if host:
+            tiers.append(kv_registry_pb2.TierBlocks(tier=tier_to_proto(MEDIUM_HOST), block_hashes=host))
         reply = await self.registry.ReportBlocks(kv_registry_pb2.ReportBlocksRequest(
-            worker_id=self.info.worker_id, incarnation=self.info.incarnation, seq=seq,
-            tiers=[kv_registry_pb2.TierBlocks(tier=tier_to_proto(MEDIUM_DEVICE), block_hashes=cached)]), timeout=30)
+            worker_id=self.info.worker_id, incarnation=self.info.incarnation, seq=seq, tiers=tiers), timeout=30)
         log.info("sent a full dump of %d blocks (as of event %d)", reply.num_blocks, seq)
 

@@ -15,6 +15,8 @@ QUEUE_TIME = Histogram("kervan_request_queue_time_seconds", "From a request's ar
                        "step", buckets=LATENCY_BUCKETS)
 KV_TRANSFER_BYTES = Counter("kervan_kv_transfer_bytes", "Bytes of KV handed between workers, pushed or received",
                             ["direction"])
+KV_SHM_FALLBACKS = Counter("kervan_kv_shm_fallbacks", "KV pushes that went by the gRPC stream because shared "
+                           "memory had no room for them")
 KV_TRANSFER_TIME = Histogram("kervan_kv_transfer_seconds", "Time to push one request's KV to a decode worker",
                              buckets=LATENCY_BUCKETS)
 
@@ -39,6 +41,12 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("kervan_num_preemptions", "Sequences preempted (their KV dropped)",
                                   value=stats.num_preemptions)
         yield CounterMetricFamily("kervan_requests_aborted", "Requests the worker aborted", value=load.num_aborted)
+        yield GaugeMetricFamily("kervan_kv_host_blocks", "KV blocks held in the host tier behind the pool",
+                                value=stats.num_host_blocks)
+        yield CounterMetricFamily("kervan_kv_host_demoted_blocks", "KV blocks copied into the host tier as the "
+                                  "pool reused them", value=stats.num_host_demoted)
+        yield CounterMetricFamily("kervan_kv_host_promoted_blocks", "KV blocks copied back from the host tier "
+                                  "instead of computed", value=stats.num_host_promoted)
 
 
 def count_admission(prompt_tokens: int, cached_tokens: int, queue_time_s: float | None) -> None:

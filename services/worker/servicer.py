@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +26,8 @@ from services.worker import kv_transfer, metrics
 from services.worker.async_engine import AsyncEngine
 from services.worker.decode_peers import DecodePeers
 from worker import ImportedKV, InvalidRequest, RequestOutput
+
+log = logging.getLogger(__name__)
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]", socket.gethostname()}
 # which mesh roles may call what (services/common/auth.py): KV comes only from workers
@@ -85,12 +88,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def _push(self, request: worker_pb2.PrefillRequest, data) -> tuple[str, int]:
         stub = await self.peers.stub(request.decode_address)
         prompt = request.prompt.ids
+        export = None
         if self._use_shared_memory(request):
-            export = kv_transfer.SharedMemoryExport(data)
+            try:
+                export = kv_transfer.SharedMemoryExport(data)
+            except kv_transfer.SharedMemoryFull as full:
+                metrics.KV_SHM_FALLBACKS.inc()
+                log.warning("KV push by the gRPC stream: %s", full)
+        if export is not None:
             messages = _one(worker_pb2.PushKvRequest(header=kv_transfer.header(
                 request.request_id, prompt, data, self.lease_s, export.name)))
         else:
-            export = None
             messages = kv_transfer.stream_messages(kv_transfer.header(request.request_id, prompt, data, self.lease_s),
                                                    data)
         start = time.perf_counter()

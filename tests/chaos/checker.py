@@ -10,6 +10,7 @@ blocks and Redis keys came back to baseline (``wait_baseline``)."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ from control_plane.client import build_request
 from control_plane.redis_server import redis_argv, wait_listening
 from services.proto import router_pb2_grpc, runtime_pb2, runtime_pb2_grpc, worker_pb2, worker_pb2_grpc
 
+# one report per run, emptied at its start (tests/conftest.py's pytest_configure)
 REPORT = Path(os.environ.get("KERVAN_CHAOS_REPORT", "chaos-report.json"))
 
 
@@ -99,6 +101,15 @@ async def streams_decoding_on(router: str, worker: str, prompts: list[list[int]]
     """Start one stream per prompt and return once every client holds a token and
     ``worker`` (HOST:PORT, asked directly) runs a stream past its prefill: the moment a
     fault on that worker hits streams that already delivered tokens."""
+    tasks, _ = await streams_decoding_on_one_of(router, [worker], prompts, max_tokens, timeout)
+    return tasks
+
+
+async def streams_decoding_on_one_of(router: str, workers: list[str], prompts: list[list[int]], max_tokens: int,
+                                     timeout: float) -> tuple[list[asyncio.Task], str]:
+    """As ``streams_decoding_on``, for whichever of ``workers`` is first seen running a stream
+    past its prefill (all asked at once, so neither the placement nor a fast decode of the
+    streams one worker got decides whether the test can go on); returns the tasks and that worker."""
     started = [asyncio.Event() for _ in prompts]
 
     def first_token(k):
@@ -108,14 +119,19 @@ async def streams_decoding_on(router: str, worker: str, prompts: list[list[int]]
     tasks = [asyncio.create_task(stream(router, p, max_tokens, on_delta=first_token(k), timeout=timeout))
              for k, p in enumerate(prompts)]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-    async with grpc.aio.insecure_channel(worker) as ch:
-        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+    channels = [grpc.aio.insecure_channel(w) for w in workers]
+    try:
+        stubs = [worker_pb2_grpc.WorkerServiceStub(ch) for ch in channels]
         for _ in range(3000):
-            load = (await stub.GetLoad(worker_pb2.GetLoadRequest())).load
-            if load.num_running and not load.num_prefill_tokens:
-                return tasks
+            replies = await asyncio.gather(*(s.GetLoad(worker_pb2.GetLoadRequest()) for s in stubs))
+            running = [(reply.load.num_waiting, worker) for worker, reply in zip(workers, replies)
+                       if reply.load.num_running and not reply.load.num_prefill_tokens]
+            if running:  # the one with streams queued behind its running one, if any: more to hit
+                return tasks, max(running)[1]
             await asyncio.sleep(0.01)
-    raise AssertionError(f"no stream was placed on {worker}")
+    finally:
+        await asyncio.gather(*(ch.close() for ch in channels))
+    raise AssertionError(f"no stream was placed on {' or '.join(workers)}")
 
 
 def restart_redis(cluster) -> None:
@@ -176,7 +192,8 @@ def shm_leftovers(cluster) -> list[str]:
             if n.startswith(SHM_PREFIX) and n.removeprefix(SHM_PREFIX).split("-", 1)[0] in pids]
 
 
-KNOWN_KEYS = ("kervan:workers", "kervan:slots", "kervan:unknown", "kervan:generation", "kervan:fence")
+KNOWN_KEYS = ("kervan:workers", "kervan:slots", "kervan:unknown", "kervan:generation", "kervan:fence",
+              "kervan:tiered")
 
 
 async def redis_leftovers(r, live: set[str]) -> list[str]:
@@ -189,6 +206,7 @@ async def redis_leftovers(r, live: set[str]) -> list[str]:
     slots = {k.decode(): int(v) for k, v in (await r.hgetall("kervan:slots")).items()}
     out += [f"slot of {w}" for w in slots if w not in live]
     out += [f"unknown mark of {w.decode()}" for w in await r.smembers("kervan:unknown") if w.decode() not in live]
+    out += [f"tiered mark of {w.decode()}" for w in await r.smembers("kervan:tiered") if w.decode() not in live]
     live_bits = {slots[w] for w in live if w in slots}
     for key in await r.keys("kervan:*"):
         key = key.decode()
@@ -238,11 +256,14 @@ def open_fds(pid: int) -> list[str]:
 
 
 def record(test: str, fault: str, counts: dict, fault_to_first_token_s: float | None = None) -> None:
-    """Add one scenario to the chaos report (a JSON file; CI keeps the last run's)."""
-    report = json.loads(REPORT.read_text()) if REPORT.exists() else {"scenarios": {}}
-    report["scenarios"][test] = {"fault": fault, **counts,
-                                 "fault_to_first_token_on_new_worker_s": fault_to_first_token_s}
-    totals = {k: sum(s[k] for s in report["scenarios"].values())
-              for k in ("sent", "completed", "migrated", "failed_as_intended", "lost", "duplicate_tokens")}
-    report["totals"] = totals
-    REPORT.write_text(json.dumps(report, indent=2))
+    """Add one scenario to the chaos report (a JSON file; CI keeps the last run's). Test
+    processes running side by side (pytest-xdist) take turns under a lock."""
+    with open(REPORT.with_name(REPORT.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        report = json.loads(REPORT.read_text()) if REPORT.exists() else {"scenarios": {}}
+        report["scenarios"][test] = {"fault": fault, **counts,
+                                     "fault_to_first_token_on_new_worker_s": fault_to_first_token_s}
+        totals = {k: sum(s[k] for s in report["scenarios"].values())
+                  for k in ("sent", "completed", "migrated", "failed_as_intended", "lost", "duplicate_tokens")}
+        report["totals"] = totals
+        REPORT.write_text(json.dumps(report, indent=2))

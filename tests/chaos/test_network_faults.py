@@ -12,7 +12,7 @@ import pytest
 from control_plane.launcher import Cluster, ClusterSpec, free_port
 from tests.chaos.checker import check, record, streams_decoding_on, wait_baseline
 from tests.chaos.fault_proxy import FaultProxy
-from tests.conftest import greedy_tokens, make_prompts
+from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts
 
 
 class ProxyThread:
@@ -42,7 +42,7 @@ MAX_TOKENS = 400  # long enough that every stream still runs when the fault come
 # hanging until they fail DEADLINE_EXCEEDED
 @pytest.mark.parametrize("fault", ["reset", "blackhole"])
 def test_a_worker_cut_off_by_the_network_is_migrated_away_from(llama, tmp_path, fault):
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, dtype="float32",
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, **EXACT_MESH,
                                   num_kv_blocks=256, router_args=("--stall-timeout-s", "600")), tmp_path)
     cluster.start(timeout=240)
     proxies = ProxyThread()
@@ -51,11 +51,11 @@ def test_a_worker_cut_off_by_the_network_is_migrated_away_from(llama, tmp_path, 
         proxy = proxies.call(FaultProxy(port).start())
         # both-1 listens on `port` and is reached only through the proxy
         cluster._start("both-1", "services.worker", "--role", "both", "--model", str(llama[1]), "--registry",
-                       cluster.addresses["kv-registry"], "--dtype", "float32", "--num-kv-blocks", "256",
+                       cluster.addresses["kv-registry"], "--dtype", "auto", "--deterministic", "--num-kv-blocks", "256",
                        "--advertise-address", f"127.0.0.1:{proxy.port}", port=port)
         cluster._wait_serving(["both-1"], 240)
         prompts = make_prompts([20, 21, 22, 23], seed=100)
-        expected = greedy_tokens(llama[1], prompts, MAX_TOKENS)
+        expected = greedy_tokens(llama[1], prompts, MAX_TOKENS, **EXACT_REFERENCE)
 
         async def run():
             # checked right before the fault, after every client has tokens: a stream finished early

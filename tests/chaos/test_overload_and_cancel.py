@@ -11,7 +11,7 @@ from control_plane.launcher import Cluster, ClusterSpec
 from services.proto import worker_pb2, worker_pb2_grpc
 from tests.chaos.checker import check, record, runtime, stream, wait_baseline
 from tests.cluster_helpers import scheduler_stats, worker_loads
-from tests.conftest import greedy_tokens, make_prompts
+from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts
 
 OUTPUT = 160  # long enough that the admitted requests still run while the whole burst arrives
 
@@ -22,13 +22,13 @@ def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tm
     # meet and levels off (+26 MB over four waves, then +0.4 MB a wave, measured in process);
     # without packing what is left to grow is Kervan's own
     monkeypatch.setenv("KERVAN_WEIGHT_PACKING", "off")
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, dtype="float32",
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, **EXACT_MESH,
                                   num_kv_blocks=256, worker_args=("--max-num-seqs", "4", "--max-waiting", "4")),
                       tmp_path)
     cluster.start(timeout=240)
     try:
         prompts = make_prompts([16 + i % 9 for i in range(64)], seed=90)
-        expected = greedy_tokens(llama[1], prompts, OUTPUT)
+        expected = greedy_tokens(llama[1], prompts, OUTPUT, **EXACT_REFERENCE)
         services = ["router", "both-0", "both-1"]
 
         async def burst():
@@ -82,13 +82,16 @@ def test_clients_leaving_mid_stream_and_mid_handoff_free_every_block(cluster):
 
     async def leave(prompt, mid_stream):
         if mid_stream:
-            # 200 tokens: a loaded machine must not let the worker finish before the client's cancel reaches it
-            task = asyncio.create_task(stream(cluster.router_address, prompt, 200, on_delta=leave_after_a_token))
+            # 440 tokens after a 64-token prompt (the context is 512): neither a loaded machine nor a fast
+            # one may let the worker finish before the client's cancel reaches it (200 after 300 did, on AMX)
+            task = asyncio.create_task(stream(cluster.router_address, prompt[:64], 440,
+                                              on_delta=leave_after_a_token))
         else:  # leave once the prefill worker holds the request (a 480-token prompt keeps it busy)
             answered = asyncio.Event()
 
-            async def first_token(out):
+            async def first_token(out):  # leave at once: a loaded client must not read the 16 tokens first
                 answered.set()
+                raise Leave
             async with grpc.aio.insecure_channel(cluster.addresses["prefill-0"]) as ch:
                 stub = worker_pb2_grpc.WorkerServiceStub(ch)
                 await stub.GetLoad(worker_pb2.GetLoadRequest())  # connected before the request starts

@@ -12,17 +12,17 @@ from control_plane.launcher import Cluster, ClusterSpec
 from kervan.block_hash import hash_blocks
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from tests.chaos.checker import check, record, restart_redis, stream, wait_baseline
-from tests.conftest import greedy_tokens, make_prompts
+from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts
 
 
 def test_redis_restarting_empty_starts_a_generation_and_requests_keep_flowing(llama, tmp_path):
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, dtype="float32",
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, **EXACT_MESH,
                                   num_kv_blocks=256, registry_args=("--ttl", "2")), tmp_path)
     cluster.start(timeout=240)
     url = cluster.redis_url
     try:
         prompts = make_prompts([20 + i % 7 for i in range(32)], seed=80)
-        expected = greedy_tokens(llama[1], prompts, 40)
+        expected = greedy_tokens(llama[1], prompts, 40, **EXACT_REFERENCE)
 
         async def run_id():
             r = redis.Redis.from_url(url)

@@ -12,7 +12,7 @@ from collections import Counter
 
 from control_plane.launcher import Cluster, ClusterSpec
 from tests.chaos.checker import check, open_fds, process_gone, record, restart_redis, runtime, stream, wait_baseline
-from tests.conftest import greedy_tokens, make_prompts
+from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts
 
 SOAK_REQUESTS = int(os.environ.get("KERVAN_SOAK_REQUESTS", "80"))
 SEED = int(os.environ.get("KERVAN_SOAK_SEED", "1234"))
@@ -23,14 +23,14 @@ SERVICES = ("router", "scheduler", "kv-registry")  # the workers are replaced as
 def test_soak_with_random_faults(llama, tmp_path):
     """Reproducible from its seed: which prompts each client sends, after how many finished
     requests each fault strikes and what it is (not the wall clock, which varies by machine)."""
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, dtype="float32",
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, **EXACT_MESH,
                                   num_kv_blocks=256, registry_args=("--ttl", "2"),
                                   router_args=("--stall-timeout-s", "3")), tmp_path)
     cluster.start(timeout=240)
     rng = random.Random(SEED)
     try:
         pool = make_prompts([12 + i % 11 for i in range(24)], seed=110)
-        expected = greedy_tokens(llama[1], pool, 48)
+        expected = greedy_tokens(llama[1], pool, 48, **EXACT_REFERENCE)
         asyncio.run(stream(cluster.router_address, pool[0], 4))  # warm-up before the baseline
         before = asyncio.run(runtime(cluster, SERVICES))
         fds_before = open_fds(cluster.procs["kv-registry"].pid)

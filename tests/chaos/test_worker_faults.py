@@ -15,23 +15,29 @@ from control_plane.launcher import Cluster, ClusterSpec
 from kervan.block_hash import hash_blocks
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.chaos.checker import check, process_gone, record, stream, wait_baseline
-from tests.conftest import greedy_tokens, make_prompts
+from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts
 
-MAX_TOKENS = 300
+MAX_TOKENS = 400  # long enough to still run while the test finds its worker
 
 
 def start(llama, tmp_path, *router_args) -> Cluster:
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, dtype="float32",
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, **EXACT_MESH,
                                   num_kv_blocks=256, router_args=router_args, registry_args=("--ttl", "2")), tmp_path)
     cluster.start(timeout=240)
+    for name in ("both-0", "both-1"):  # ClusterSpec(deterministic=True) reached every engine
+        assert ", deterministic" in (cluster.log_dir / f"{name}.log").read_text()
     return cluster
 
 
 async def busy_worker(cluster) -> str:
-    for name in ("both-0", "both-1"):
+    """The worker running the request: both asked at once, as the stream goes on meanwhile
+    (on a loaded machine, asking one after the other let a short request end first)."""
+    async def running(name: str) -> int:
         async with grpc.aio.insecure_channel(cluster.addresses[name]) as ch:
-            load = (await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())).load
-        if load.num_running:
+            return (await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())).load.num_running
+    names = ("both-0", "both-1")
+    for name, count in zip(names, await asyncio.gather(*(running(n) for n in names))):
+        if count:
             return name
     raise AssertionError("no worker is running the request")
 
@@ -56,7 +62,7 @@ async def registry_match(cluster, prompt) -> kv_registry_pb2.MatchResponse:
 
 
 def fault_free(llama, prompt, max_tokens=MAX_TOKENS) -> list[int]:
-    return greedy_tokens(llama[1], [prompt], max_tokens)[0]
+    return greedy_tokens(llama[1], [prompt], max_tokens, **EXACT_REFERENCE)[0]
 
 
 def test_a_decode_worker_killed_mid_stream_is_migrated(llama, tmp_path):
@@ -172,7 +178,7 @@ def test_a_stopped_decode_worker_is_left_behind_and_its_late_tokens_never_arrive
 
 
 def test_a_prefill_worker_killed_during_the_handoff_is_replaced_by_local_prefill(llama, tmp_path):
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1, dtype="float32", num_kv_blocks=256,
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1, **EXACT_MESH, num_kv_blocks=256,
                                   registry_args=("--ttl", "2")), tmp_path)
     cluster.start(timeout=240)
     try:

@@ -108,7 +108,10 @@ def default_model_dir(tmp_path_factory):
 
 @pytest.fixture
 async def text_mesh(default_model_dir):
-    mesh, stop = await start_mesh(default_model_dir, dtype="auto", block_size=16, num_kv_blocks=256)
+    """The embedded model in the machine's own dtype, deterministic: its tests send a greedy
+    request twice (the second hits the prefix cache) and compare the texts."""
+    mesh, stop = await start_mesh(default_model_dir, dtype="auto", deterministic=True, block_size=16,
+                                  num_kv_blocks=256)
     yield mesh
     await stop()
 

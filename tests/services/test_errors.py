@@ -4,6 +4,7 @@ request id), never INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -44,3 +45,39 @@ async def test_only_domain_errors_are_the_clients_fault(exc, code, words, caplog
     logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert bool(logged) == (code == grpc.StatusCode.INTERNAL)  # only Kervan's own faults are logged as errors
     assert all("r-17" in r.getMessage() for r in logged)
+
+
+async def test_a_redis_that_answers_but_cannot_serve_is_unavailable_not_internal(tmp_path):
+    """A real Redis, full (OOM) and then busy in a script (BUSY); MISCONF as Redis words it:
+    UNAVAILABLE, which the scheduler falls back on, never INTERNAL."""
+    import redis.asyncio as redis
+    from redis.exceptions import ResponseError
+
+    from control_plane.redis_server import running_redis
+    from services.common.errors import status_for
+    with running_redis(tmp_path) as url:
+        client, blocker = redis.Redis.from_url(url), redis.Redis.from_url(url)
+        try:
+            await client.config_set("maxmemory-policy", "noeviction")
+            await client.config_set("maxmemory", 1)
+            with pytest.raises(ResponseError) as full:
+                await client.set("k", "v")
+            await client.config_set("maxmemory", 0)
+            await client.config_set("busy-reply-threshold", 10)
+            script = asyncio.create_task(blocker.eval("while true do end", 0))
+            await asyncio.sleep(0.3)
+            with pytest.raises(ResponseError) as busy:
+                await client.get("k")
+            await client.script_kill()
+            with pytest.raises(ResponseError):
+                await script
+        finally:
+            await client.aclose()
+            await blocker.aclose()
+    misconf = ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's unable to persist to disk")
+    # as redis-py's pipelines wrap it (the registry's prefix match is one)
+    piped = ResponseError("Command # 1 (MGET kervan:blk:1c8f) of pipeline caused error: ('BUSY Redis is busy "
+                          "running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.',)")
+    for exc in (full.value, busy.value, misconf, piped):
+        assert status_for(exc) == grpc.StatusCode.UNAVAILABLE, exc
+    assert status_for(ResponseError("WRONGTYPE Operation against a key")) == grpc.StatusCode.INTERNAL

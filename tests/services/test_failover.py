@@ -18,7 +18,7 @@ from kervan.kv_events import BlockStored
 from services.common.errors import retry_after_s
 from services.common.load import Load
 from services.kv_registry.index import PrefixIndex, WorkerRecord
-from services.proto import router_pb2_grpc
+from services.proto import kv_registry_pb2, router_pb2_grpc
 from tests.chaos.checker import check, stream
 from tests.conftest import greedy_tokens, make_prompts
 from tests.services.mesh_helpers import engine_paused
@@ -87,6 +87,13 @@ async def test_a_wedged_engine_is_lost_before_the_first_token_and_the_request_pl
     prompt = make_prompts([40], seed=133)[0]
     await stream(address(mesh), prompt, 4)
     cached = max(mesh.workers, key=lambda w: w.engine.load().num_evictable_blocks)
+    # placement prefers it only once the registry has its KV events (under load they can lag)
+    for _ in range(500):
+        match = await mesh.registry_stub.Match(kv_registry_pb2.MatchRequest(block_hashes=hash_blocks(prompt,
+                                                                                                      BLOCK_SIZE)))
+        if match.matched_blocks.get(f"both@{cached.address}"):
+            break
+        await asyncio.sleep(0.02)
     release = threading.Event()
     cached.engine.post(lambda e: release.wait(60))
     try:

@@ -174,3 +174,18 @@ async def test_redis_coming_back_empty_keeps_the_last_workers_listed_until_they_
     response = await registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), None)
     assert [w.info.worker_id for w in response.workers] == ["b", "a"]
     assert {w.info.incarnation for w in response.workers} == {""}  # fencing tokens are never listed
+
+
+async def test_a_match_says_how_many_of_a_workers_blocks_are_in_its_host_tier(redis_client):
+    index = PrefixIndex(redis_client)
+    a = await index.register(record("a"))
+    b = await index.register(record("b"))
+    await index.apply("a", a, [Stored(H[:4], 1)])
+    await index.apply("b", b, [Stored(H[:3], 1)])
+    assert await index.match_tiers(H[:4]) == ({"a": 4, "b": 3}, [], {})  # nobody keeps a second tier yet
+    # a's pool reused the first two blocks; its host tier keeps them
+    await index.apply("a", a, [Removed(H[:2], 2), BlockStored(3, H[:2], None, [], 16, "host")])
+    assert await index.match_tiers(H[:4]) == ({"a": 4, "b": 3}, [], {"a": 2})
+    assert await redis_client.smembers("kervan:tiered") == {b"a"}
+    assert await index.purge("a", a)
+    assert await redis_client.smembers("kervan:tiered") == set()  # the set holds live workers only

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -57,6 +58,16 @@ async def test_the_receiver_clamps_the_lease_and_binds_the_kv_to_its_prompt():
     time.sleep(0.25)  # the receiver's lease, not the sender's
     with pytest.raises(InvalidRequest, match="expired"):
         staging.take(handle, "r", PROMPT)
+
+
+async def test_staged_kv_goes_when_its_lease_ends_on_a_worker_that_does_nothing_else():
+    """No other push or decode comes to expire it: the lease's own timer does."""
+    staging = kv_transfer.KvStaging(max_bytes=64, max_lease_s=0.2)
+    head, data = await kv_transfer.receive(messages(header(8), b"\0" * 8), staging)
+    staging.put(head, data)
+    assert staging.num_bytes == 8
+    await asyncio.sleep(0.4)
+    assert staging.num_bytes == 0
 
 
 def test_segments_of_dead_processes_are_swept_and_the_living_ones_kept(tmp_path):

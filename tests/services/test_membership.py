@@ -103,6 +103,13 @@ async def test_a_worker_hashing_differently_is_refused_at_registration(redis_cli
                     await stub.Register(kv_registry_pb2.RegisterRequest(worker=kv_registry_pb2.WorkerInfo(
                         **{**info, missing: 0}, block_size=16, hash_name=HASH_NAME)))
                 assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and missing in refused.value.details()
+            for name, forged in (("worker_id", "decode@evil\nINFO forged"), ("address", "127.0.0.1:1\r"),
+                                 ("model", "m\x1b[31m")):  # log injection: refused, never registered
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Register(kv_registry_pb2.RegisterRequest(worker=kv_registry_pb2.WorkerInfo(
+                        **{**info, name: forged}, block_size=16, hash_name=HASH_NAME)))
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in refused.value.details()
+            assert not await redis_client.scard("kervan:workers")
             await stub.Register(kv_registry_pb2.RegisterRequest(worker=kv_registry_pb2.WorkerInfo(
                 **info, block_size=16, hash_name=HASH_NAME)))
             assert await redis_client.sismember("kervan:workers", "w")
@@ -129,6 +136,9 @@ async def test_both_loops_finding_the_registration_stale_register_again_once():
     class Engine:
         block_size, limits = 4, type("Limits", (), {"max_model_len": 64, "max_n": 1})()
 
+        def stats(self):
+            return type("Stats", (), {"num_blocks": 16})()
+
     member = Membership(Registry(), Engine(), "127.0.0.1:1", "both", "m")
     await member.register()
     gone = asyncio.Event()
@@ -143,3 +153,39 @@ async def test_both_loops_finding_the_registration_stale_register_again_once():
     gone.set()
     assert await asyncio.gather(*calls) == [False, False]
     assert len(registrations) == 2 and member.info.incarnation == "2.n"  # the start, and one again
+
+
+async def test_a_full_dump_sends_the_host_tiers_blocks_as_host(llama, redis_client):
+    """A registry that forgot the worker gets back, from its dump, the pool's blocks as the
+    device's and the blocks only its host tier holds as the host's."""
+    index = PrefixIndex(redis_client)
+    registry = await start_registry(index, block_size=4)
+    engine = AsyncEngine(make_engine(llama[1], num_kv_blocks=12, kv_host_bytes=64 << 10))
+    engine.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
+    member = Membership(kv_registry_pb2_grpc.KvRegistryServiceStub(channel), engine, "127.0.0.1:1", "both", "m",
+                        heartbeat_s=0.1)
+    task = asyncio.create_task(member.run())
+    wid = member.info.worker_id
+    params = SamplingParams(max_tokens=1, temperature=0)
+    try:
+        await until(lambda: index.live_workers())
+        for k, prompt in enumerate(make_prompts([40, 40], seed=43)):  # the second pushes the first to host memory
+            async for _ in engine.generate(f"r{k}", prompt, params):
+                pass
+        host_only = set(await engine.call(lambda e: e.host_blocks()))
+        assert host_only
+        await redis_client.delete(f"kervan:own:{wid}")
+        await index.forget_all()  # as after a registry restart: the next heartbeat asks for the dump
+
+        async def dumped():
+            tiers = {bytes.fromhex(k.decode()): v.decode()
+                     for k, v in (await redis_client.hgetall(f"kervan:own:{wid}")).items()}
+            return tiers and {h for h, t in tiers.items() if t == "host"} == host_only
+        await until(dumped)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await channel.close()
+        await registry.stop(0)
+        engine.stop()

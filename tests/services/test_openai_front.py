@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -98,10 +100,11 @@ async def test_errors_are_openai_json_with_the_grpc_paths_status(front):
     assert (await http(port, "GET", "/v1/completions"))[0] == 405
 
 
-async def http(port: int, method: str, path: str, data: bytes | None = None) -> tuple[int, dict | None]:
+async def http(port: int, method: str, path: str, data: bytes | None = None, host: str = "127.0.0.1"
+               ) -> tuple[int, dict | None]:
     """A plain HTTP call (urllib, off the event loop): (status, JSON body or None)."""
     def call():
-        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method)
+        request = urllib.request.Request(f"http://{host}:{port}{path}", data=data, method=method)
         try:
             with urllib.request.urlopen(request, timeout=30) as response:
                 status, raw = response.status, response.read()
@@ -128,3 +131,76 @@ async def test_a_client_that_disconnects_mid_stream_aborts_the_request_on_the_wo
     await stream.close()  # the HTTP connection goes away mid-stream
     await wait_aborted(mesh, before + 1)
     await wait_idle(mesh)  # and its KV blocks are free again
+
+
+async def test_a_body_past_the_limit_is_refused_unread_and_numbers_past_their_fields_name_the_field(
+        text_mesh, default_model_dir):
+    front = OpenAIFront(f"127.0.0.1:{text_mesh.router_port}", default_model_dir.name,
+                        Tokenizer.from_dir(default_model_dir), ChatTemplate.from_dir(default_model_dir),
+                        max_body_bytes=64 << 10)
+    port = await front.start("127.0.0.1", 0)
+    try:
+        status, body = await http(port, "POST", "/v1/completions", b" " * (65 << 10))  # by its Content-Length
+        assert status == 413 and "larger than 65536 bytes" in body["error"]["message"]
+        # 256 MiB offered as it streams in (no Content-Length): refused after the first 64 KiB; the client
+        # got its answer with at most a few MiB written (what the sockets' buffers took), not 256
+        before = rss_bytes()
+        status_line, sent = await chunked_post(port, "/v1/completions", chunk=b" " * (1 << 20), chunks=256)
+        assert status_line.startswith(b"HTTP/1.1 413") and sent < 32, (status_line, sent)
+        # and the front (here, in this process) held none of it: the issue's 300 MiB body took a router
+        # from 295 MB to 2.15 GB
+        assert rss_bytes() - before < 32 << 20, (before, rss_bytes())
+        status, body = await http(port, "POST", "/v1/completions", b"[" * 20_000 + b"]" * 20_000)
+        assert status == 400 and "nested too deeply" in body["error"]["message"]
+        model = default_model_dir.name
+        for field, value, extra in (("max_tokens", 2 ** 40, {}), ("n", 2 ** 33, {}), ("top_k", 2 ** 31, {}),
+                                    ("seed", -1, {}), ("stop_token_ids", [2 ** 32], {}), ("prompt", [5, -1], {})):
+            request = {"model": model, "prompt": "hi", **extra, field: value}
+            status, body = await http(port, "POST", "/v1/completions", json.dumps(request).encode())
+            assert status == 400 and field in body["error"]["message"], (field, status, body)
+    finally:
+        await front.stop()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+async def chunked_post(port: int, path: str, chunk: bytes, chunks: int) -> tuple[bytes, int]:
+    """POST a body of ``chunks`` chunks with chunked transfer encoding, stopping when the
+    server answers or closes; returns the answer's status line and the chunks sent."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 "Transfer-Encoding: chunked\r\n\r\n".encode())
+    answer = asyncio.create_task(reader.readline())
+    sent = 0
+    try:
+        while sent < chunks and not answer.done():
+            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            await asyncio.wait_for(writer.drain(), 30)
+            sent += 1
+    except (ConnectionError, OSError, TimeoutError):
+        pass
+    finally:
+        writer.close()
+    return await asyncio.wait_for(answer, 30), sent
+
+
+async def test_a_router_on_a_given_address_serves_http_through_that_address(text_mesh, default_model_dir):
+    """``--host 127.0.0.2``: the router's HTTP front reaches its gRPC server where that listens
+    (it once dialled 127.0.0.1, where nothing does, and every request got 503)."""
+    router = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.router", "--host", "127.0.0.2", "--port", "0", "--http-port", "0",
+        "--worker", f"127.0.0.1:{text_mesh.workers[0].port}", "--model", str(default_model_dir),
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        line = (await asyncio.wait_for(router.stdout.readline(), 120)).decode()
+        assert "router HTTP (OpenAI API) on http://127.0.0.2:" in line, line
+        port = int(line.rsplit(":", 1)[1].split("/")[0])
+        request = {"model": default_model_dir.name, "prompt": "Once upon a time", "max_tokens": 3}
+        status, body = await http(port, "POST", "/v1/completions", json.dumps(request).encode(), host="127.0.0.2")
+        assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+    finally:
+        router.terminate()
+        assert await asyncio.wait_for(router.wait(), 30) == 0

@@ -22,8 +22,9 @@ CFG = PlacementConfig(overlap_weight=1.0, min_remote_prefill_blocks=2)
 
 
 def cand(wid, role="decode", matched=0, active=0, queued=0, free=100, model="m", evictable=0, full=False,
-         max_model_len=4096, max_n=16, sent=0):
-    return Candidate(worker_id=wid, address=f"{wid}:1", role=role, matched_blocks=matched, active_blocks=active,
+         max_model_len=4096, max_n=16, sent=0, host=0):
+    return Candidate(worker_id=wid, address=f"{wid}:1", role=role, matched_blocks=matched, host_blocks=host,
+                     active_blocks=active,
                      prefill_tokens=queued, free_blocks=free, evictable_blocks=evictable, model=model, full=full,
                      limits=RequestLimits(max_model_len=max_model_len, max_n=max_n), sent_blocks=sent)
 
@@ -35,6 +36,19 @@ def test_prefers_the_worker_holding_the_prefix_unless_it_is_busier():
     assert d.decode.worker_id == "b"  # 2 + (15 + 2) > 8 + (0 + 8)
     weighted = place([cand("a", matched=6, active=15), cand("b")], 8, PlacementConfig(overlap_weight=3.0))
     assert weighted.decode.worker_id == "a"  # 3*2 + 17 < 3*8 + 8
+
+
+def test_a_prefix_in_host_memory_costs_a_copy_between_a_pool_hit_and_a_miss():
+    """8 matched blocks in the pool cost nothing to reuse; in the host tier, a copy each
+    (host_block_cost of a prefill) and the pool blocks they are copied into; a miss, both."""
+    cfg = PlacementConfig(overlap_weight=1.0, host_block_cost=0.1)
+    d = place([cand("pool", matched=8), cand("host", matched=8, host=8), cand("none")], 8, cfg)
+    assert d.decode.worker_id == "pool"
+    assert d.scores == pytest.approx({"pool": 0.0, "host": 0.8 + 8, "none": 16.0})
+    d = place([cand("host", matched=8, host=8), cand("none")], 8, cfg)
+    assert d.decode.worker_id == "host"  # a copy beats a prefill
+    d = place([cand("host", matched=8, host=8, free=8), cand("none", free=100)], 8, cfg)
+    assert d.decode.worker_id == "none"  # no room to copy into: 8 blocks plus one to decode into
 
 
 def test_new_prefix_content_sends_a_prompt_no_worker_caches_to_the_worker_holding_the_least():

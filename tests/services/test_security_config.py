@@ -42,8 +42,11 @@ def test_tls_material_must_be_complete():
 
 def test_api_key_files_are_checked_and_keys_compared_whole(tmp_path):
     good = tmp_path / "keys"
-    good.write_text("# keys\nk-0123456789abcdef\n\nk-old-0123456789abcdef expires=2020-01-01T00:00:00+00:00\n")
+    good.write_text("# keys\nk-0123456789abcdef\n\nk-old-0123456789abcdef expires=2020-01-01T00:00:00+00:00\n"
+                    "k#with-a-hash-0123456789 expires=2999-01-01T00:00:00Z  # a comment after a space\n")
     keys = ApiKeys.from_file(good)
+    assert keys.check({"authorization": "Bearer k#with-a-hash-0123456789"}) is None  # '#' inside a key is kept
+    assert keys.check({"authorization": "Bearer k"}) == "invalid API key"
     assert keys.check({"authorization": "Bearer k-0123456789abcdef"}) is None
     assert keys.check({"authorization": "bearer k-0123456789abcdef"}) is None  # the scheme is case-insensitive
     assert keys.check({"authorization": "Bearer k-0123456789abcde"}) == "invalid API key"

@@ -36,6 +36,19 @@ def test_the_cache_key_names_torch_the_isa_level_the_compiler_and_the_source(tmp
         assert "-shared" in link and link[link.index("-o") + 1] == str(tmp_path / "out.so")
 
 
+def test_the_kernels_keep_the_sources_summation_order_and_ieee_semantics(tmp_path, monkeypatch):
+    """No -ffast-math (or its parts that reorder sums or assume no NaN/Inf) in any build: the
+    deterministic mode's promise rests on the order the source writes; and flags are part of
+    the cache key, so a library built with other flags is never picked up."""
+    compiles, _ = compile_commands("c++", "avx512", tmp_path / "out.so")
+    unsafe = {"-ffast-math", "-Ofast", "-fassociative-math", "-ffinite-math-only", "-fno-signed-zeros",
+              "-freciprocal-math", "-funsafe-math-optimizations"}
+    assert not unsafe & {flag for cmd in compiles for flag in cmd}
+    before = build.source_hash()
+    monkeypatch.setattr(build, "COMPILE_FLAGS", build.COMPILE_FLAGS + ["-ffast-math"])
+    assert build.source_hash() != before
+
+
 def test_a_library_built_ahead_of_time_is_found_without_a_compiler(tmp_path, monkeypatch):
     """An image built with ``kervan build-kernels`` and run where no compiler is installed."""
     lib = library_path(tmp_path, "avx2", "g++11.4.0-0123abcd")

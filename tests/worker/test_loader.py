@@ -118,3 +118,15 @@ def test_a_rank_reads_only_its_part_of_the_checkpoint(hf_models, monkeypatch, la
         assert reads[expert.format(3)] == [(cfg.moe.intermediate_size, h)]
         q_rows = q // 2 if layout == "tensor" else q  # tensor parallel: its half of the heads
         assert reads[layer + "self_attn.q_proj.weight"] == [(q_rows, h)]
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors", "sub/x.safetensors", ".."])
+def test_an_index_naming_a_shard_outside_the_model_directory_is_refused(llama_copy, tmp_path, shard):
+    """The index is data from whoever published the model: it may not make the worker read
+    a file beside or above the model directory (which might exist: it is made here)."""
+    shutil.copy(llama_copy / "model.safetensors", tmp_path / "outside.safetensors")
+    names = list(load_file(llama_copy / "model.safetensors"))
+    index = {"weight_map": {name: shard for name in names}}
+    (llama_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match="outside the model directory"):
+        load_model(llama_copy, dtype=torch.float32, max_positions=64)

@@ -1,11 +1,12 @@
-"""The sampler's filters and draws, on hand-made logits."""
+"""The sampler's filters and draws, and its greedy argmax, on hand-made logits."""
 
 import math
 
+import pytest
 import torch
 
 from worker import SamplingParams
-from worker.runner.sampler import Sampler, SamplingRow
+from worker.runner.sampler import Sampler, SamplingRow, argmax
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
 
@@ -59,3 +60,23 @@ def test_seeded_row_ignores_its_neighbours():
     rows = [SamplingRow(SamplingParams(temperature=1.0), None)] * 3 + [
         SamplingRow(seeded, torch.Generator().manual_seed(7))]
     assert Sampler(1)(batch, rows)[0][3] == alone[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_argmax_is_torchs_on_logits_in_the_model_dtype(dtype):
+    """The native kernel (where loaded) reads logits as they are: the first index of the
+    largest value, a NaN counting as largest, for any vocabulary length."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(9, 49159, generator=gen) * 4).to(dtype)
+    logits[1, 100] = logits[1, 40_000] = logits[1].max() + 1  # a tie: the first wins
+    logits[2, 7] = logits[2, 30_000] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, -1] = float("inf")
+    logits[5, :3] = logits[5].max() + 1
+    assert argmax(logits).tolist() == logits.argmax(dim=-1).tolist() == argmax(logits.float()).tolist()
+    assert argmax(logits)[1] == 100 and argmax(logits)[2] == 7 and argmax(logits)[4] == 49158
+    assert argmax(logits[:, :5]).tolist() == logits[:, :5].argmax(dim=-1).tolist()  # shorter than a vector
+    greedy = SamplingParams(temperature=0, logprobs=True)
+    tokens, logprobs = Sampler(seed=0)(logits[[0, 1, 6]], [SamplingRow(greedy, None)] * 3)
+    want = torch.log_softmax(logits[[0, 1, 6]].float(), dim=-1)
+    assert logprobs == [want[i, t].item() for i, t in enumerate(tokens)]

@@ -17,7 +17,7 @@ import torch
 from tests.conftest import MODEL_KINDS, MOE_KINDS, make_engine, make_prompts
 from worker import SamplingParams
 from worker.config import ConfigError, ModelConfig, check_parallel
-from worker.parallel.group import GroupFailed
+from worker.parallel.group import GroupFailed, free_port, rendezvous
 from worker.parallel.pipeline import split
 from worker.parallel.step_inputs import decode_micro_batches, encode_micro_batches
 
@@ -45,7 +45,8 @@ def test_two_ranks_generate_what_one_process_does(hf_models, kind, layout):
     group = make_engine(path, **{layout: 2}, **options)
     try:
         # the ranks share one memory segment whose name is gone once all mapped it: none can outlive the group
-        assert not [n for n in os.listdir("/dev/shm") if n.startswith("kervan-tp-")]
+        # (this process's segments: a group another test process starts meanwhile has its own)
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"kervan-tp-{os.getpid()}-")]
         assert outputs(group, prompts, GREEDY) == expected
         routed = group.stats().expert_tokens_per_rank  # MoE: the (token, expert) pairs each rank computed
         if kind in MOE_KINDS and layout != "pipeline_parallel_size":
@@ -155,6 +156,37 @@ def test_peers_live_through_idle_time_and_die_with_rank_0(llama):
         time.sleep(0.05)
     else:
         raise AssertionError(f"rank 1 (pid {report['peer']}) outlived rank 0")
+
+
+LATE_PEER = """
+import sys, time
+from worker.parallel.group import rendezvous
+time.sleep(float(sys.argv[2]))
+rendezvous(1, 2, int(sys.argv[1]), [])
+time.sleep(1)
+"""
+
+
+def test_a_peer_slower_to_start_than_the_group_timeout_still_joins(monkeypatch):
+    monkeypatch.setenv("KERVAN_GROUP_TIMEOUT_S", "1")  # hung collectives; the start has its own bound
+    port = free_port()
+    peer = subprocess.Popen([sys.executable, "-c", LATE_PEER, str(port), "3"])
+    try:
+        start = time.monotonic()
+        store = rendezvous(0, 2, port, [peer])
+        assert time.monotonic() - start > 2.5
+        assert store.add("joined", 0) == 1
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+def test_a_peer_that_exits_before_joining_fails_the_start_at_once():
+    peer = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    start = time.monotonic()
+    with pytest.raises(GroupFailed, match=r"rank 1 exited \(3\) before it joined"):
+        rendezvous(0, 2, free_port(), [peer])
+    assert time.monotonic() - start < 30
 
 
 def test_a_step_message_is_integers_and_a_broken_one_is_refused():

@@ -21,6 +21,7 @@ from worker.config import ConfigError, EngineConfig, ModelConfig
 from worker.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from worker.engine.scheduler import StepScheduler
 from worker.engine.sequence import Sequence
+from worker.kv.host_tier import HostTier
 from worker.kv.kv_cache_manager import KVCacheManager
 from worker.loader import load_model
 from worker.parallel import get_parallel_state
@@ -56,7 +57,8 @@ class Engine:
         except BaseException:
             self.close()
             raise
-        self.kv = KVCacheManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching,
+                                 self._host_tier())
         self.scheduler = StepScheduler(self.config, self.kv)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.groups: dict[str, list[Sequence]] = {}  # request id -> its sequences (n of them once forked)
@@ -135,6 +137,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        self._demote()
         if not batch.sequences:
             return []
         started = time.time_ns()
@@ -184,6 +187,22 @@ class Engine:
 
     # -- internals ----------------------------------------------------------------
 
+    def _host_tier(self) -> HostTier | None:
+        num_blocks = self.config.host_tier_blocks(self.model_config)
+        if not num_blocks:
+            return None
+        cfg = self.model_config
+        shape = (cfg.num_layers, 2, cfg.num_kv_heads, self.config.block_size * cfg.head_dim)
+        return HostTier(num_blocks, shape, self.config.dtype, pin=self.config.device.startswith("cuda"))
+
+    def _demote(self) -> None:
+        """Copy the cached blocks this step's schedule took for reuse into the host tier,
+        before the step overwrites them."""
+        evicted = self.kv.take_evictions()
+        if evicted:
+            data = self.runner.read_blocks([block_id for block_id, _ in evicted])
+            self.kv.demote([h for _, h in evicted], data.to("cpu"))
+
     def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """The prompt as token ids, or InvalidRequest naming what to fix. Reads only
         configuration, so other threads may call it while the engine steps."""
@@ -231,12 +250,24 @@ class Engine:
                            num_kv_slots_allocated=self.config.block_size * sum(
                                len(self.kv.tables.get(req.seq_id, ())) for req in running),
                            num_kv_slots_used=sum(req.num_computed_tokens for req in running),
-                           expert_tokens_per_rank=self.runner.model.routed_tokens_per_rank())
+                           expert_tokens_per_rank=self.runner.model.routed_tokens_per_rank(),
+                           **self._host_stats())
+
+    def _host_stats(self) -> dict[str, int]:
+        host = self.kv.host
+        if host is None:
+            return {}
+        return {"num_host_blocks": len(host), "num_host_demoted": host.num_stored,
+                "num_host_promoted": host.num_promoted}
 
     def cached_blocks(self) -> tuple[int, list[bytes]]:
         """Every cached block's hash, as of the last KV event's sequence number (a full
         dump for the registry; events not yet taken are superseded by it)."""
         return self.kv.dump()
+
+    def host_blocks(self) -> list[bytes]:
+        """The blocks only the host tier holds (call with ``cached_blocks``, for one dump)."""
+        return self.kv.host_only_blocks()
 
     def keepalive(self) -> None:
         """Call while idle, at least every second: the peers of a worker group wait for

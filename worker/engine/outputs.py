@@ -64,3 +64,7 @@ class EngineStats:
     num_kv_slots_used: int
     # MoE: (token, expert) pairs each rank of the worker group computed since the start; () if dense
     expert_tokens_per_rank: tuple[int, ...] = ()
+    # the host tier behind the pool: blocks it holds, and blocks demoted into it and copied back since the start
+    num_host_blocks: int = 0
+    num_host_demoted: int = 0
+    num_host_promoted: int = 0

@@ -8,7 +8,9 @@ gives continuous batching, chunked prefill (a long prompt takes several steps)
 and prefix reuse (cached blocks start ``num_computed_tokens`` ahead).
 
 Running sequences go first, in arrival order; when blocks run out the latest
-arrival is preempted (its blocks freed, recomputed later). Waiting sequences are
+arrival is preempted (its blocks freed: the full ones stay cached, and with a host
+tier they are demoted when reused, so the sequence resumes by copying them back;
+only what no tier kept is recomputed). Waiting sequences are
 admitted while budget, sequence slots and blocks last; none is admitted in a step
 that had to preempt. (Not to be confused with the mesh-level placement in
 ``services/scheduler/``, which chooses a worker.)"""
@@ -98,6 +100,7 @@ class StepScheduler:
             if taken + _seats(req) > self.config.max_num_seqs:
                 break
             hit = self.kv.get_computed_blocks(req)
+            cached = hit.num_tokens
             if req.imported_kv is not None:
                 # the prompt's KV arrived with the request: place it, compute only the next token
                 if self.kv.allocate_slots(req, req.num_tokens - hit.num_tokens, hit.blocks) is None:
@@ -108,9 +111,16 @@ class StepScheduler:
                 req.imported_kv = None
                 start = req.num_prompt_tokens
             else:
-                start = hit.num_tokens
-                if self.kv.allocate_slots(req, min(req.num_tokens - start, budget), hit.blocks) is None:
+                # what the pool lacks but the host tier holds is copied back, not computed (no budget)
+                promoted = self.kv.host_prefix(req, len(hit.blocks))
+                start = cached = hit.num_tokens + len(promoted) * self.config.block_size
+                if self.kv.allocate_slots(req, start - hit.num_tokens + min(req.num_tokens - start, budget),
+                                          hit.blocks) is None:
                     break
+                if promoted:
+                    first = len(hit.blocks)
+                    blocks = self.kv.get_block_ids(req.seq_id)[first:first + len(promoted)]
+                    writes.append(KVWrite(blocks, self.kv.host.take(promoted)))
             n = min(req.num_tokens - start, budget)
             self.waiting.popleft()
             req.status = SequenceStatus.RUNNING
@@ -118,7 +128,7 @@ class StepScheduler:
                 req.queue_time_s = time.monotonic() - req.arrival_time
             req.num_computed_tokens = start
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = hit.num_tokens
+                req.num_cached_tokens = cached
             self.running.append(req)
             taken += _seats(req)
             scheduled.append(self._scheduled(req, start, n))

@@ -38,7 +38,12 @@ from kervan import envs
 LIBRARY = "kervan_kernels.so"
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
-COMPILE_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++20"]
+# no -ffast-math: it licenses the compiler to reassociate sums (a reduction's order would then be
+# the compiler's choice, not the source's) and to assume no NaN or Inf (deleting the checks for
+# them). The hot paths are written with explicit vectors and did not slow down without it; the
+# scalar fallback of decode attention for uncommon head shapes did (about 2x), so the common
+# shapes each have a vector path. -fno-math-errno only lets sqrt and exp inline.
+COMPILE_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-std=c++20"]
 ISA_FLAGS = {
     "avx512": ["-march=x86-64-v4", "-mtune=generic", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
     "avx2": ["-march=x86-64-v3", "-mtune=generic", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
@@ -70,7 +75,8 @@ def compiler_id(cxx: str | None = None) -> str:
 
 
 def source_hash() -> str:
-    digest = hashlib.sha256()
+    """The sources, headers and compile flags: a build made with other flags is another build."""
+    digest = hashlib.sha256(" ".join(COMPILE_FLAGS).encode())
     for src in sorted(SOURCES + HEADERS):
         digest.update(src.name.encode() + b"\0" + src.read_bytes())
     return digest.hexdigest()[:12]

@@ -44,7 +44,7 @@ constexpr int64_t kMaxD = 256, kMaxBS = 64, kMaxG = 16;
 // Blocks sit at random places in the cache, beyond the hardware prefetcher's
 // reach: ask for the block kAhead places on while this one is being used (a
 // block is used for less time than a memory round trip takes).
-constexpr int64_t kAhead = 4;
+constexpr int64_t kAhead = 16;
 template <typename T>
 static inline void prefetch(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -271,10 +271,12 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv, at::Tensor tables, at::Tens
       decode_any<scalar_t>(args);
     } else if (bs == 16 && D == 64 && G == 1) decode_vec<scalar_t, 64, 16, 1>(args);
     else if (bs == 16 && D == 64 && G == 2) decode_vec<scalar_t, 64, 16, 2>(args);
+    else if (bs == 16 && D == 64 && G == 3) decode_vec<scalar_t, 64, 16, 3>(args);  // SmolLM2-135M/360M
     else if (bs == 16 && D == 64 && G == 4) decode_vec<scalar_t, 64, 16, 4>(args);
     else if (bs == 16 && D == 64 && G == 8) decode_vec<scalar_t, 64, 16, 8>(args);
     else if (bs == 16 && D == 128 && G == 1) decode_vec<scalar_t, 128, 16, 1>(args);
     else if (bs == 16 && D == 128 && G == 2) decode_vec<scalar_t, 128, 16, 2>(args);
+    else if (bs == 16 && D == 128 && G == 3) decode_vec<scalar_t, 128, 16, 3>(args);
     else if (bs == 16 && D == 128 && G == 4) decode_vec<scalar_t, 128, 16, 4>(args);
     else if (bs == 16 && D == 128 && G == 8) decode_vec<scalar_t, 128, 16, 8>(args);
     else decode_any<scalar_t>(args);

@@ -37,6 +37,10 @@ class BlockPool:
         self._events: list[KVEvent] = []
         self._seq = 0
         self.num_evictable = 0  # free blocks still holding cached KV (evicting them loses a prefix)
+        # with a tier behind the pool: (block id, hash) of each cached block taken for reuse, whose
+        # contents stay intact until the step that reuses it runs
+        self.track_evictions = False
+        self.evicted: list[tuple[int, BlockHash]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -61,6 +65,8 @@ class BlockPool:
             if block.block_hash is not None:
                 self.num_evictable -= 1
                 evicted.append(block.block_hash)
+                if self.track_evictions:
+                    self.evicted.append((block.block_id, block.block_hash))
                 del self.cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
@@ -110,6 +116,15 @@ class BlockPool:
         if run:
             tokens = token_ids[(end - len(run)) * self.block_size:end * self.block_size]
             self._emit(BlockStored(self._next_seq(), run, parent, tokens, self.block_size))
+
+    def announce_tier(self, stored: list[BlockHash], removed: list[BlockHash], medium: str) -> None:
+        """Events of a tier behind the pool: blocks it now holds, blocks it dropped that the
+        pool does not hold either (the pool's own events speak for the ones it does)."""
+        removed = [h for h in removed if h not in self.cached]
+        if removed:
+            self._emit(BlockRemoved(self._next_seq(), removed, medium))
+        if stored:
+            self._emit(BlockStored(self._next_seq(), list(stored), None, [], self.block_size, medium))
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (in-use blocks keep their contents, just not their names)."""

@@ -19,9 +19,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kervan.block_hash import BlockHash
-from kervan.kv_events import KVEvent
+from kervan.kv_events import MEDIUM_HOST, KVEvent
 from worker.engine.sequence import Sequence
 from worker.kv.block_pool import BlockPool, KVBlock
+from worker.kv.host_tier import HostTier
 
 
 class BlockCopy(NamedTuple):
@@ -35,9 +36,11 @@ class ComputedBlocks(NamedTuple):
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, host: HostTier | None = None):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size, enable_caching)
+        self.host = host if enable_caching else None
+        self.pool.track_evictions = self.host is not None
         self.tables: dict[str, list[KVBlock]] = {}
         self.num_hashed: dict[str, int] = {}  # leading blocks of a sequence already in the cache map
         self._copies: list[BlockCopy] = []
@@ -63,6 +66,33 @@ class KVCacheManager:
                 break
             hits.append(block)
         return ComputedBlocks(hits, len(hits) * self.block_size)
+
+    def host_prefix(self, seq: Sequence, num_hit_blocks: int) -> list[BlockHash]:
+        """The hashes of the blocks after a pool hit that the host tier holds (leading ones,
+        leaving the last prompt token to compute)."""
+        if self.host is None:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        wanted = seq.block_hashes[num_hit_blocks:max_blocks]
+        return wanted[:self.host.leading(wanted)]
+
+    def demote(self, hashes: list[BlockHash], data) -> None:
+        """Blocks leaving the pool, into the host tier (``data``: their KV, read before the
+        step that reuses them), announced as the host tier's."""
+        dropped = self.host.put(hashes, data)
+        self.pool.announce_tier(hashes, dropped, MEDIUM_HOST)
+
+    def host_only_blocks(self) -> list[BlockHash]:
+        """What the host tier holds that the pool does not (its part of a full dump)."""
+        if self.host is None:
+            return []
+        return [h for h in self.host.slots if h not in self.pool.cached]
+
+    def take_evictions(self) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of the cached blocks reused since the last call: to demote
+        before the step that overwrites them runs."""
+        evicted, self.pool.evicted = self.pool.evicted, []
+        return evicted
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
                        computed: list[KVBlock] = ()) -> list[KVBlock] | None:
@@ -135,5 +165,8 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+        self.pool.evicted.clear()
+        if self.host is not None:
+            self.host.clear()
         for rid in self.num_hashed:
             self.num_hashed[rid] = 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker.layers.batch_invariant import RowPlan
 from worker.layers.linear import check_shape
 from worker.layers.packing import packed_linear
 from worker.parallel import all_gather_last_dim, all_reduce, get_parallel_state
@@ -16,6 +17,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
         super().__init__()
         self.vocab_size = vocab_size
+        self.input_size = hidden_size  # the LM head's matmul input
         self.start, self.end = get_parallel_state().shard(vocab_size, "vocab_size")
         self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden_size, dtype=dtype),
                                    requires_grad=False)
@@ -34,6 +36,10 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     keep_weight = False  # True when tied to the embedding, which still looks rows up in it
+    row_plan: RowPlan | None = None  # deterministic mode: batch-invariant calls
+    packed_weight: torch.Tensor | None = None  # the loader's packed copy (``packing.pack_weights``)
+    brgemm_weight = None  # never: the head keeps oneDNN's layout (``packing.pack_weights``)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return all_gather_last_dim(packed_linear(hidden, self.weight, getattr(self, "packed_weight", None), None))
+        return all_gather_last_dim(packed_linear(hidden, self.weight, self.packed_weight, None,
+                                                 self.row_plan))

@@ -14,7 +14,7 @@ from worker.kernels import has_native_kernels
 
 
 def is_native(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and has_native_kernels()
+    return x.is_cpu and has_native_kernels()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -8,23 +8,30 @@ in one matmul; each logical part is sharded on its own, so rank r holds
 and KV heads fewer than the ranks are replicated (``ParallelState.shard_heads``).
 Each layer's ``load`` indexes its rank's slice of a checkpoint tensor, and only that
 slice is read from the file (``worker/loader.py``). On the CPU the loader may replace ``weight`` by a oneDNN-packed
-``packed_weight`` (``worker/layers/packing.py``)."""
+``packed_weight`` (``worker/layers/packing.py``). In deterministic mode ``row_plan`` makes
+every matmul batch-invariant (``worker/layers/batch_invariant.py``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from worker.layers.packing import packed_linear
+from worker.layers.batch_invariant import RowPlan, probed_plan
+from worker.layers.packing import BRGEMM_MAX_ROWS, packed_linear
 from worker.parallel import all_reduce, get_parallel_state
 
 
 class MergedColumnParallelLinear(nn.Module):
+    row_plan: RowPlan | None = None  # deterministic mode: batch-invariant calls (``DecoderModel.make_batch_invariant``)
+    packed_weight: torch.Tensor | None = None  # the loader's packed copy (``packing.pack_weights``)
+    brgemm_weight: torch.Tensor | None = None  # and, for small calls, its brgemm layout
+
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype, head_dim: int = 0):
         """``head_dim``: the parts are heads of this size (0: plain features)."""
         super().__init__()
         self.out_sizes = list(out_sizes)
         self.head_dim = head_dim
+        self.input_size = in_features
         self.local_sizes = [end - start for start, end in map(self._shard, out_sizes)]
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features, dtype=dtype),
                                    requires_grad=False)
@@ -53,10 +60,15 @@ class MergedColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
+    row_plan: RowPlan | None = None  # as MergedColumnParallelLinear's
+    packed_weight: torch.Tensor | None = None
+    brgemm_weight: torch.Tensor | None = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.in_features = in_features
         start, end = get_parallel_state().shard(in_features, "input features")
+        self.input_size = end - start  # this rank's
         self.weight = nn.Parameter(torch.empty(out_features, end - start, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
@@ -85,4 +97,20 @@ def copy_checked(target: torch.Tensor, tensor: torch.Tensor) -> None:
 
 
 def _linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
-    return packed_linear(x, layer.weight, getattr(layer, "packed_weight", None), bias)
+    packed = layer.packed_weight
+    return packed_linear(x, layer.weight if packed is None else None, packed, bias, layer.row_plan,
+                         layer.brgemm_weight)
+
+
+def plan_rows(layer: nn.Module, max_rows: int) -> None:
+    """Deterministic mode: which call sizes compute this layer's rows alike
+    (``batch_invariant.RowPlan``), probed on its own (possibly packed) weight once per
+    shape; ``layer.input_size`` is its matmul's input width on this rank."""
+    packed, small = layer.packed_weight, layer.brgemm_weight
+    if small is not None:  # one kernel for every call: brgemm's rows are invariant by construction, and a
+        max_rows = min(max_rows, BRGEMM_MAX_ROWS)  # larger call would mix in oneDNN's arithmetic
+    weight = layer.weight
+    ref = weight if weight is not None else packed
+    layer.row_plan = probed_plan((tuple(ref.shape), packed is not None, small is not None),
+                                 lambda rows: packed_linear(rows, weight, packed, None, None, small), layer.input_size,
+                                 ref.dtype, ref.device, max_rows)

@@ -28,4 +28,4 @@ class SwiGLU(nn.Module):
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_and_mul(self.gate_up(x)))
+        return self.down.forward(silu_and_mul(self.gate_up.forward(x)))  # forward: see DecoderModel.forward

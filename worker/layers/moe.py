@@ -27,9 +27,11 @@ import torch
 from torch import nn
 
 from worker.config import MoeConfig
+from worker.layers.batch_invariant import RowPlan, probed_plan
 from worker.layers.fused import silu_and_mul
 from worker.layers.linear import copy_checked
 from worker.layers.mlp import Loader, SwiGLU
+from worker.layers.packing import packed_linear
 from worker.parallel import all_reduce, get_parallel_state
 from worker.parallel.expert_map import ExpertMap
 from worker.parallel.state import all_gather_rows, all_to_all_rows, split_points
@@ -62,6 +64,9 @@ def select_experts(logits: torch.Tensor, cfg: MoeConfig,
 
 
 class SparseMoe(nn.Module):
+    # deterministic mode: batch-invariant calls per weight shape (an expert's rows vary with the batch)
+    row_plans: dict[tuple[int, ...], RowPlan] | None = None
+
     def __init__(self, hidden_size: int, cfg: MoeConfig, dtype: torch.dtype, family: str):
         super().__init__()
         self.cfg = cfg
@@ -118,14 +123,14 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden], the same on every rank of a group
-        logits = nn.functional.linear(x.float(), self.gate.float())
+        logits = self._linear(x.float(), self.gate.float())
         weights, ids = select_experts(logits, self.cfg, self.correction_bias)
         self.routed_tokens += torch.bincount(ids.flatten(), minlength=self.cfg.num_experts)  # no sync on CUDA
         out = self._dispatched(x, weights, ids) if self.dispatch else self._all_reduced(x, weights, ids)
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:
-                shared = torch.sigmoid(nn.functional.linear(x, self.shared_gate)) * shared
+                shared = torch.sigmoid(self._linear(x, self.shared_gate)) * shared
             out = out + shared
         return out
 
@@ -168,7 +173,20 @@ class SparseMoe(nn.Module):
             start += count
 
     def _expert(self, local: int, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(silu_and_mul(nn.functional.linear(x, self.w13[local])), self.w2[local])
+        return self._linear(silu_and_mul(self._linear(x, self.w13[local])), self.w2[local])
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        plan = None if self.row_plans is None else self.row_plans[(tuple(weight.shape), weight.dtype)]
+        return packed_linear(x, weight, None, None, plan)
+
+    def plan_rows(self, max_rows: int) -> None:
+        """Deterministic mode: the call sizes of the router's and the experts' matmuls,
+        probed once per shape (``batch_invariant.probed_plan``)."""
+        weights = [self.gate.float(), self.w13[0], self.w2[0]] + ([self.shared_gate] if self.shared_gate is not None
+                                                                   else [])
+        self.row_plans = {(tuple(w.shape), w.dtype): probed_plan(
+            (tuple(w.shape), False), lambda rows, w=w: packed_linear(rows, w, None, None), w.shape[1], w.dtype,
+            w.device, max_rows) for w in weights}
 
 
 def _skip(tensor: torch.Tensor) -> None:

@@ -16,6 +16,13 @@ SDPA call over K/V gathered through the block tables. Each prefill chunk runs it
 mask offset by its cached context. Index tensors and masks are built once per
 step in ``AttentionMetadata`` and shared by all layers.
 
+In deterministic mode every token is a row of the native decode kernel, attending
+to its own prefix through its sequence's block table: one kernel whose reduction
+over the keys runs block by block in the same order for a token in a decode step,
+in any chunk of a prompt, after a cached or pushed prefix. SDPA's flash kernel
+tiles the keys from the chunk's start instead, so the same token's output depended
+on how its prompt was cut.
+
 Cache layout per layer: [2, num_blocks, num_kv_heads, block_size * head_dim],
 head-major inside a block so that one (block, head) is contiguous; keys are
 stored transposed, [head_dim, block_size], values as [block_size, head_dim]
@@ -53,15 +60,23 @@ class AttentionMetadata:
     @staticmethod
     def build(slots: list[int], decode_tables: list[list[int]], decode_lens: list[int],
               prefills: list[tuple[int, int, int, list[int]]], block_size: int,
-              device: torch.device, native: bool = False) -> AttentionMetadata:
+              device: torch.device, native: bool = False, per_token: bool = False) -> AttentionMetadata:
         """slots: block_id * block_size + offset per token; prefills: (start,
-        num_tokens, num_context, block_ids) per chunk."""
+        num_tokens, num_context, block_ids) per chunk. ``per_token`` (deterministic
+        mode, native kernels): every token of a prompt chunk is a decode row of its own."""
         slot = torch.tensor(slots, dtype=torch.long, device=device)
         tables = lens = mask = None
+        if per_token:  # every prompt token a row of its own, attending to its prefix
+            width = max(len(t) for t in decode_tables + [blocks for *_, blocks in prefills])
+            tables = torch.cat([_padded(decode_tables, width)] + [_padded([blocks], width).expand(n, width)
+                                                                 for _, n, _, blocks in prefills]).to(device)
+            decode_lens = list(decode_lens) + [p for _, n, ctx, _ in prefills for p in range(ctx + 1, ctx + n + 1)]
+            lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
+            return AttentionMetadata(native, slot, slot // block_size, slot % block_size, len(decode_lens), tables,
+                                     lens, None, [])
         if decode_tables:
             width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long,
-                                  device=device)
+            tables = _padded(decode_tables, width).to(device)
             lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
             if not native:
                 mask = (torch.arange(width * block_size, device=device)[None, :] < lens[:, None])[:, None, None, :]
@@ -78,13 +93,21 @@ class AttentionMetadata:
                                  lens, mask, spans)
 
 
+def _padded(tables: list[list[int]], width: int) -> torch.Tensor:
+    """[len(tables), width] long: block tables padded with block 0 (never read: a row's
+    length stops before it)."""
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).view(len(tables), width)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-    k_cache, v_cache = cache_views(kv_cache, k.shape[-1])
     if meta.native:
         torch.ops.kervan.write_kv(kv_cache, _dense_heads(k), _dense_heads(v), meta.slots)
-    else:
+        if not meta.prefills:  # decodes only (or deterministic mode's rows): the kernel's output is the answer
+            return _decode(q, kv_cache, meta, scale)
+    k_cache, v_cache = cache_views(kv_cache, k.shape[-1])
+    if not meta.native:
         k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
         v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
     out = torch.empty_like(q)

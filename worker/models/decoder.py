@@ -21,7 +21,7 @@ from torch import nn
 
 from worker.config import ModelConfig
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear, copy_checked
+from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear, copy_checked, plan_rows
 from worker.layers.mlp import Loader, SwiGLU
 from worker.layers.moe import SparseMoe
 from worker.layers.norm import RMSNorm
@@ -63,11 +63,11 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q, k = self.rotary(positions, q.view(n, self.num_heads, self.head_dim),
+        q, k, v = self.qkv.forward(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k = self.rotary.forward(positions, q.view(n, self.num_heads, self.head_dim),
                            k.view(n, self.num_kv_heads, self.head_dim))
         out = paged_attention(q, k, v.view(n, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale)
-        return self.o_proj(out.view(n, q_size))
+        return self.o_proj.forward(out.view(n, q_size))
 
 
 class DecoderLayer(nn.Module):
@@ -97,11 +97,11 @@ class DecoderLayer(nn.Module):
         """(this layer's MLP output, the residual stream before it); the next layer, or
         the final norm, adds the two. The first layer gets no residual."""
         if residual is None:
-            x, residual = self.input_norm(x), x
+            x, residual = self.input_norm.forward(x), x
         else:
-            x, residual = self.input_norm(x, residual)
-        x, residual = self.post_attn_norm(self.attn(positions, x, kv_cache, meta), residual)
-        return self.mlp(x), residual
+            x, residual = self.input_norm.forward(x, residual)
+        x, residual = self.post_attn_norm.forward(self.attn.forward(positions, x, kv_cache, meta), residual)
+        return self.mlp.forward(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -133,11 +133,23 @@ class DecoderModel(nn.Module):
         ``carried`` for the next: [2, num_tokens, hidden], the last layer's output and the
         residual stream (a stage but the first takes the previous one's instead of ids)."""
         x, residual = (self.embed(input_ids), None) if carried is None else (carried[0], carried[1])
+        # submodules' forward is called directly here and in the layers: nn.Module.__call__'s hook
+        # machinery cost ~2 us a call, 300 calls a decode step of a 30-layer model
         for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, cache, meta)
+            x, residual = layer.forward(positions, x, residual, cache, meta)
         if self.norm is None:
             return torch.stack((x, residual))
         return self.norm(x, residual)[0]
+
+    def make_batch_invariant(self, max_rows: int, max_logit_rows: int) -> None:
+        """Deterministic mode: every matmul runs as calls whose arithmetic per row is the
+        same whatever the other rows (``worker/layers/batch_invariant.py``); the call sizes
+        are probed on this rank's weights (once per shape and process), up to the rows a step
+        computes."""
+        for module in self.dense_linears():
+            plan_rows(module, max_logit_rows if module is self.lm_head else max_rows)
+        for moe in self.moes:
+            moe.plan_rows(max_rows)
 
     def dense_linears(self) -> list[nn.Module]:
         """The layers whose weights the loader may pack: every dense linear and the LM head."""
@@ -153,7 +165,7 @@ class DecoderModel(nn.Module):
         return tuple(self.moes[0].expert_map.tokens_per_rank(self.routed_tokens.tolist()))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [rows, vocab]
+        return self.lm_head(hidden)  # [rows, vocab], in the model's dtype
 
     def loaders(self) -> dict[str, Loader]:
         """Checkpoint tensor name -> what keeps this rank's part of it."""

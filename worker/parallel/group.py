@@ -28,6 +28,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -41,24 +42,55 @@ from worker.parallel.state import ParallelState, set_parallel_state
 from worker.parallel.step_inputs import StepInputs, decode_micro_batches, encode_micro_batches
 
 STEP, PING, STOP, MICRO_BATCHES, READ_KV, WRITE_KV = 1, 2, 3, 4, 5, 6
+JOIN_TIMEOUT_S = 120.0
 
 
 class GroupFailed(RuntimeError):
     """A rank of the worker group died or hangs: the group cannot step any more."""
 
 
-def init_rank(rank: int, config, port: int, shm: ShmComm | None = None) -> object:
+def init_rank(rank: int, config, port: int, shm: ShmComm | None = None,
+              peers: list[subprocess.Popen] | None = None) -> object:
     """Join the group's default process group (a rendezvous of all ranks); returns the
     gloo group that carries rank 0's messages (the default one is NCCL on CUDA).
-    ``shm``: this rank's shared-memory collectives (CPU groups), used where they fit."""
+    ``shm``: this rank's shared-memory collectives (CPU groups), used where they fit;
+    ``peers``: on rank 0, the processes of the other ranks, watched while they join."""
     import torch.distributed as dist
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     backend = "nccl" if config.device.startswith("cuda") else "gloo"
     timeout = timedelta(seconds=group_timeout_s())
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=config.world_size, timeout=timeout)
+    store = rendezvous(rank, config.world_size, port, peers or [])
+    dist.init_process_group(backend, store=store, rank=rank, world_size=config.world_size, timeout=timeout)
     set_parallel_state(parallel_state(rank, config), shm)
     return dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+
+
+def join_timeout_s() -> float:
+    """How long rank 0 waits for the others to join: a peer imports torch first, which
+    takes seconds on a loaded machine, so a short group timeout (for hung collectives)
+    must not cut the start short."""
+    return max(JOIN_TIMEOUT_S, group_timeout_s())
+
+
+def rendezvous(rank: int, world: int, port: int, peers: list[subprocess.Popen]):
+    """The group's key-value store on rank 0's port: rank 0 serves it and waits until
+    every other rank has joined, failing at once when one of them exits first."""
+    import torch.distributed as dist
+    timeout = timedelta(seconds=join_timeout_s())
+    if rank:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+        store.add("joined", 1)
+        return store
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=timeout, wait_for_workers=False)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while store.add("joined", 0) < world - 1:
+        for i, peer in enumerate(peers, start=1):
+            if peer.poll() is not None:
+                raise GroupFailed(f"rank {i} exited ({peer.returncode}) before it joined the group")
+        if time.monotonic() > deadline:
+            raise GroupFailed(f"the group's ranks did not all join within {timeout.total_seconds():.0f} s")
+        time.sleep(0.02)
+    return store
 
 
 def parallel_state(rank: int, config) -> ParallelState:
@@ -97,7 +129,7 @@ class GroupLeader:
     def start(cls, model_dir: str | Path, config) -> GroupLeader:
         """Start ranks 1..N-1 of a group of ``config.world_size`` and join it as rank 0."""
         world = config.world_size
-        port = _free_port()
+        port = free_port()
         peers: list[subprocess.Popen] = []
         shm = None
         if not config.device.startswith("cuda"):
@@ -107,7 +139,7 @@ class GroupLeader:
         try:
             peers += [subprocess.Popen([*argv, "--rank", str(rank)], stdin=subprocess.DEVNULL)
                       for rank in range(1, world)]
-            control = init_rank(0, config, port, shm)
+            control = init_rank(0, config, port, shm, peers)
         except BaseException:
             for peer in peers:
                 peer.kill()
@@ -214,7 +246,7 @@ def peer_config(text: str):
     return EngineConfig(**json.loads(text))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

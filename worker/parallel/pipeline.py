@@ -78,4 +78,4 @@ def run_later_stage(forward: Callable[[StepInputs, torch.Tensor], torch.Tensor |
     if not ps.is_last_stage:
         send_to(ps.rank + 1, out)
     elif out is not None:
-        send_to(0, out)
+        send_to(0, out.float())

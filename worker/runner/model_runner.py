@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.config import EngineConfig
+from worker.config import ConfigError, EngineConfig
 from worker.engine.scheduler import KVWrite, ScheduledBatch, ScheduledSequence
 from worker.kernels import has_native_kernels
 from worker.layers.paged_attention import AttentionMetadata
@@ -48,6 +48,12 @@ class ModelRunner:
                                             model.layers[0].attn.num_kv_heads, config.block_size, cfg.head_dim,
                                             config.dtype, self.device)
         self.native_kernels = self.device.type == "cpu" and has_native_kernels()
+        if config.deterministic:
+            if not self.native_kernels:
+                raise ConfigError("deterministic mode needs the native CPU kernels (its one attention kernel for "
+                                  "prompts and decodes), and they are off here: see the warning above, or unset "
+                                  "KERVAN_ATTENTION_BACKEND=torch")
+            model.make_batch_invariant(config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler(config.seed)
         self.graphs = self._capture_graphs() if self._uses_graphs() else None
 
@@ -117,7 +123,8 @@ class ModelRunner:
             hidden = self.graphs.run(step)
         else:
             meta = AttentionMetadata.build(step.slots, step.decode_tables, step.decode_lens, step.prefills,
-                                           self.config.block_size, self.device, self.native_kernels)
+                                           self.config.block_size, self.device, self.native_kernels,
+                                           per_token=self.config.deterministic)
             hidden = self.model(torch.tensor(step.token_ids, device=self.device),
                                 torch.tensor(step.positions, device=self.device), self.kv_caches, meta,
                                 None if carried is None else carried.to(self.device))
@@ -135,8 +142,7 @@ class ModelRunner:
         whole; the peers get None."""
         if self.group is not None:
             self._in_group(self.group.read_kv, block_ids)
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        local = torch.stack([cache.index_select(1, index) for cache in self.kv_caches])
+        local = torch.stack([_blocks_of(cache, block_ids) for cache in self.kv_caches])
         cfg = self.model.cfg
         return self._in_group(kv_shards.gather, local, get_parallel_state(), cfg.num_layers, cfg.num_kv_heads)
 
@@ -146,9 +152,13 @@ class ModelRunner:
         keeps its part."""
         cfg = self.model.cfg
         local = kv_shards.local_part(data, get_parallel_state(), cfg.num_layers, cfg.num_kv_heads)
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        run = _run_start(block_ids)  # a run of consecutive blocks: one plain copy per layer
+        index = None if run is not None else torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for cache, layer in zip(self.kv_caches, local.to(self.device)):
-            cache.index_copy_(1, index, layer)
+            if run is not None:
+                cache.narrow(1, run, len(block_ids)).copy_(layer)
+            else:
+                cache.index_copy_(1, index, layer)
 
     def _in_group(self, fn, *args):
         """``fn(*args)``; in a group a RuntimeError (a rank died or hangs) fails the group."""
@@ -196,3 +206,17 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, num_kv_heads: int, bloc
     caches = torch.frombuffer(buf, dtype=torch.uint8)
     caches.zero_()  # fault every page in now, not in the middle of the first prefills
     return list(caches.view(dtype).view(shape).unbind(0))
+
+
+def _run_start(block_ids: list[int]) -> int | None:
+    """The first id when ``block_ids`` are consecutive and ascending, else None."""
+    if block_ids and all(b - a == 1 for a, b in zip(block_ids, block_ids[1:])):
+        return block_ids[0]
+    return None
+
+
+def _blocks_of(cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    run = _run_start(block_ids)
+    if run is not None:
+        return cache.narrow(1, run, len(block_ids))
+    return cache.index_select(1, torch.tensor(block_ids, dtype=torch.long, device=cache.device))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kervan.sampling import SamplingParams
+from worker.kernels import has_native_kernels
 
 
 @dataclass
@@ -29,21 +30,30 @@ def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
     torch.empty(vocab_size).exponential_(generator=generator)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's largest value (a NaN counting as largest), as
+    ``Tensor.argmax``: the native kernel reads bf16 logits as they are, in one pass."""
+    if logits.device.type == "cpu" and logits.is_contiguous() and logits.shape[-1] and has_native_kernels():
+        return torch.ops.kervan.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, seed: int):
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float] | None]:
-        # logits: [num_rows, vocab] float32
+        # logits: [num_rows, vocab] in the model's dtype (greedy rows compare them as they are)
         want_logprobs = any(r.params.logprobs for r in rows)
         greedy = [r.params.is_greedy for r in rows]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax(logits)
         else:
+            logits = logits.float()
             tokens = self._sample(logits, rows, torch.tensor(greedy))
         logprobs = None
         if want_logprobs:
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1).tolist()
+            logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None]).squeeze(1).tolist()
         return tokens.tolist(), logprobs
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,183 @@
+"""Where a step's time goes, against what the machine allows: the engine on a real model
+at decode batches of 1, 8, 32 and 64 and on a prefill step, each op class's time per step
+(a torch profile) beside the step's bounds, measured by this run on this machine:
+
+- the memory bound: the bytes a step must read (every weight once; at decode, the KV
+  cache of every sequence) over the bandwidth of a 1 GiB float32 sum;
+- the compute bound: the step's matmul FLOPs over the rate of a 2048^3 matmul in the
+  model's dtype (AMX where present).
+
+A decode step of a small model is bound by memory, a prefill step by compute; the report
+gives each step's time over its larger bound (``bound_share``: 1.0 would be the hardware's
+limit). ``python_ms`` is the step's wall time outside any profiled op: the engine's
+Python (scheduling, step inputs, the model's module calls).
+
+    python -m benchmarks.step_profile --model smollm2-135m --dtype bfloat16 \\
+        --json-out benchmarks/results/step_profile-amx-smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from statistics import median
+
+import torch
+
+from benchmarks.machine import machine, write_report
+from worker import Engine, SamplingParams
+from worker.default_model import ensure_default_model
+from worker.pull import resolve_model
+
+OP_CLASSES = {  # op name -> class; anything else is "other" (allocations, views, copies)
+    "kervan::brgemm_linear": "linear", "mkldnn::_linear_pointwise": "linear", "aten::addmm": "linear",
+    "aten::mm": "linear", "kervan::paged_decode": "attention", "aten::_scaled_dot_product_flash_attention_for_cpu":
+    "attention", "kervan::write_kv": "kv_write", "kervan::add_rms_norm": "norm", "kervan::rms_norm": "norm",
+    "kervan::silu_and_mul": "activation", "kervan::rotary": "rotary", "kervan::argmax_rows": "sampling",
+    "aten::argmax": "sampling", "aten::embedding": "embedding",
+}
+
+
+def memory_bandwidth() -> float:
+    """Bytes per second of a 1 GiB float32 sum (the best of five)."""
+    x = torch.ones(1 << 28)
+    best = min(_timed(x.sum) for _ in range(5))
+    return x.numel() * 4 / best
+
+
+def matmul_peak(dtype: torch.dtype) -> float:
+    """FLOP/s of a 2048^3 matmul in ``dtype`` (the best of five)."""
+    a, b = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
+    a @ b
+    return 2 * 2048 ** 3 / min(_timed(lambda: a @ b) for _ in range(5))
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def model_costs(engine: Engine) -> dict:
+    """Bytes of the weights a step reads and matmul FLOPs per token."""
+    model = engine.runner.model
+    cfg = model.cfg
+    matmul_params = sum(_weight(m).numel() for m in model.dense_linears())
+    element = torch.empty((), dtype=engine.config.dtype).element_size()
+    return {"weight_bytes": matmul_params * element, "matmul_flops_per_token": 2 * matmul_params,
+            "kv_bytes_per_token": cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element,
+            "attention_flops_per_context_token": cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim}
+
+
+def _weight(module) -> torch.Tensor:
+    return module.weight if module.weight is not None else module.packed_weight
+
+
+def profile_steps(engine: Engine, steps: int) -> tuple[float, dict]:
+    """Median wall time of ``steps`` steps, and each op class's time per step."""
+    walls = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - start)
+    with torch.profiler.profile() as prof:
+        for _ in range(steps):
+            engine.step()
+    classes: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        classes[OP_CLASSES.get(event.key, "other")] += event.self_cpu_time_total / 1e3 / steps
+    return median(walls), dict(classes)
+
+
+def decode_point(engine: Engine, batch: int, context: int, costs: dict, bandwidth: float, peak: float,
+                 steps: int) -> dict:
+    vocab = engine.runner.model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(batch)
+    for _ in range(batch):
+        prompt = torch.randint(3, vocab, (context,), generator=gen).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=4 * steps, temperature=0, ignore_eos=True))
+    while engine.scheduler.waiting or any(seq.num_computed_tokens < seq.num_tokens - 1
+                                          for seq in engine.scheduler.running):  # prompts still prefilling
+        engine.step()
+    wall, classes = profile_steps(engine, steps)
+    while engine.has_unfinished_requests():
+        engine.step()
+    kv_bytes = batch * (context + 2 * steps) * costs["kv_bytes_per_token"]
+    flops = batch * costs["matmul_flops_per_token"]
+    return _point(f"decode batch {batch}", wall, classes, costs["weight_bytes"] + kv_bytes, flops, bandwidth, peak,
+                  batch=batch, context=context)
+
+
+def prefill_point(engine: Engine, prompts: int, length: int, costs: dict, bandwidth: float, peak: float,
+                  rounds: int) -> dict:
+    vocab = engine.runner.model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(7)
+    walls, per_class = [], defaultdict(list)
+    for r in range(rounds + 1):
+        for _ in range(prompts):
+            engine.add_request(torch.randint(3, vocab, (length,), generator=gen).tolist(),
+                               SamplingParams(max_tokens=1, temperature=0))
+        if r == rounds:  # the last round under the profiler
+            with torch.profiler.profile() as prof:
+                engine.step()
+            for event in prof.key_averages():
+                per_class[OP_CLASSES.get(event.key, "other")].append(event.self_cpu_time_total / 1e3)
+        else:
+            start = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - start)
+        while engine.has_unfinished_requests():
+            engine.step()
+    tokens = prompts * length
+    flops = tokens * costs["matmul_flops_per_token"] + prompts * length * length / 2 * costs[
+        "attention_flops_per_context_token"]
+    classes = {k: sum(v) for k, v in per_class.items()}
+    return _point(f"prefill {prompts} x {length}", median(walls[1:] or walls), classes, costs["weight_bytes"], flops,
+                  bandwidth, peak, tokens=tokens)
+
+
+def _point(name: str, wall: float, classes: dict, nbytes: float, flops: float, bandwidth: float, peak: float,
+           **extra) -> dict:
+    memory_ms, compute_ms = nbytes / bandwidth * 1e3, flops / peak * 1e3
+    ops_ms = sum(classes.values())
+    out = {"step": name, **extra, "wall_ms": round(wall * 1e3, 2),
+           "ops_ms": {k: round(v, 2) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])},
+           "python_ms": round(max(0.0, wall * 1e3 - ops_ms), 2),
+           "memory_bound_ms": round(memory_ms, 2), "compute_bound_ms": round(compute_ms, 2),
+           "bound_share": round(max(memory_ms, compute_ms) / (wall * 1e3), 3)}
+    print(f"{name:24s} {out['wall_ms']:8.2f} ms  bound {max(memory_ms, compute_ms):7.2f} ms "
+          f"({out['bound_share']:.0%})  " + "  ".join(f"{k} {v:.1f}" for k, v in list(out["ops_ms"].items())[:5]),
+          flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="a catalog name (kervan pull) or model directory "
+                                                  "(default: the embedded model)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens of each decoding sequence")
+    ap.add_argument("--steps", type=int, default=10, help="decode steps timed (and again profiled) per batch")
+    ap.add_argument("--prefill", default="4x512", help="PROMPTSxLENGTH of the prefill step")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    model_dir = resolve_model(args.model) if args.model else ensure_default_model()
+    engine = Engine.from_pretrained(model_dir, dtype=args.dtype, kv_cache_memory_bytes=2 << 30)
+    dtype = engine.config.dtype
+    bandwidth, peak = memory_bandwidth(), matmul_peak(dtype)
+    print(f"memory {bandwidth / 1e9:.1f} GB/s, {dtype} matmul {peak / 1e12:.2f} TFLOP/s", flush=True)
+    costs = model_costs(engine)
+    points = [decode_point(engine, int(b), args.context, costs, bandwidth, peak, args.steps)
+              for b in args.batches.split(",")]
+    prompts, length = map(int, args.prefill.lower().split("x"))
+    points.append(prefill_point(engine, prompts, length, costs, bandwidth, peak, rounds=3))
+    report = {"benchmark": "step_profile", "model": args.model or "embedded", "machine": machine(args.dtype),
+              "memory_bandwidth_gb_s": round(bandwidth / 1e9, 2), "matmul_peak_tflop_s": round(peak / 1e12, 3),
+              "costs": costs, "arguments": vars(args), "points": points}
+    write_report(report, args.json_out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The README's result tables, generated from the raw JSON under ``benchmarks/results/``.
+
+Every number a table quotes is read from a committed report, never typed in:
+
+    python -m benchmarks.tables            # rewrite the generated tables in benchmarks/README.md
+    python -m benchmarks.tables --check    # exit 1 if the README's tables differ from the JSON
+
+A generated table sits between ``<!-- table: NAME -->`` and ``<!-- end table -->`` in the
+README; ``tests/test_benchmark_tables.py`` fails when one is stale."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+README = HERE / "README.md"
+BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
+
+
+def _range(ratio: dict) -> str:
+    return f"**{ratio['median']:.2f}** ({ratio['min']:.2f}–{ratio['max']:.2f})"
+
+
+def _tok_s(values: list[float]) -> str:
+    return f"{sorted(values)[len(values) // 2]:,.1f} ({min(values):,.1f}–{max(values):,.1f})"
+
+
+def _reports(benchmark: str):
+    """(the report's cell: file and commit, the report) for each committed ``benchmark-*.json``."""
+    for path in sorted(RESULTS.glob(f"{benchmark}-*.json")):
+        report = json.loads(path.read_text())
+        yield f"`{path.name}` ({report['commit']})", report
+
+
+def engine_throughput() -> str:
+    """One row per (report, dtype): Kervan's throughput, deterministic mode's cost, vLLM."""
+    rows = ["| report | CPU (ISA) | model | dtype | rounds | Kervan tok/s | deterministic / default | vLLM tok/s "
+            "| Kervan / vLLM |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for label, report in _reports("engine_throughput"):
+        machine = report["machine"]
+        features = [machine["isa"]] + ["native bf16"] * machine["native_bf16"] + ["AMX"] * machine.get("amx", False)
+        cpu = f"{machine['cpu']} ({', '.join(features)})"
+        model = Path(report["model"]).name
+        for by_dtype in report["dtypes"].values():
+            runs = by_dtype["runs"]
+
+            def tok_s(system: str, runs=runs) -> str:
+                have = [r[system]["output_tokens_per_s"] for r in runs if system in r]
+                return _tok_s(have) if have else "–"
+
+            det = by_dtype.get("kervan_deterministic_vs_kervan")
+            vllm = by_dtype.get("kervan_vs_vllm")
+            rows.append(f"| {label} | {cpu} | {model} | {by_dtype['dtype']} | {len(runs)} "
+                        f"| {tok_s('kervan')} | {_range(det) if det else '–'} | {tok_s('vllm')} "
+                        f"| {_range(vllm) if vllm else '–'} |")
+    return "\n".join(rows) + "\n"
+
+
+def step_profile() -> str:
+    """One row per (report, step): its time, its bound, and where the time went."""
+    rows = ["| report | step | wall ms | bound ms (memory / compute) | bound share | linear | attention | norm + "
+            "activation + rotary | other ops | Python |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for label, report in _reports("step_profile"):
+        for point in report["points"]:
+            ops = point["ops_ms"]
+            elementwise = sum(ops.get(k, 0.0) for k in ("norm", "activation", "rotary"))
+            rest = sum(v for k, v in ops.items() if k not in ("linear", "attention", "norm", "activation", "rotary"))
+            rows.append(f"| {label} | {point['step']} | {point['wall_ms']:.1f} "
+                        f"| {point['memory_bound_ms']:.1f} / {point['compute_bound_ms']:.1f} "
+                        f"| **{point['bound_share']:.2f}** | {ops.get('linear', 0.0):.1f} "
+                        f"| {ops.get('attention', 0.0):.1f} | {elementwise:.1f} | {rest:.1f} "
+                        f"| {point['python_ms']:.1f} |")
+    return "\n".join(rows) + "\n"
+
+
+def linear_kernels() -> str:
+    """One row per (report, row count): each path's time for a step's linears."""
+    rows = ["| report | rows | plain ms | oneDNN ms | brgemm ms | oneDNN / brgemm |", "|---|---|---|---|---|---|"]
+    for label, report in _reports("linear_kernels"):
+        for m, paths in report["rows"].items():
+            cells = [f"{paths[k]['ms']:.2f} ({paths[k]['min_ms']:.2f}–{paths[k]['max_ms']:.2f})" if k in paths else "–"
+                     for k in ("plain", "onednn", "brgemm")]
+            ratio = f"**{paths['onednn']['ms'] / paths['brgemm']['ms']:.2f}**" if "brgemm" in paths else "–"
+            rows.append(f"| {label} | {m} | {' | '.join(cells)} | {ratio} |")
+    return "\n".join(rows) + "\n"
+
+
+TABLES = {"engine_throughput": engine_throughput, "step_profile": step_profile, "linear_kernels": linear_kernels}
+
+
+def render(text: str) -> str:
+    """``text`` with every generated table rewritten from the JSON."""
+    def fill(match: re.Match) -> str:
+        name = match["name"]
+        if name not in TABLES:
+            raise KeyError(f"README names table {name!r}; known: {', '.join(TABLES)}")
+        return match.group(1) + TABLES[name]() + match.group(4)
+    return BLOCK.sub(fill, text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the README's tables are stale")
+    args = ap.parse_args()
+    text = README.read_text()
+    fresh = render(text)
+    if args.check:
+        sys.exit(0 if fresh == text else 1)
+    README.write_text(fresh)
+
+
+if __name__ == "__main__":
+    main()

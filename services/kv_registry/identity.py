@@ -1,0 +1,42 @@
+"""Who may register what, on a mesh with TLS: the worker certificate a ``Register``
+arrives with.
+
+- A certificate that names addresses (``kervan-worker://HOST:PORT`` URIs among its SANs,
+  as ``kervan up`` issues one per worker) may register only those, and only as
+  ``ROLE@ADDRESS``: it can neither advertise another worker's address (and be sent its
+  tenants' requests) nor hold another worker's id (and lock it out). The registry's
+  ``--require-worker-addresses`` refuses certificates that name none.
+- One live registration per certificate: a second worker id under a certificate whose
+  first registration's lease is live is refused (``PrefixIndex.claim_identity``).
+
+Without TLS the callers cannot be told apart, and these checks do not apply."""
+
+from __future__ import annotations
+
+import hashlib
+
+import grpc
+
+from services.common.errors import PermissionDenied
+from services.common.security import WORKER_ADDRESS_SCHEME
+from services.proto import kv_registry_pb2
+
+
+def registration_identity(context: grpc.aio.ServicerContext, worker: kv_registry_pb2.WorkerInfo,
+                          require_addresses: bool = False) -> str | None:
+    """The caller certificate's identity (its SHA-256), after checking that it may
+    register ``worker``; None without TLS. Raises ``PermissionDenied``."""
+    auth = context.auth_context()
+    pem = (auth.get("x509_pem_cert") or [None])[0]
+    if pem is None:
+        return None
+    names = [n.decode(errors="replace") for n in auth.get("x509_subject_alternative_name") or ()]
+    addresses = [n[len(WORKER_ADDRESS_SCHEME):] for n in names if n.startswith(WORKER_ADDRESS_SCHEME)]
+    if addresses or require_addresses:
+        if worker.address not in addresses:
+            raise PermissionDenied(f"this certificate may register {', '.join(addresses) or 'no address'}, not "
+                                   f"{worker.address!r} (its {WORKER_ADDRESS_SCHEME}HOST:PORT names)")
+        if worker.worker_id != f"{worker.role}@{worker.address}":
+            raise PermissionDenied(f"a worker registers as ROLE@ADDRESS ({worker.role}@{worker.address}), "
+                                   f"not {worker.worker_id!r}")
+    return hashlib.sha256(pem).hexdigest()

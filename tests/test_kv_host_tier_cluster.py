@@ -1,0 +1,60 @@
+"""`kervan up --kv-host-bytes` as real processes: a prompt the worker's pool has reused since
+comes back from host memory (its prompt tokens counted cached, its greedy tokens those of
+the first time), the registry hears which of the worker's blocks live in host memory (its
+Match says so, for the scheduler's cost), and the worker's metrics count the copies.
+The greedy tokens are compared in float32 with the default kernels; the promoted prefix is
+the very KV computed the first time, and only the last prompt block is computed again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import redis.asyncio as redis
+
+from control_plane.launcher import Cluster, ClusterSpec
+from kervan.block_hash import hash_blocks
+from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
+from tests.cluster_helpers import complete, wait_idle
+from tests.conftest import make_prompts
+from tests.test_cluster import sample, scrape
+
+
+def test_a_prompt_evicted_from_the_pool_comes_back_from_host_memory(llama, tmp_path):
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, dtype="float32",
+                                  num_kv_blocks=12, kv_host_bytes=1 << 20, metrics=True), tmp_path)
+    cluster.start(timeout=240)
+    try:
+        first, *others = make_prompts([120, 120, 120], seed=62)  # 12 blocks of 16: one prompt fills the pool
+
+        async def run():
+            kwargs = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+            before = await complete(cluster, token_ids=first, **kwargs)
+            for prompt in others:
+                await complete(cluster, token_ids=prompt, **kwargs)
+            await wait_idle(cluster)  # the events of the demotions have reached the registry
+            async with grpc.aio.insecure_channel(cluster.addresses["kv-registry"]) as ch:
+                match = await kv_registry_pb2_grpc.KvRegistryServiceStub(ch).Match(
+                    kv_registry_pb2.MatchRequest(block_hashes=hash_blocks(first, 16)), timeout=10)
+            again = await complete(cluster, token_ids=first, **kwargs)
+            await wait_idle(cluster)
+            r = redis.Redis.from_url(cluster.redis_url)
+            try:
+                tiers = [t.decode() for t in (await r.hgetall("kervan:own:both@" + cluster.addresses["both-0"])
+                                              ).values()]
+            finally:
+                await r.aclose()
+            return before, again, tiers, match
+        before, again, tiers, match = asyncio.run(run())
+        worker = "both@" + cluster.addresses["both-0"]
+        # what placement sees: all 7 blocks held, those the pool reused since in host memory
+        assert match.matched_blocks[worker] == 7 and 1 <= match.host_blocks[worker] <= 7
+        assert before.usage["cached_prompt_tokens"] == 0
+        assert again.usage["cached_prompt_tokens"] == 112  # 7 full blocks back from host memory
+        assert again.token_ids == before.token_ids
+        assert "host" in tiers and "device" in tiers
+        metrics = scrape(cluster.addresses["both-0-metrics"])
+        assert sample(metrics, "kervan_kv_host_promoted_blocks_total") >= 7
+        assert sample(metrics, "kervan_kv_host_blocks") > 0
+    finally:
+        cluster.stop()

@@ -1,0 +1,25 @@
+"""benchmarks/step_profile.py on the embedded model: every point has its wall time, its op
+classes (the linears and attention among them), and both bounds from the run's own
+measurements of the machine."""
+
+import json
+import subprocess
+import sys
+
+
+def test_step_profile_reports_each_step_against_its_bounds(tmp_path):
+    out = tmp_path / "profile.json"
+    subprocess.run([sys.executable, "-m", "benchmarks.step_profile", "--batches", "1,3", "--context", "24",
+                    "--steps", "2", "--prefill", "2x40", "--json-out", str(out)], check=True, capture_output=True,
+                   timeout=300)
+    report = json.loads(out.read_text())
+    assert report["memory_bandwidth_gb_s"] > 0 and report["matmul_peak_tflop_s"] > 0
+    assert [p["step"] for p in report["points"]] == ["decode batch 1", "decode batch 3", "prefill 2 x 40"]
+    for point in report["points"]:
+        assert point["wall_ms"] > 0 and point["memory_bound_ms"] > 0 and point["compute_bound_ms"] > 0
+        assert {"linear", "attention"} <= set(point["ops_ms"]), point["ops_ms"]
+        bound = max(point["memory_bound_ms"], point["compute_bound_ms"])
+        assert abs(point["bound_share"] - bound / point["wall_ms"]) < 0.01
+    costs = report["costs"]
+    assert costs["matmul_flops_per_token"] == 2 * costs["weight_bytes"] / (
+        4 if report["machine"]["dtype"] == "float32" else 2)

@@ -1,0 +1,112 @@
+"""Tier 1 behind the KV pool (``worker/kv/host_tier.py``): cached blocks the pool reuses
+are demoted to host memory, and a later request (or a preempted sequence resuming) copies
+them back instead of computing them — with the greedy tokens of a pool hit and of
+`transformers`. float32 with the default kernels (``make_engine``): the copies are the
+very bytes computed before, so a promoted prefix is exact by construction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import MODEL_KINDS, hf_greedy, make_engine, make_prompts
+from tests.worker.test_engine import assert_idle
+from worker import SamplingParams
+from worker.config import ConfigError
+from worker.kv.host_tier import HostTier
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+HOST_BYTES = 256 << 10  # 256 blocks of the tiny llama's 1 KiB (float32, block size 4)
+
+
+def test_the_tier_keeps_the_most_recently_used_blocks():
+    tier = HostTier(2, (1, 2, 1, 4), torch.float32)
+    block = lambda v: torch.full((1, 2, 1, 1, 4), float(v))  # noqa: E731
+    tier.put([b"a"], block(1))
+    tier.put([b"b"], block(2))
+    assert tier.take([b"a"])[0, 0, 0, 0, 0] == 1  # a is now the most recently used
+    tier.put([b"c"], block(3))  # pushes out b
+    assert b"b" not in tier and tier.leading([b"a", b"c", b"b"]) == 2
+    assert tier.take([b"a", b"c"]).shape == (1, 2, 2, 1, 4) and tier.num_dropped == 1
+    tier.put([b"c"], block(9))  # already held: refreshed, not rewritten
+    assert tier.take([b"c"])[0, 0, 0, 0, 0] == 3
+
+
+def test_an_evicted_prefix_comes_back_from_host_memory_with_the_same_tokens(hf_models):
+    hf, path = hf_models("llama")
+    first, *others = make_prompts([41, 40, 40, 40, 40], seed=60)
+    outs = {}
+    for host_bytes in (0, HOST_BYTES):
+        engine = make_engine(path, num_kv_blocks=24, kv_host_bytes=host_bytes)  # 24 blocks: one prompt's worth
+        [before] = engine.generate([first], GREEDY)
+        engine.generate(others, GREEDY)  # the pool reuses every block of the first prompt
+        assert engine.kv.get_computed_blocks(_sequence(engine, first)).num_tokens == 0  # not in the pool
+        [again] = engine.generate([first], GREEDY)
+        outs[host_bytes] = (before, again, engine)
+        assert_idle(engine)
+    _, without, _ = outs[0]
+    before, again, engine = outs[HOST_BYTES]
+    assert without.num_cached_tokens == 0  # gone with the pool
+    assert again.num_cached_tokens == 40  # ten blocks back from host memory; the last token computed
+    assert again.outputs[0].token_ids == before.outputs[0].token_ids == hf_greedy(hf, first, 6)
+    assert engine.kv.host.num_promoted >= 10
+
+
+def _sequence(engine, prompt):
+    from worker.engine.sequence import Sequence
+    return Sequence("probe", prompt, GREEDY, engine.config.block_size, engine.model_config.eos_token_ids)
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_a_preempted_sequence_resumes_from_host_memory(hf_models, kind):
+    """24 blocks cannot hold four 20-token prompts growing by 10: sequences are preempted,
+    and their blocks come back from host memory when they resume (swap, not recompute)."""
+    hf, path = hf_models(kind)
+    engine = make_engine(path, num_kv_blocks=24, kv_host_bytes=HOST_BYTES)
+    prompts = make_prompts([20, 19, 21, 18], seed=11)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert engine.stats().num_preemptions > 0 and engine.kv.host.num_promoted > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 10)
+    assert_idle(engine)
+
+
+def test_a_negative_host_budget_is_refused():
+    from worker.config import EngineConfig
+    with pytest.raises(ConfigError, match="kv_host_bytes"):
+        EngineConfig(kv_host_bytes=-1)
+
+
+def test_the_registry_hears_which_blocks_live_in_host_memory(llama):
+    """Events: a block the pool reuses is removed from the device tier and stored in the host
+    tier; one the host tier pushes out (and the pool lacks) is removed from it; a promoted
+    block is the device's again; a full dump lists the host-only blocks apart."""
+    from kervan.kv_events import BlockRemoved, BlockStored
+    _, path = llama
+    engine = make_engine(path, num_kv_blocks=12, kv_host_bytes=16 << 10)  # 16 host blocks
+    first, second, third = make_prompts([40, 40, 40], seed=61)
+    engine.generate([first], GREEDY)
+    engine.take_events()
+    engine.generate([second], GREEDY)  # reuses the first prompt's blocks
+    events = engine.take_events()
+    removed_device = {h for e in events if isinstance(e, BlockRemoved) and e.medium == "device" for h in e.block_hashes}
+    stored_host = {h for e in events if isinstance(e, BlockStored) and e.medium == "host" for h in e.block_hashes}
+    assert stored_host and stored_host <= removed_device
+    assert set(engine.host_blocks()) == set(engine.kv.host.slots) - set(engine.kv.pool.cached)
+    engine.generate([third], GREEDY)  # 16 host blocks: the oldest (the first prompt's) are pushed out
+    events = engine.take_events()
+    assert any(isinstance(e, BlockRemoved) and e.medium == "host" for e in events)
+    second_in_host = {h for e in events if isinstance(e, BlockStored) and e.medium == "host" for h in e.block_hashes}
+    [again] = engine.generate([second], GREEDY)  # back from host memory, the device's again
+    assert again.num_cached_tokens > 0
+    promoted = {h for e in engine.take_events() if isinstance(e, BlockStored) and e.medium == "device"
+                for h in e.block_hashes}
+    assert promoted & second_in_host
+    assert_idle(engine)
+
+
+def test_a_batch_larger_than_the_tier_keeps_its_last_blocks():
+    tier = HostTier(2, (1, 2, 1, 4), torch.float32)
+    data = torch.arange(3.0).reshape(1, 1, 3, 1, 1).expand(1, 2, 3, 1, 4).contiguous()
+    assert tier.put([b"a", b"b", b"c"], data) == []
+    assert list(tier.slots) == [b"b", b"c"] and tier.take([b"c"])[0, 0, 0, 0, 0] == 2

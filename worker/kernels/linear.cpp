@@ -1,0 +1,119 @@
+// Linear layers through oneDNN's batch-reduce GEMM micro-kernel (brgemm), as PyTorch
+// exposes it (at::native::cpublas, the micro-kernel of inductor's CPU GEMM template):
+// AMX tiles on CPUs that have them, where oneDNN's micro-kernel API packs the dtype.
+//
+// Why not oneDNN's linear (``mkldnn::_linear_pointwise``)? Each of its calls costs
+// ~20 us before any arithmetic (descriptors, primitive-cache lookup, scratchpad; ~4 us
+// here), and a decode step of a deep, narrow model is hundreds of small calls
+// (``benchmarks/linear_kernels.py`` times SmolLM2-135M's 120 at each row count). Here a
+// call is one parallel region over column blocks; the micro-kernel is created once per
+// shape and reused. oneDNN's linear stays faster on long prompt chunks, which keep it
+// (``worker/layers/packing.py``).
+//
+// The weight [N, K] is packed once at load: column blocks of kBlockN, each [K, kBlockN]
+// in the micro-kernel's layout (bf16: pairs of K interleaved, "VNNI"), stored as
+// [N / kBlockN, K / 2, 2 * kBlockN]. A thread takes a range of column blocks and, for
+// each block of up to kBlockM rows, multiplies it by every block of its range: a
+// decode step's few rows read each weight byte once, from one contiguous run.
+//
+// Each output element is one dot product over K in the micro-kernel's fixed order,
+// accumulated in float32 and rounded once, whatever the other rows: the deterministic
+// mode's probe (``batch_invariant.py``) finds every call size row-invariant.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+
+#include "vec.h"
+
+namespace {
+
+using kervan::kW;
+using kervan::load_floats;
+using kervan::store_floats;
+using kervan::Vec;
+
+constexpr int64_t kBlockN = 32;   // columns per packed block (the micro-kernel packs 32 at most for bf16)
+constexpr int64_t kBlockM = 128;  // rows per micro-kernel call: more rows per weight byte in cache
+
+bool brgemm_packs(at::ScalarType dtype) { return at::native::cpublas::could_pack(dtype); }
+
+// weight [N, K] -> [N / kBlockN, K / 2, 2 * kBlockN]
+at::Tensor pack_linear(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2, "weight must be [out_features, in_features]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(N % kBlockN == 0 && K % 2 == 0, "brgemm packing needs out_features a multiple of ", kBlockN,
+              " and even in_features, not [", N, ", ", K, "]");
+  TORCH_CHECK(brgemm_packs(weight.scalar_type()), "oneDNN's micro-kernel does not pack ", weight.scalar_type(),
+              " on this CPU");
+  auto out = at::empty({N / kBlockN, K / 2, 2 * kBlockN}, weight.options());
+  for (int64_t nb = 0; nb < N / kBlockN; ++nb) {
+    const at::Tensor block = weight.narrow(0, nb * kBlockN, kBlockN).t().contiguous();  // [K, kBlockN]
+    at::native::cpublas::pack(K, kBlockN, kBlockN, kBlockN, weight.scalar_type(), weight.scalar_type(),
+                              block.data_ptr(), out[nb].data_ptr());
+  }
+  return out;
+}
+
+template <typename T>
+void linear_impl(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                 at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * kBlockN, lda = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = packed.data_ptr<T>();
+  const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+  T* op = out.data_ptr<T>();
+  const int64_t bm = std::min(M, kBlockM);
+  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+    alignas(64) float acc[kBlockM * kBlockN];
+    for (int64_t m0 = 0; m0 < M; m0 += bm) {
+      const int64_t rows = std::min(bm, M - m0);
+      for (int64_t nb = nb0; nb < nb1; ++nb) {
+        at::native::cpublas::brgemm(rows, kBlockN, K, lda, kBlockN, kBlockN, false, xp + m0 * lda,
+                                    wp + nb * K * kBlockN, acc, true);
+        for (int64_t r = 0; r < rows; ++r) {
+          T* dst = op + (m0 + r) * N + nb * kBlockN;
+          for (int64_t j = 0; j < kBlockN; j += kW) {
+            Vec v = Vec::loadu(acc + r * kBlockN + j);
+            if (bp != nullptr) v = v + load_floats(bp + nb * kBlockN + j);
+            store_floats(dst + j, v);
+          }
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+}
+
+// x [M, K] (rows may be strided), packed from pack_linear -> [M, N]
+at::Tensor brgemm_linear(at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, in_features] with dense rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == 2 * kBlockN &&
+                  packed.size(1) * 2 == x.size(1),
+              "packed weight does not match x: ", packed.sizes(), " for ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "x and weight dtypes differ");
+  if (bias.has_value())
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == packed.size(0) * kBlockN &&
+                    bias->scalar_type() == x.scalar_type(), "bias does not match the weight");
+  auto out = at::empty({x.size(0), packed.size(0) * kBlockN}, x.options());
+  if (x.size(0) == 0) return out;
+  AT_DISPATCH_SWITCH(x.scalar_type(), "brgemm_linear",
+                     AT_DISPATCH_CASE(at::ScalarType::BFloat16, [&] { linear_impl<scalar_t>(x, packed, bias, out); })
+                     AT_DISPATCH_CASE(at::ScalarType::Half, [&] { linear_impl<scalar_t>(x, packed, bias, out); }));
+  return out;
+}
+
+bool brgemm_packs_dtype(at::ScalarType dtype) { return brgemm_packs(dtype); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kervan, m) {
+  m.def("brgemm_packs(ScalarType dtype) -> bool", &brgemm_packs_dtype);
+  m.def("pack_linear(Tensor weight) -> Tensor", &pack_linear);
+  m.def("brgemm_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &brgemm_linear);
+}

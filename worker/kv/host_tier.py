@@ -1,0 +1,106 @@
+"""Tier 1 behind the engine's KV pool: blocks that leave the pool, kept in host memory
+under their hashes, so that a prefix seen before — evicted since, or the blocks of a
+preempted sequence — is copied back instead of computed again.
+
+A fixed number of block-sized slots (``kv_host_bytes`` worth), pinned on CUDA so the
+copies can run asynchronously, plain memory on the CPU. Least recently used first out:
+a block put or taken moves to the back. The tier holds copies: a block promoted back
+into the pool stays here too, so its next eviction costs nothing to demote.
+
+Each slot holds one block in the handoff's layout, every layer and KV head:
+``[layers, 2, kv_heads, block_size * head_dim]``; ``take`` gives a run of them as
+``[layers, 2, n, kv_heads, block_size * head_dim]``, what ``KVWrite`` places."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from kervan.block_hash import BlockHash
+
+
+class HostTier:
+    def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False):
+        if num_blocks < 1:
+            raise ValueError(f"a host tier needs at least one block, got {num_blocks}")
+        layers, kv, *rest = block_shape
+        # the blocks along dim 2, as the handoff's layout has them: a run of blocks goes in and
+        # out as one copy, never a copy per block; zeros, not empty: every page is touched now,
+        # not by the first demotions into it
+        self.data = torch.zeros((layers, kv, num_blocks, *rest), dtype=dtype, pin_memory=pin)
+        self.slots: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.num_stored = 0  # blocks demoted into the tier
+        self.num_promoted = 0  # blocks copied back into the pool
+        self.num_dropped = 0  # blocks pushed out of the tier (least recently used)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[2]
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self.slots
+
+    def leading(self, hashes: Sequence[BlockHash]) -> int:
+        """How many of ``hashes``, from the first, the tier holds."""
+        n = 0
+        for h in hashes:
+            if h not in self.slots:
+                break
+            n += 1
+        return n
+
+    def put(self, hashes: Sequence[BlockHash], data: torch.Tensor) -> list[BlockHash]:
+        """Store blocks (``data``: ``[layers, 2, len(hashes), ...]``), pushing out the least
+        recently used when full; returns the hashes pushed out. A hash already held is only
+        refreshed (same content)."""
+        if len(hashes) > self.num_blocks:  # more than it holds: the last ones stay
+            hashes, data = hashes[-self.num_blocks:], data[:, :, -self.num_blocks:]
+        dropped, taken, sources = [], [], []
+        for k, h in enumerate(hashes):
+            if h in self.slots:
+                self.slots.move_to_end(h)
+                continue
+            if self.free:
+                slot = self.free.pop()
+            else:
+                old, slot = self.slots.popitem(last=False)
+                dropped.append(old)
+                self.num_dropped += 1
+            self.slots[h] = slot
+            taken.append(slot)
+            sources.append(k)
+        if taken:
+            if len(sources) < len(hashes):
+                data = data.index_select(2, torch.tensor(sources, dtype=torch.long))
+            if _consecutive(taken):  # one plain copy (a fresh tier hands out runs)
+                self.data.narrow(2, taken[0], len(taken)).copy_(data)
+            else:
+                self.data.index_copy_(2, torch.tensor(taken, dtype=torch.long), data)
+            self.num_stored += len(taken)
+        return [h for h in dropped if h not in self.slots]
+
+    def take(self, hashes: Sequence[BlockHash]) -> torch.Tensor:
+        """A copy of held blocks, ``[layers, 2, len(hashes), ...]``; each becomes the most
+        recently used."""
+        slots = []
+        for h in hashes:
+            slots.append(self.slots[h])
+            self.slots.move_to_end(h)
+        self.num_promoted += len(slots)
+        if _consecutive(slots):
+            return self.data.narrow(2, slots[0], len(slots)).clone()
+        return self.data.index_select(2, torch.tensor(slots, dtype=torch.long))
+
+    def clear(self) -> None:
+        self.free = list(range(self.num_blocks - 1, -1, -1))
+        self.slots.clear()
+
+
+def _consecutive(slots: list[int]) -> bool:
+    return all(b - a == 1 for a, b in zip(slots, slots[1:]))
