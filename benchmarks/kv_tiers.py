@@ -14,7 +14,11 @@ round (medians over rounds, with their range):
   once): the engine preempts; with the tier a preempted sequence resumes by copying its
   blocks back. Reported: output tokens per second, preemptions, blocks copied back;
 - ``bandwidth``: 64 blocks promoted (host tier into the pool) and demoted, in GB/s, against a
-  plain copy of the same bytes.
+  plain copy of the same bytes; with ``--tier disk`` also written to and read from the disk tier.
+
+``--tier disk`` puts the disk tier under test instead: "on" is a host tier of ``--disk-host-bytes``
+(a pool or so) in front of a disk tier of ``--disk-bytes`` in a fresh directory under
+``--disk-dir``, so revisits mostly come back from disk.
 
     python -m benchmarks.kv_tiers --model smollm2-135m --json-out benchmarks/results/kv_tiers-amx-smollm2.json
 """
@@ -24,6 +28,8 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import shutil
+import tempfile
 import time
 from statistics import median
 
@@ -64,9 +70,25 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
     return ttft, tokens, time.perf_counter() - start
 
 
-def revisits(model_dir, args, host_bytes: int, rng_seed: int) -> dict:
+def tiers(args, on: bool) -> dict:
+    """The engine options of the tier under test, on or off."""
+    if not on:
+        return {}
+    if args.tier == "host":
+        return {"kv_host_bytes": args.host_bytes}
+    return {"kv_host_bytes": args.disk_host_bytes, "kv_disk_bytes": args.disk_bytes,
+            "kv_disk_dir": tempfile.mkdtemp(prefix="kervan-kv-tiers-", dir=args.disk_dir)}
+
+
+def close(engine: Engine) -> None:
+    engine.close()
+    if engine.config.kv_disk_dir:
+        shutil.rmtree(engine.config.kv_disk_dir, ignore_errors=True)
+
+
+def revisits(model_dir, args, on: bool, rng_seed: int) -> dict:
     engine = Engine.from_pretrained(model_dir, dtype=args.dtype, num_kv_blocks=args.pool_blocks,
-                                    kv_host_bytes=host_bytes, max_num_seqs=args.concurrency)
+                                    max_num_seqs=args.concurrency, **tiers(args, on))
     vocab = min(engine.model_config.vocab_size, 30000)
     rng = random.Random(rng_seed)
     pool_tokens = args.pool_blocks * engine.config.block_size
@@ -79,23 +101,24 @@ def revisits(model_dir, args, host_bytes: int, rng_seed: int) -> dict:
     rng.shuffle(order)
     ttft, tokens, seconds = run_closed_loop(engine, [d + question() for d in order], params, args.concurrency)
     stats = engine.stats()
-    engine.close()
+    close(engine)
     return {"documents": num_docs, "ttft_p50_ms": median(ttft) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
-            "output_tokens_per_s": tokens / seconds, "host_promoted_blocks": stats.num_host_promoted}
+            "output_tokens_per_s": tokens / seconds, "host_promoted_blocks": stats.num_host_promoted,
+            "disk_loaded_blocks": stats.num_disk_loaded, "disk_write_dropped_blocks": stats.num_disk_write_dropped}
 
 
-def preemption(model_dir, args, host_bytes: int, rng_seed: int) -> dict:
+def preemption(model_dir, args, on: bool, rng_seed: int) -> dict:
     engine = Engine.from_pretrained(model_dir, dtype=args.dtype, num_kv_blocks=args.pool_blocks,
-                                    kv_host_bytes=host_bytes, max_num_seqs=args.streams)
+                                    max_num_seqs=args.streams, **tiers(args, on))
     vocab = min(engine.model_config.vocab_size, 30000)
     rng = random.Random(rng_seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.reason_prompt)] for _ in range(args.streams)]
     params = SamplingParams(max_tokens=args.reason_output, temperature=0, ignore_eos=True)
     _, tokens, seconds = run_closed_loop(engine, prompts, params, args.streams)
     stats = engine.stats()
-    engine.close()
+    close(engine)
     return {"output_tokens_per_s": tokens / seconds, "preemptions": stats.num_preemptions,
-            "host_promoted_blocks": stats.num_host_promoted}
+            "host_promoted_blocks": stats.num_host_promoted, "disk_loaded_blocks": stats.num_disk_loaded}
 
 
 def bandwidth(model_dir, args, blocks: int = 64, reps: int = 10) -> dict:
@@ -103,7 +126,7 @@ def bandwidth(model_dir, args, blocks: int = 64, reps: int = 10) -> dict:
     (pool -> host tier: ``read_blocks`` and ``put``) of ``blocks`` blocks, in GB/s, against a
     plain copy of the same bytes (one contiguous tensor into another)."""
     engine = Engine.from_pretrained(model_dir, dtype=args.dtype, num_kv_blocks=max(args.pool_blocks, blocks + 1),
-                                    kv_host_bytes=args.host_bytes)
+                                    **(tiers(args, True) | {"kv_host_bytes": args.host_bytes}))
     host, runner = engine.kv.host, engine.runner
     ids = list(range(blocks))
     hashes = [i.to_bytes(32, "big") for i in range(blocks)]
@@ -127,7 +150,17 @@ def bandwidth(model_dir, args, blocks: int = 64, reps: int = 10) -> dict:
     out = {"bytes": nbytes, "plain_copy_gb_s": timed(lambda: dst.copy_(src)),
            "promote_gb_s": timed(lambda: runner.write_blocks(ids, host.take(hashes))),
            "demote_gb_s": timed(lambda: host.put(fresh(), runner.read_blocks(ids)))}
-    engine.close()
+    disk = engine.kv.disk
+    if disk is not None:  # a write is queued, then made; a read of blocks just written comes from the page cache
+        def write():
+            fresh_hashes = fresh()
+            disk.put(fresh_hashes, data)
+            disk.fetch(fresh_hashes[-1:]).result()  # after the writes, on the one I/O thread
+            return fresh_hashes
+        out["disk_write_gb_s"] = timed(write)
+        held = write()
+        out["disk_read_gb_s"] = timed(lambda: disk.fetch(held).result())
+    close(engine)
     return out
 
 
@@ -139,6 +172,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pool-blocks", type=int, default=128, help="the engine's KV pool, in blocks of 16 tokens")
     ap.add_argument("--host-bytes", type=int, default=1 << 30, help="the host tier when on")
+    ap.add_argument("--tier", choices=("host", "disk"), default="host", help="the tier under test")
+    ap.add_argument("--disk-bytes", type=int, default=1 << 30, help="the disk tier when on (--tier disk)")
+    ap.add_argument("--disk-host-bytes", type=int, default=8 << 20,
+                    help="the host tier in front of the disk tier (--tier disk)")
+    ap.add_argument("--disk-dir", default=None, help="where the disk tier's directories go (default: the temp dir)")
     ap.add_argument("--doc-len", type=int, default=1024)
     ap.add_argument("--working-set", type=int, default=10, help="documents' tokens, in pools")
     ap.add_argument("--visits", type=int, default=2, help="revisits of each document")
@@ -157,7 +195,7 @@ def main() -> None:
     for r in range(args.rounds):
         for name, fn in ((w, {"revisits": revisits, "preemption": preemption}[w]) for w in results):
             for tier in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                out = fn(model_dir, args, args.host_bytes if tier == "on" else 0, rng_seed=r)
+                out = fn(model_dir, args, tier == "on", rng_seed=r)
                 results[name][tier].append(out)
                 print(f"round {r} {name} tier {tier}: " + ", ".join(f"{k} {v:.1f}" for k, v in out.items()),
                       flush=True)

@@ -203,10 +203,15 @@ def generate(prompt, addr, token_ids, chat, model_dir, max_tokens, temperature, 
 @click.option("--kv-host-bytes", default=0, show_default=True,
               help="host memory behind each worker's KV pool: evicted prefixes and preempted sequences are kept "
                    "there and copied back instead of computed again")
+@click.option("--kv-disk-dir", default=None, type=click.Path(file_okay=False),
+              help="directory of the disk tier behind each worker's host tier (each worker a subdirectory named "
+                   "after it, found again when the cluster restarts)")
+@click.option("--kv-disk-bytes", default=0, show_default=True,
+              help="size of each worker's disk tier file (needs --kv-host-bytes and --kv-disk-dir)")
 @click.option("--deterministic", is_flag=True, help=DETERMINISTIC_HELP)
 def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens, chat,
        http_port, metrics, num_routers, num_schedulers, redis_persistent, tls, api_key_file, pin_cores, tensor_parallel,
-       expert_parallel, pipeline_parallel, kv_host_bytes, deterministic) -> None:
+       expert_parallel, pipeline_parallel, kv_host_bytes, kv_disk_dir, kv_disk_bytes, deterministic) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C."""
     import asyncio
     from pathlib import Path
@@ -227,7 +232,8 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
                            api_key_file=Path(api_key_file) if api_key_file else None, pin_cores=pin_cores,
                            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                            pipeline_parallel=pipeline_parallel, deterministic=deterministic,
-                           kv_host_bytes=kv_host_bytes)
+                           kv_host_bytes=kv_host_bytes, kv_disk_dir=Path(kv_disk_dir) if kv_disk_dir else None,
+                           kv_disk_bytes=kv_disk_bytes)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     cluster = Cluster(spec, new_log_dir())

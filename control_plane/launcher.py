@@ -60,6 +60,8 @@ class ClusterSpec:
     dtype: str = "auto"
     num_kv_blocks: int | None = None
     kv_host_bytes: int = 0  # host memory behind each worker's KV pool (--kv-host-bytes)
+    kv_disk_dir: Path | None = None  # the disk tier's directory: each worker a subdirectory of its name
+    kv_disk_bytes: int = 0  # each worker's disk tier file (--kv-disk-bytes)
     threads_per_worker: int | None = None  # None: this host's cores shared evenly among its workers
     pin_cores: bool = False  # pin worker i to its own core(s) (benchmarks: no two engines share a core)
     scheduler_args: tuple[str, ...] = ()  # extra flags for the scheduler, e.g. ("--policy", "round_robin")
@@ -83,6 +85,9 @@ class ClusterSpec:
         sizes = self.parallel_sizes()
         if min(sizes.values()) < 1:
             raise ValueError(f"parallel sizes must be >= 1, got {sizes}")
+        if self.kv_disk_bytes and not (self.kv_disk_dir and self.kv_host_bytes):
+            raise ValueError("--kv-disk-bytes needs --kv-disk-dir and --kv-host-bytes (the disk tier sits behind "
+                             "the host tier)")
         if self.group_size == 1:
             return
         from worker.config import ConfigError, ModelConfig, check_parallel
@@ -224,6 +229,9 @@ class Cluster:
         self.spawned[role] += 1
         extra = ["--num-kv-blocks", str(self.spec.num_kv_blocks)] if self.spec.num_kv_blocks else []
         extra += ["--kv-host-bytes", str(self.spec.kv_host_bytes)] if self.spec.kv_host_bytes else []
+        if self.spec.kv_disk_bytes:
+            extra += ["--kv-disk-dir", str(Path(self.spec.kv_disk_dir) / name), "--kv-disk-bytes",
+                      str(self.spec.kv_disk_bytes)]
         extra += [arg for name, n in self.spec.parallel_sizes().items() if n > 1
                   for arg in (f"--{name}-parallel", str(n))]
         extra += ["--deterministic"] if self.spec.deterministic else []

@@ -14,6 +14,7 @@ from kervan.block_hash import BlockHash
 
 MEDIUM_DEVICE = "device"  # the engine's own pool (accelerator memory; the CPU's KV cache)
 MEDIUM_HOST = "host"  # tier 1 behind the pool: host memory
+MEDIUM_DISK = "disk"  # tier 2 behind the host tier: local disk
 
 
 @dataclass(frozen=True)

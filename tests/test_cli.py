@@ -190,3 +190,13 @@ def children_of(pid: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             pass
     return kids
+
+
+def test_up_refuses_a_disk_tier_without_its_directory_or_a_host_tier_in_front(llama, tmp_path):
+    from click.testing import CliRunner
+
+    from control_plane.cli import main
+    for args in (["--kv-disk-bytes", "1048576", "--kv-host-bytes", "1048576"],
+                 ["--kv-disk-bytes", "1048576", "--kv-disk-dir", str(tmp_path)]):
+        res = CliRunner().invoke(main, ["up", "--model", str(llama[1]), *args])
+        assert res.exit_code == 2 and "--kv-disk-bytes needs --kv-disk-dir and --kv-host-bytes" in res.output, args

@@ -137,7 +137,9 @@ class _FakeEngine:
 
     def stats(self):
         from types import SimpleNamespace
-        return SimpleNamespace(num_preemptions=0, num_host_blocks=0, num_host_demoted=0, num_host_promoted=0)
+        return SimpleNamespace(num_preemptions=0, num_host_blocks=0, num_host_demoted=0, num_host_promoted=0,
+                               num_disk_blocks=0, num_disk_stored=0, num_disk_loaded=0, num_disk_corrupt=0,
+                               num_disk_write_dropped=0)
 
     def load(self):
         from types import SimpleNamespace

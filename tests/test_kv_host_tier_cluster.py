@@ -58,3 +58,54 @@ def test_a_prompt_evicted_from_the_pool_comes_back_from_host_memory(llama, tmp_p
         assert sample(metrics, "kervan_kv_host_blocks") > 0
     finally:
         cluster.stop()
+
+
+def test_a_restarted_cluster_finds_its_prompts_on_disk_and_the_registry_hears_of_them(llama, tmp_path):
+    """`kervan up --kv-disk-dir --kv-disk-bytes`: a prompt evicted from the pool and pushed out
+    of a two-block host tier is on disk; the whole cluster stops and starts again (a new
+    worker, Redis and registry), and the worker's first full dump tells the registry the
+    block is on its disk: the Match says so, the prompt is read back, not computed. (The worker
+    writes what its pool and host tier hold to disk as it stops, so all 7 blocks are there.)"""
+    spec = dict(num_prefill=0, num_decode=0, num_both=1, dtype="float32", num_kv_blocks=12,
+                kv_host_bytes=2 * 16 << 10, kv_disk_dir=tmp_path / "disk", kv_disk_bytes=8 << 20, metrics=True)
+    first, *others = make_prompts([120, 120, 120], seed=63)
+    kwargs = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def fill(cluster):
+        before = await complete(cluster, token_ids=first, **kwargs)
+        for prompt in others:
+            await complete(cluster, token_ids=prompt, **kwargs)
+        await wait_idle(cluster)
+        return before
+
+    async def revisit(cluster):
+        async with grpc.aio.insecure_channel(cluster.addresses["kv-registry"]) as ch:
+            for _ in range(100):  # the worker's first full dump follows its registration
+                match = await kv_registry_pb2_grpc.KvRegistryServiceStub(ch).Match(
+                    kv_registry_pb2.MatchRequest(block_hashes=hash_blocks(first, 16)), timeout=10)
+                if match.matched_blocks:
+                    break
+                await asyncio.sleep(0.1)
+        return match, await complete(cluster, token_ids=first, **kwargs)
+
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    cluster = Cluster(ClusterSpec(llama[1], **spec), tmp_path / "first")
+    cluster.start(timeout=240)
+    try:
+        before = asyncio.run(fill(cluster))
+    finally:
+        cluster.stop()  # the worker closes its engine: the queued writes are made
+    assert (tmp_path / "disk" / "both-0" / "kv-blocks.bin").stat().st_size > 8 << 20
+    cluster = Cluster(ClusterSpec(llama[1], **spec), tmp_path / "second")
+    cluster.start(timeout=240)
+    try:
+        match, again = asyncio.run(revisit(cluster))
+        worker = "both@" + cluster.addresses["both-0"]
+        assert match.matched_blocks[worker] == 7 and match.disk_blocks[worker] == 7
+        assert again.usage["cached_prompt_tokens"] == 112 and again.token_ids == before.token_ids
+        metrics = scrape(cluster.addresses["both-0-metrics"])
+        assert sample(metrics, "kervan_kv_disk_loaded_blocks_total") >= 7
+        assert sample(metrics, "kervan_kv_disk_corrupt_blocks_total") == 0
+    finally:
+        cluster.stop()

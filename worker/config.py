@@ -206,6 +206,13 @@ class EngineConfig:
     # tier 1 behind the pool (``worker/kv/host_tier.py``): host memory for blocks that leave it
     # (evicted prefixes, preempted sequences), copied back on a hit instead of computed; 0: none
     kv_host_bytes: int = 0
+    # tier 2 behind the host tier (``worker/kv/disk_tier.py``): one preallocated file of
+    # ``kv_disk_bytes`` under ``kv_disk_dir`` for blocks the host tier pushes out, kept across
+    # restarts; ``kv_disk_write`` "back" writes a block when the host tier lets it go, "through"
+    # as soon as it is demoted (more writes, and a block survives the host tier's loss at once)
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 0
+    kv_disk_write: str = "back"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position
@@ -238,6 +245,14 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.kv_host_bytes < 0:
             raise ConfigError(f"kv_host_bytes must be >= 0, got {self.kv_host_bytes}")
+        if self.kv_disk_bytes < 0:
+            raise ConfigError(f"kv_disk_bytes must be >= 0, got {self.kv_disk_bytes}")
+        if self.kv_disk_bytes and not self.kv_disk_dir:
+            raise ConfigError("kv_disk_bytes needs kv_disk_dir, the directory of the disk tier's file")
+        if self.kv_disk_bytes and not self.kv_host_bytes:
+            raise ConfigError("the disk tier sits behind the host tier: kv_disk_bytes needs kv_host_bytes too")
+        if self.kv_disk_write not in ("back", "through"):
+            raise ConfigError(f"kv_disk_write must be back or through, got {self.kv_disk_write!r}")
 
     @property
     def world_size(self) -> int:
@@ -251,6 +266,10 @@ class EngineConfig:
     def host_tier_blocks(self, model: ModelConfig) -> int:
         """Blocks the host tier holds (0: no tier)."""
         return self.kv_host_bytes // self.bytes_per_block(model) if self.kv_host_bytes else 0
+
+    def disk_tier_blocks(self, model: ModelConfig) -> int:
+        """Blocks the disk tier holds (0: no tier)."""
+        return self.kv_disk_bytes // self.bytes_per_block(model) if self.kv_disk_bytes else 0
 
     def resolve(self, model: ModelConfig, platform: Platform) -> EngineConfig:
         """Fill the values that depend on the hardware and the model; returns a new config."""

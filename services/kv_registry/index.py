@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, fields
 
 import redis.asyncio as redis
 
-from kervan.kv_events import MEDIUM_HOST, BlockRemoved, BlockStored, KVEvent
+from kervan.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, KVEvent
 from kervan.sampling import InvalidRequest
 from services.common.errors import AlreadyExists, FailedPrecondition, PermissionDenied
 from services.common.load import SCALARS, Load
@@ -123,22 +123,25 @@ class PrefixIndex:
     async def match(self, block_hashes: list[bytes]) -> tuple[dict[str, int], list[str]]:
         """Worker id -> how many leading blocks of the prompt it holds, and the workers
         whose block sets are unknown (their counts are the last known state)."""
-        matched, unknown, _ = await self.match_tiers(block_hashes)
+        matched, unknown, *_ = await self.match_tiers(block_hashes)
         return matched, unknown
 
-    async def match_tiers(self, block_hashes: list[bytes]) -> tuple[dict[str, int], list[str], dict[str, int]]:
-        """``match``, and of each worker's matched blocks how many are in its host tier (one
-        more round trip, only when a matched worker keeps blocks in another tier)."""
+    async def match_tiers(self, block_hashes: list[bytes]
+                          ) -> tuple[dict[str, int], list[str], dict[str, int], dict[str, int]]:
+        """``match``, and of each worker's matched blocks how many are in its host tier and
+        how many on its disk tier (one more round trip, only when a matched worker keeps
+        blocks in another tier)."""
         matched, unknown, tiered = await self.owners.match(block_hashes, f"{P}unknown", TIERED)
         looked = [w for w in matched if w in tiered and matched[w]]
         if not looked:
-            return matched, unknown, {}
+            return matched, unknown, {}, {}
         async with self.r.pipeline(transaction=False) as pipe:
             for w in looked:
                 pipe.hmget(f"{P}own:{w}", [h.hex() for h in block_hashes[:matched[w]]])
             tiers = await pipe.execute()
-        host = {w: sum(t == MEDIUM_HOST.encode() for t in ts) for w, ts in zip(looked, tiers)}
-        return matched, unknown, {w: n for w, n in host.items() if n}
+        counts = [(w, sum(t == MEDIUM_HOST.encode() for t in ts), sum(t == MEDIUM_DISK.encode() for t in ts))
+                  for w, ts in zip(looked, tiers)]
+        return matched, unknown, {w: h for w, h, _ in counts if h}, {w: d for w, _, d in counts if d}
 
     async def forget_all(self) -> None:
         """On registry start: nothing in Redis is vouched for until each worker's dump."""

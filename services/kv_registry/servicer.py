@@ -92,8 +92,9 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
 
     async def Match(self, request, context) -> kv_registry_pb2.MatchResponse:
         check_hashes(request.block_hashes, MAX_MATCH_HASHES, "Match")
-        matched, unknown, host = await self.index.match_tiers(list(request.block_hashes))
-        return kv_registry_pb2.MatchResponse(matched_blocks=matched, unknown_workers=unknown, host_blocks=host)
+        matched, unknown, host, disk = await self.index.match_tiers(list(request.block_hashes))
+        return kv_registry_pb2.MatchResponse(matched_blocks=matched, unknown_workers=unknown, host_blocks=host,
+                                             disk_blocks=disk)
 
     async def ListWorkers(self, request, context) -> kv_registry_pb2.ListWorkersResponse:
         await self.generations.check()

@@ -172,7 +172,7 @@ class MatchRequest(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
-    __slots__ = ("matched_blocks", "unknown_workers", "host_blocks")
+    __slots__ = ("matched_blocks", "unknown_workers", "host_blocks", "disk_blocks")
     class MatchedBlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -187,13 +187,22 @@ class MatchResponse(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class DiskBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_WORKERS_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     matched_blocks: _containers.ScalarMap[str, int]
     unknown_workers: _containers.RepeatedScalarFieldContainer[str]
     host_blocks: _containers.ScalarMap[str, int]
-    def __init__(self, matched_blocks: _Optional[_Mapping[str, int]] = ..., unknown_workers: _Optional[_Iterable[str]] = ..., host_blocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    disk_blocks: _containers.ScalarMap[str, int]
+    def __init__(self, matched_blocks: _Optional[_Mapping[str, int]] = ..., unknown_workers: _Optional[_Iterable[str]] = ..., host_blocks: _Optional[_Mapping[str, int]] = ..., disk_blocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

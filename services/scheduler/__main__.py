@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host-block-cost", type=float, default=PlacementConfig.host_block_cost,
                     help="a matched block in a worker's host tier, as a share of an uncached block's cost (a copy "
                          "back instead of a prefill)")
+    ap.add_argument("--disk-block-cost", type=float, default=PlacementConfig.disk_block_cost,
+                    help="a matched block only on a worker's disk tier, as a share of an uncached block's cost")
     ap.add_argument("--eviction-weight", type=float, default=PlacementConfig.eviction_weight,
                     help="weight of cached blocks a request would evict")
     ap.add_argument("--temperature", type=float, default=PlacementConfig.temperature,

@@ -12,7 +12,7 @@ push out where the worker has too few empty blocks: a new prefix goes where it
 destroys no other (it is the same everywhere once every cache is full). A matched
 block a worker holds in its host tier rather than its pool is copied back, not
 computed: it counts ``host_block_cost`` (a share of an uncached block) as work, and a
-whole block as memory.
+whole block as memory; one only on its disk tier is read back, at ``disk_block_cost``.
 
 Filters first (role; model; the request's size: only workers whose registered
 limits hold it, and none at all is the client's mistake, ``InvalidRequest``;
@@ -54,6 +54,7 @@ class Candidate:
     role: str  # "prefill" | "decode" | "both"
     matched_blocks: int  # leading prompt blocks it already caches
     host_blocks: int = 0  # of those, the ones in its host tier (copied back into its pool, not computed)
+    disk_blocks: int = 0  # of those, the ones only on its disk tier (read back into its pool, not computed)
     active_blocks: int  # KV blocks its running requests hold
     prefill_tokens: int = 0  # prompt tokens queued for prefill on it
     free_blocks: int = 1 << 30  # KV blocks not held by a request (cached or empty)
@@ -103,6 +104,9 @@ class PlacementConfig:
     # back into the pool instead of a prefill: 0.1 measured as a revisit's TTFT on SmolLM2,
     # benchmarks/README.md's kv_tiers)
     host_block_cost: float = 0.1
+    # a matched block only on a worker's disk tier (a read from the disk tier's file; measured
+    # as a revisit's TTFT on SmolLM2 in benchmarks/README.md's kv_tiers)
+    disk_block_cost: float = 0.2
 
 
 # Why a request prefills where it does.
@@ -136,10 +140,12 @@ class Decision:
 
 def cost(c: Candidate, num_prompt_blocks: int, cfg: PlacementConfig) -> float:
     uncached = max(0, num_prompt_blocks - c.matched_blocks)
-    copied = min(c.host_blocks, c.matched_blocks)  # need pool blocks too, and a copy each
+    host = min(c.host_blocks, c.matched_blocks)  # need pool blocks too, and a copy each
+    disk = min(c.disk_blocks, c.matched_blocks - host)
+    copied = host + disk
     evicted = min(c.evictable_blocks, max(0, uncached + copied + 1 - (c.free_blocks - c.evictable_blocks)))
-    return (cfg.overlap_weight * (uncached + cfg.host_block_cost * copied) + c.active_blocks + uncached + copied
-            + cfg.eviction_weight * evicted)
+    work = uncached + cfg.host_block_cost * host + cfg.disk_block_cost * disk
+    return cfg.overlap_weight * work + c.active_blocks + uncached + copied + cfg.eviction_weight * evicted
 
 
 def held_blocks(c: Candidate) -> int:
@@ -148,8 +154,8 @@ def held_blocks(c: Candidate) -> int:
 
 
 def has_room(c: Candidate, num_prompt_blocks: int) -> bool:
-    # the uncached blocks, those copied back from host memory, and one to decode into
-    return c.free_blocks > num_prompt_blocks - c.matched_blocks + min(c.host_blocks, c.matched_blocks)
+    # the uncached blocks, those copied back from host memory or disk, and one to decode into
+    return c.free_blocks > num_prompt_blocks - c.matched_blocks + min(c.host_blocks + c.disk_blocks, c.matched_blocks)
 
 
 def choose(pool: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig,

@@ -61,10 +61,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         if self.config.policy == "approx_tree":  # what it sent where, never what workers report
             candidates = [self._candidate(c, self.trees.matched(c.worker_id, hashes)) for c in pool]
         else:
-            matched, host = dict(match.matched_blocks), dict(match.host_blocks)
+            matched, host, disk = dict(match.matched_blocks), dict(match.host_blocks), dict(match.disk_blocks)
             candidates = [self._candidate(c, max(matched.get(c.worker_id, 0),
                                                  self.recent.predicted_blocks(c.worker_id, hashes)),
-                                          host.get(c.worker_id, 0))
+                                          host.get(c.worker_id, 0), disk.get(c.worker_id, 0))
                           for c in pool]
         num_blocks = len(hashes)
         try:
@@ -190,14 +190,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                          num_requests=load.num_requests,
                          limits=RequestLimits(max_model_len=info.max_model_len, max_n=info.max_n))
 
-    def _candidate(self, reported: Candidate, matched_blocks: int, host_blocks: int = 0) -> Candidate:
+    def _candidate(self, reported: Candidate, matched_blocks: int, host_blocks: int = 0,
+                   disk_blocks: int = 0) -> Candidate:
         # placements since its last report count as its load until the report shows them
         prefill_tokens, blocks = self.recent.pending(reported.worker_id)
         tree_blocks = self.trees.size(reported.worker_id)
         sent = self.recent.sent_blocks(reported.worker_id) if self.config.new_prefix == "content" else 0
         if not (matched_blocks or prefill_tokens or blocks or tree_blocks or sent):
             return reported
-        return replace(reported, matched_blocks=matched_blocks, host_blocks=host_blocks,
+        return replace(reported, matched_blocks=matched_blocks, host_blocks=host_blocks, disk_blocks=disk_blocks,
                        active_blocks=reported.active_blocks + blocks,
                        prefill_tokens=reported.prefill_tokens + prefill_tokens,
                        free_blocks=reported.free_blocks - blocks, tree_blocks=tree_blocks, sent_blocks=sent)

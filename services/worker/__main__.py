@@ -61,6 +61,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-host-bytes", type=int, default=0,
                     help="host memory behind the KV pool: blocks leaving it (evicted prefixes, preempted sequences) "
                          "are kept there and copied back on a hit instead of computed (0: none)")
+    ap.add_argument("--kv-disk-dir", default=None,
+                    help="directory of the disk tier behind the host tier (one file, kv-blocks.bin, per worker; "
+                         "its blocks are found again after a restart)")
+    ap.add_argument("--kv-disk-bytes", type=int, default=0,
+                    help="size of the disk tier's file, reserved at start (0: no disk tier; needs --kv-host-bytes)")
+    ap.add_argument("--kv-disk-write", choices=("back", "through"), default="back",
+                    help="back: a block is written to disk when the host tier lets it go; through: as soon as it "
+                         "leaves the pool")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                     help="tokens one engine step computes at most: a longer prompt is prefilled in chunks of this "
@@ -169,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         engine = Engine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,
                                         num_kv_blocks=args.num_kv_blocks, kv_host_bytes=args.kv_host_bytes,
+                                        kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes,
+                                        kv_disk_write=args.kv_disk_write,
                                         max_num_seqs=args.max_num_seqs,
                                         max_num_batched_tokens=args.max_num_batched_tokens,
                                         tensor_parallel_size=args.tensor_parallel,

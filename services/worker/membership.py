@@ -27,7 +27,7 @@ from collections.abc import Callable
 import grpc
 
 from kervan.block_hash import HASH_NAME
-from kervan.kv_events import MEDIUM_DEVICE, MEDIUM_HOST, KVEvent
+from kervan.kv_events import MEDIUM_DEVICE, KVEvent
 from services.common.convert import event_to_proto, load_to_proto, tier_to_proto
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from services.worker.async_engine import AsyncEngine
@@ -48,7 +48,7 @@ class Membership:
         self.info = kv_registry_pb2.WorkerInfo(
             worker_id=f"{role}@{address}", address=address, role=role, model=model,
             block_size=engine.block_size, hash_name=HASH_NAME, max_model_len=engine.limits.max_model_len,
-            max_n=engine.limits.max_n, kv_capacity_blocks=engine.stats().num_blocks,
+            max_n=engine.limits.max_n, kv_capacity_blocks=_capacity(engine.stats()),
             registration_nonce=secrets.token_hex(16))
         self.heartbeat_s = heartbeat_s
         self.event_interval_s = event_interval_s
@@ -165,11 +165,16 @@ class Membership:
         return reply.needs_full_dump
 
     async def _dump(self) -> None:
-        (seq, cached), host = await self.engine.call(lambda e: (e.cached_blocks(), e.host_blocks()))
+        (seq, cached), lower = await self.engine.call(lambda e: (e.cached_blocks(), e.tier_blocks()))
         tiers = [kv_registry_pb2.TierBlocks(tier=tier_to_proto(MEDIUM_DEVICE), block_hashes=cached)]
-        if host:
-            tiers.append(kv_registry_pb2.TierBlocks(tier=tier_to_proto(MEDIUM_HOST), block_hashes=host))
+        tiers += [kv_registry_pb2.TierBlocks(tier=tier_to_proto(tier), block_hashes=hashes)
+                  for tier, hashes in lower.items() if hashes]
         reply = await self.registry.ReportBlocks(kv_registry_pb2.ReportBlocksRequest(
             worker_id=self.info.worker_id, incarnation=self.info.incarnation, seq=seq, tiers=tiers), timeout=30)
         log.info("sent a full dump of %d blocks (as of event %d)", reply.num_blocks, seq)
 
+
+def _capacity(stats) -> int:
+    """The blocks the worker may hold at once, its tiers behind the pool included: the
+    registry refuses events that would leave it holding more."""
+    return getattr(stats, "kv_capacity_blocks", 0) or stats.num_blocks

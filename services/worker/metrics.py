@@ -47,6 +47,17 @@ class EngineCollector(Collector):
                                   "pool reused them", value=stats.num_host_demoted)
         yield CounterMetricFamily("kervan_kv_host_promoted_blocks", "KV blocks copied back from the host tier "
                                   "instead of computed", value=stats.num_host_promoted)
+        yield GaugeMetricFamily("kervan_kv_disk_blocks", "KV blocks held in the disk tier behind the host tier",
+                                value=stats.num_disk_blocks)
+        yield CounterMetricFamily("kervan_kv_disk_stored_blocks", "KV blocks written to the disk tier",
+                                  value=stats.num_disk_stored)
+        yield CounterMetricFamily("kervan_kv_disk_loaded_blocks", "KV blocks read back from the disk tier "
+                                  "instead of computed", value=stats.num_disk_loaded)
+        yield CounterMetricFamily("kervan_kv_disk_corrupt_blocks", "KV blocks on disk refused by their checksum",
+                                  value=stats.num_disk_corrupt)
+        yield CounterMetricFamily("kervan_kv_disk_write_dropped_blocks", "KV blocks not written to disk because "
+                                  "its writes lagged (the bound that keeps a slow disk from stalling steps)",
+                                  value=stats.num_disk_write_dropped)
 
 
 def count_admission(prompt_tokens: int, cached_tokens: int, queue_time_s: float | None) -> None:

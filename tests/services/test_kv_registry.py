@@ -182,10 +182,13 @@ async def test_a_match_says_how_many_of_a_workers_blocks_are_in_its_host_tier(re
     b = await index.register(record("b"))
     await index.apply("a", a, [Stored(H[:4], 1)])
     await index.apply("b", b, [Stored(H[:3], 1)])
-    assert await index.match_tiers(H[:4]) == ({"a": 4, "b": 3}, [], {})  # nobody keeps a second tier yet
+    assert await index.match_tiers(H[:4]) == ({"a": 4, "b": 3}, [], {}, {})  # nobody keeps a second tier yet
     # a's pool reused the first two blocks; its host tier keeps them
     await index.apply("a", a, [Removed(H[:2], 2), BlockStored(3, H[:2], None, [], 16, "host")])
-    assert await index.match_tiers(H[:4]) == ({"a": 4, "b": 3}, [], {"a": 2})
+    assert await index.match_tiers(H[:4]) == ({"a": 4, "b": 3}, [], {"a": 2}, {})
+    # then the host tier let the first go on to disk
+    await index.apply("a", a, [BlockStored(4, H[:1], None, [], 16, "disk")])
+    assert await index.match_tiers(H[:4]) == ({"a": 4, "b": 3}, [], {"a": 1}, {"a": 1})
     assert await redis_client.smembers("kervan:tiered") == {b"a"}
     assert await index.purge("a", a)
     assert await redis_client.smembers("kervan:tiered") == set()  # the set holds live workers only

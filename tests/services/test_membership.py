@@ -173,7 +173,7 @@ async def test_a_full_dump_sends_the_host_tiers_blocks_as_host(llama, redis_clie
         for k, prompt in enumerate(make_prompts([40, 40], seed=43)):  # the second pushes the first to host memory
             async for _ in engine.generate(f"r{k}", prompt, params):
                 pass
-        host_only = set(await engine.call(lambda e: e.host_blocks()))
+        host_only = set(await engine.call(lambda e: e.tier_blocks()["host"]))
         assert host_only
         await redis_client.delete(f"kervan:own:{wid}")
         await index.forget_all()  # as after a registry restart: the next heartbeat asks for the dump

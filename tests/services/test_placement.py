@@ -22,8 +22,9 @@ CFG = PlacementConfig(overlap_weight=1.0, min_remote_prefill_blocks=2)
 
 
 def cand(wid, role="decode", matched=0, active=0, queued=0, free=100, model="m", evictable=0, full=False,
-         max_model_len=4096, max_n=16, sent=0, host=0):
+         max_model_len=4096, max_n=16, sent=0, host=0, disk=0):
     return Candidate(worker_id=wid, address=f"{wid}:1", role=role, matched_blocks=matched, host_blocks=host,
+                     disk_blocks=disk,
                      active_blocks=active,
                      prefill_tokens=queued, free_blocks=free, evictable_blocks=evictable, model=model, full=full,
                      limits=RequestLimits(max_model_len=max_model_len, max_n=max_n), sent_blocks=sent)
@@ -49,6 +50,17 @@ def test_a_prefix_in_host_memory_costs_a_copy_between_a_pool_hit_and_a_miss():
     assert d.decode.worker_id == "host"  # a copy beats a prefill
     d = place([cand("host", matched=8, host=8, free=8), cand("none", free=100)], 8, cfg)
     assert d.decode.worker_id == "none"  # no room to copy into: 8 blocks plus one to decode into
+
+
+def test_a_prefix_on_disk_costs_a_read_between_host_memory_and_a_miss():
+    cfg = PlacementConfig(overlap_weight=1.0, host_block_cost=0.1, disk_block_cost=0.25)
+    pool = [cand("host", matched=8, host=8), cand("disk", matched=8, disk=8), cand("both", matched=8, host=4, disk=4),
+            cand("none")]
+    d = place(pool, 8, cfg)
+    assert d.decode.worker_id == "host"
+    assert d.scores == pytest.approx({"host": 0.8 + 8, "disk": 2.0 + 8, "both": 1.4 + 8, "none": 16.0})
+    d = place([cand("disk", matched=8, disk=8, free=8), cand("none", free=100)], 8, cfg)
+    assert d.decode.worker_id == "none"  # no room to read into
 
 
 def test_new_prefix_content_sends_a_prompt_no_worker_caches_to_the_worker_holding_the_least():

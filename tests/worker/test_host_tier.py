@@ -92,7 +92,7 @@ def test_the_registry_hears_which_blocks_live_in_host_memory(llama):
     removed_device = {h for e in events if isinstance(e, BlockRemoved) and e.medium == "device" for h in e.block_hashes}
     stored_host = {h for e in events if isinstance(e, BlockStored) and e.medium == "host" for h in e.block_hashes}
     assert stored_host and stored_host <= removed_device
-    assert set(engine.host_blocks()) == set(engine.kv.host.slots) - set(engine.kv.pool.cached)
+    assert set(engine.tier_blocks()["host"]) == set(engine.kv.host.slots) - set(engine.kv.pool.cached)
     engine.generate([third], GREEDY)  # 16 host blocks: the oldest (the first prompt's) are pushed out
     events = engine.take_events()
     assert any(isinstance(e, BlockRemoved) and e.medium == "host" for e in events)
@@ -108,5 +108,7 @@ def test_the_registry_hears_which_blocks_live_in_host_memory(llama):
 def test_a_batch_larger_than_the_tier_keeps_its_last_blocks():
     tier = HostTier(2, (1, 2, 1, 4), torch.float32)
     data = torch.arange(3.0).reshape(1, 1, 3, 1, 1).expand(1, 2, 3, 1, 4).contiguous()
-    assert tier.put([b"a", b"b", b"c"], data) == []
+    spilled = []
+    assert tier.put([b"a", b"b", b"c"], data, lambda hashes, kv: spilled.append((hashes, kv[0, 0, :, 0, 0]))) == [b"a"]
+    assert spilled[0][0] == [b"a"] and spilled[0][1].tolist() == [0.0]  # on to the next tier, if any
     assert list(tier.slots) == [b"b", b"c"] and tier.take([b"c"])[0, 0, 0, 0, 0] == 2

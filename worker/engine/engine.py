@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from worker.config import ConfigError, EngineConfig, ModelConfig
 from worker.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from worker.engine.scheduler import StepScheduler
 from worker.engine.sequence import Sequence
+from worker.kv.disk_tier import DiskTier, model_identity
 from worker.kv.host_tier import HostTier
 from worker.kv.kv_cache_manager import KVCacheManager
 from worker.loader import load_model
@@ -54,11 +56,14 @@ class Engine:
         try:
             model = load_model(model_dir, self.config.dtype, self.config.max_model_len, self.config.device)
             self.runner = ModelRunner(model, self.config, self.group)
+            host = self._host_tier()
+            self.kv = KVCacheManager(self.config.num_kv_blocks, self.config.block_size,
+                                     self.config.enable_prefix_caching, host,
+                                     self._disk_tier(model_dir) if host is not None and self.config.enable_prefix_caching else None,
+                                     write_through=self.config.kv_disk_write == "through")
         except BaseException:
             self.close()
             raise
-        self.kv = KVCacheManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching,
-                                 self._host_tier())
         self.scheduler = StepScheduler(self.config, self.kv)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.groups: dict[str, list[Sequence]] = {}  # request id -> its sequences (n of them once forked)
@@ -139,6 +144,8 @@ class Engine:
         batch = self.scheduler.schedule()
         self._demote()
         if not batch.sequences:
+            if self.kv.fetches:  # nothing to run until a prefix is read from disk: wait for it, briefly
+                futures.wait(list(self.kv.fetches.values()), timeout=0.05, return_when=futures.FIRST_COMPLETED)
             return []
         started = time.time_ns()
         result = self.runner.execute(batch)
@@ -195,9 +202,21 @@ class Engine:
         shape = (cfg.num_layers, 2, cfg.num_kv_heads, self.config.block_size * cfg.head_dim)
         return HostTier(num_blocks, shape, self.config.dtype, pin=self.config.device.startswith("cuda"))
 
+    def _disk_tier(self, model_dir: str | Path) -> DiskTier | None:
+        num_blocks = self.config.disk_tier_blocks(self.model_config)
+        if not num_blocks:
+            return None
+        cfg = self.model_config
+        shape = (cfg.num_layers, 2, cfg.num_kv_heads, self.config.block_size * cfg.head_dim)
+        try:
+            return DiskTier(self.config.kv_disk_dir, num_blocks, shape, self.config.dtype, model_identity(model_dir))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"disk tier: {exc}") from None
+
     def _demote(self) -> None:
         """Copy the cached blocks this step's schedule took for reuse into the host tier,
         before the step overwrites them."""
+        self.kv.poll_disk()
         evicted = self.kv.take_evictions()
         if evicted:
             data = self.runner.read_blocks([block_id for block_id, _ in evicted])
@@ -251,23 +270,31 @@ class Engine:
                                len(self.kv.tables.get(req.seq_id, ())) for req in running),
                            num_kv_slots_used=sum(req.num_computed_tokens for req in running),
                            expert_tokens_per_rank=self.runner.model.routed_tokens_per_rank(),
-                           **self._host_stats())
+                           kv_capacity_blocks=self.config.num_kv_blocks + sum(
+                               0 if t is None else t.num_blocks for t in (self.kv.host, self.kv.disk)),
+                           **self._tier_stats())
 
-    def _host_stats(self) -> dict[str, int]:
+    def _tier_stats(self) -> dict[str, int]:
         host = self.kv.host
         if host is None:
             return {}
-        return {"num_host_blocks": len(host), "num_host_demoted": host.num_stored,
-                "num_host_promoted": host.num_promoted}
+        stats = {"num_host_blocks": len(host), "num_host_demoted": host.num_stored,
+                 "num_host_promoted": host.num_promoted}
+        disk = self.kv.disk
+        if disk is not None:
+            stats.update(num_disk_blocks=len(disk), num_disk_stored=disk.num_stored, num_disk_loaded=disk.num_loaded,
+                         num_disk_corrupt=disk.num_corrupt, num_disk_write_dropped=disk.num_write_dropped)
+        return stats
 
     def cached_blocks(self) -> tuple[int, list[bytes]]:
         """Every cached block's hash, as of the last KV event's sequence number (a full
         dump for the registry; events not yet taken are superseded by it)."""
         return self.kv.dump()
 
-    def host_blocks(self) -> list[bytes]:
-        """The blocks only the host tier holds (call with ``cached_blocks``, for one dump)."""
-        return self.kv.host_only_blocks()
+    def tier_blocks(self) -> dict[str, list[bytes]]:
+        """The blocks only the tiers behind the pool hold, by tier ("host", "disk"; call with
+        ``cached_blocks``, for one dump)."""
+        return self.kv.tier_blocks()
 
     def keepalive(self) -> None:
         """Call while idle, at least every second: the peers of a worker group wait for
@@ -276,7 +303,14 @@ class Engine:
             self.group.ping()
 
     def close(self) -> None:
-        """Stop a worker group's other ranks (nothing to do for one process)."""
+        """Write the cached KV to the disk tier, if any (a restart finds it there), and stop
+        the disk tier's thread once its writes are made and a worker group's other ranks."""
+        kv = getattr(self, "kv", None)
+        if kv is not None and kv.disk is not None:
+            try:
+                kv.keep_on_disk(self.runner.read_blocks)
+            finally:
+                kv.disk.close()
         if self.group is not None:
             self.group.stop()
             self.group = None

@@ -68,3 +68,13 @@ class EngineStats:
     num_host_blocks: int = 0
     num_host_demoted: int = 0
     num_host_promoted: int = 0
+    # the disk tier behind it: blocks it holds; blocks written, read back, refused by their
+    # checksum, and not written because the disk lagged, since the start
+    num_disk_blocks: int = 0
+    num_disk_stored: int = 0
+    num_disk_loaded: int = 0
+    num_disk_corrupt: int = 0
+    num_disk_write_dropped: int = 0
+    # every block the worker may hold a hash for: the pool's, the host tier's and the disk tier's
+    # (what it registers as its capacity; 0 in stats made elsewhere: the pool's alone)
+    kv_capacity_blocks: int = 0

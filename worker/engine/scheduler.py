@@ -111,7 +111,10 @@ class StepScheduler:
                 req.imported_kv = None
                 start = req.num_prompt_tokens
             else:
-                # what the pool lacks but the host tier holds is copied back, not computed (no budget)
+                # what the pool lacks but the host tier holds is copied back, not computed (no budget);
+                # what only the disk tier holds is read first, while others run
+                if self.kv.awaiting_disk(req, len(hit.blocks)):
+                    break
                 promoted = self.kv.host_prefix(req, len(hit.blocks))
                 start = cached = hit.num_tokens + len(promoted) * self.config.block_size
                 if self.kv.allocate_slots(req, start - hit.num_tokens + min(req.num_tokens - start, budget),
@@ -120,7 +123,7 @@ class StepScheduler:
                 if promoted:
                     first = len(hit.blocks)
                     blocks = self.kv.get_block_ids(req.seq_id)[first:first + len(promoted)]
-                    writes.append(KVWrite(blocks, self.kv.host.take(promoted)))
+                    writes.append(KVWrite(blocks, self.kv.take_prefix(req, promoted)))
             n = min(req.num_tokens - start, budget)
             self.waiting.popleft()
             req.status = SequenceStatus.RUNNING

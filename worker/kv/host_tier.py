@@ -14,7 +14,7 @@ Each slot holds one block in the handoff's layout, every layer and KV head:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -55,12 +55,20 @@ class HostTier:
             n += 1
         return n
 
-    def put(self, hashes: Sequence[BlockHash], data: torch.Tensor) -> list[BlockHash]:
+    def put(self, hashes: Sequence[BlockHash], data: torch.Tensor,
+            spill: Callable[[list[BlockHash], torch.Tensor], None] | None = None) -> list[BlockHash]:
         """Store blocks (``data``: ``[layers, 2, len(hashes), ...]``), pushing out the least
         recently used when full; returns the hashes pushed out. A hash already held is only
-        refreshed (same content)."""
-        if len(hashes) > self.num_blocks:  # more than it holds: the last ones stay
-            hashes, data = hashes[-self.num_blocks:], data[:, :, -self.num_blocks:]
+        refreshed (same content). ``spill`` gets the pushed-out blocks and a copy of their KV
+        before their slots are overwritten (the next tier down)."""
+        overflow: list[BlockHash] = []
+        if len(hashes) > self.num_blocks:  # more than it holds: the last ones stay, the first go on
+            extra = len(hashes) - self.num_blocks
+            keep = [k for k, h in enumerate(hashes[:extra]) if h not in self.slots]
+            overflow = [hashes[k] for k in keep]
+            if overflow and spill is not None:
+                spill(overflow, data[:, :, keep])
+            hashes, data = hashes[extra:], data[:, :, extra:]
         dropped, taken, sources = [], [], []
         for k, h in enumerate(hashes):
             if h in self.slots:
@@ -75,6 +83,9 @@ class HostTier:
             self.slots[h] = slot
             taken.append(slot)
             sources.append(k)
+        gone = [(h, slot) for h, slot in zip(dropped, taken[len(taken) - len(dropped):]) if h not in self.slots]
+        if gone and spill is not None:  # once the free slots ran out, each new block took a dropped one's slot
+            spill([h for h, _ in gone], self.data.index_select(2, torch.tensor([s for _, s in gone])))
         if taken:
             if len(sources) < len(hashes):
                 data = data.index_select(2, torch.tensor(sources, dtype=torch.long))
@@ -83,7 +94,7 @@ class HostTier:
             else:
                 self.data.index_copy_(2, torch.tensor(taken, dtype=torch.long), data)
             self.num_stored += len(taken)
-        return [h for h in dropped if h not in self.slots]
+        return [h for h in overflow if h not in self.slots] + [h for h, _ in gone]
 
     def take(self, hashes: Sequence[BlockHash]) -> torch.Tensor:
         """A copy of held blocks, ``[layers, 2, len(hashes), ...]``; each becomes the most

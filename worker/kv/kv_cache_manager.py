@@ -16,12 +16,16 @@ caller preempts or waits, nothing is half-allocated."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import NamedTuple
 
+import torch
+
 from kervan.block_hash import BlockHash
-from kervan.kv_events import MEDIUM_HOST, KVEvent
+from kervan.kv_events import MEDIUM_DISK, MEDIUM_HOST, KVEvent
 from worker.engine.sequence import Sequence
 from worker.kv.block_pool import BlockPool, KVBlock
+from worker.kv.disk_tier import DiskTier
 from worker.kv.host_tier import HostTier
 
 
@@ -36,10 +40,19 @@ class ComputedBlocks(NamedTuple):
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, host: HostTier | None = None):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, host: HostTier | None = None,
+                 disk: DiskTier | None = None, write_through: bool = False):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size, enable_caching)
         self.host = host if enable_caching else None
+        # tier 2 behind the host tier: blocks the host tier pushes out are written there
+        # (write-back), or every block demoted is written there at once too (write-through)
+        self.disk = disk if self.host is not None else None
+        self.write_through = write_through
+        self.fetches: dict[str, Future] = {}  # sequence id -> its prefix's blocks being read from disk
+        self.staged: dict[str, dict[BlockHash, torch.Tensor]] = {}  # sequence id -> its blocks read from disk
+        if self.disk is not None and len(self.disk):  # found again at start: the registry hears of them first
+            self.pool.announce_tier(list(self.disk.slots), [], MEDIUM_DISK)
         self.pool.track_evictions = self.host is not None
         self.tables: dict[str, list[KVBlock]] = {}
         self.num_hashed: dict[str, int] = {}  # leading blocks of a sequence already in the cache map
@@ -68,25 +81,115 @@ class KVCacheManager:
         return ComputedBlocks(hits, len(hits) * self.block_size)
 
     def host_prefix(self, seq: Sequence, num_hit_blocks: int) -> list[BlockHash]:
-        """The hashes of the blocks after a pool hit that the host tier holds (leading ones,
-        leaving the last prompt token to compute)."""
+        """The hashes of the blocks after a pool hit that the tiers behind the pool have
+        ready to copy back (leading ones, leaving the last prompt token to compute): held by
+        the host tier, or read from disk for this sequence (``awaiting_disk``)."""
         if self.host is None:
             return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        wanted = seq.block_hashes[num_hit_blocks:max_blocks]
-        return wanted[:self.host.leading(wanted)]
+        staged = self.staged.get(seq.seq_id, {})
+        n = 0
+        for h in self._wanted(seq, num_hit_blocks):
+            if h not in staged and h not in self.host:
+                break
+            n += 1
+        return seq.block_hashes[num_hit_blocks:num_hit_blocks + n]
+
+    def take_prefix(self, seq: Sequence, hashes: list[BlockHash]):
+        """The KV of ``host_prefix``'s blocks, ``[layers, 2, len(hashes), ...]``: what was
+        read from disk for the sequence, the rest from the host tier."""
+        staged = self.staged.pop(seq.seq_id, {})
+        from_host = [h for h in hashes if h not in staged]
+        host = self.host.take(from_host) if from_host else None
+        if not staged:
+            return host
+        parts, k = [], 0
+        for h in hashes:
+            if h in staged:
+                parts.append(staged[h].unsqueeze(2))
+            else:
+                parts.append(host[:, :, k:k + 1])
+                k += 1
+        return torch.cat(parts, dim=2)
+
+    def _wanted(self, seq: Sequence, num_hit_blocks: int) -> list[BlockHash]:
+        return seq.block_hashes[num_hit_blocks:(seq.num_tokens - 1) // self.block_size]
 
     def demote(self, hashes: list[BlockHash], data) -> None:
         """Blocks leaving the pool, into the host tier (``data``: their KV, read before the
-        step that reuses them), announced as the host tier's."""
-        dropped = self.host.put(hashes, data)
-        self.pool.announce_tier(hashes, dropped, MEDIUM_HOST)
+        step that reuses them), announced as the host tier's; what the host tier pushes out
+        goes on to the disk tier, if any."""
+        if self.disk is not None and self.write_through:
+            self._to_disk(hashes, data)
+        self._to_host(hashes, data)
 
-    def host_only_blocks(self) -> list[BlockHash]:
-        """What the host tier holds that the pool does not (its part of a full dump)."""
-        if self.host is None:
-            return []
-        return [h for h in self.host.slots if h not in self.pool.cached]
+    def _to_host(self, hashes: list[BlockHash], data) -> None:
+        dropped = self.host.put(hashes, data, None if self.disk is None else self._to_disk)
+        on_disk = [h for h in dropped if self.disk is not None and h in self.disk]
+        held = [h for h in hashes if h in self.host]  # a batch larger than the tier keeps its last blocks
+        self.pool.announce_tier(held, [h for h in dropped if h not in on_disk], MEDIUM_HOST)
+        self.pool.announce_tier(on_disk, [], MEDIUM_DISK)
+
+    def _to_disk(self, hashes: list[BlockHash], data) -> None:
+        dropped = self.disk.put(hashes, data)
+        self.pool.announce_tier([], [h for h in dropped if h not in self.host], MEDIUM_DISK)
+
+    def awaiting_disk(self, seq: Sequence, num_hit_blocks: int) -> bool:
+        """Whether the sequence's prefix, after the pool's hit, has blocks only the disk tier
+        holds that are still being read: the first call starts the read (on the disk tier's
+        thread) and says wait; once read, the blocks are staged for ``host_prefix`` and
+        ``take_prefix``, and it says go."""
+        if self.disk is None:
+            return False
+        future = self.fetches.get(seq.seq_id)
+        if future is not None:
+            if not future.done():
+                return True
+            del self.fetches[seq.seq_id]
+            hashes, data = future.result()
+            self.poll_disk()
+            if hashes:
+                self.staged[seq.seq_id] = dict(zip(hashes, data.unbind(2)))
+            return False
+        if seq.seq_id in self.staged:
+            return False
+        wanted = self._wanted(seq, num_hit_blocks)
+        start = self.host.leading(wanted)
+        n = min(self.disk.leading(wanted[start:]), self.pool.num_blocks)
+        if not n:
+            return False
+        self.fetches[seq.seq_id] = self.disk.fetch(wanted[start:start + n])
+        return True
+
+    def keep_on_disk(self, read_blocks) -> int:
+        """At a clean stop: write what the pool caches and the host tier holds to the disk
+        tier (``read_blocks``: block ids -> their KV), so a restart finds it; returns the
+        blocks queued. Oldest first, so the LRU order survives too."""
+        if self.disk is None or self.disk.closed:
+            return 0
+        host = [h for h in self.host.slots if h not in self.disk]
+        if host:
+            self.disk.put(host, self.host.take(host), bounded=False)
+        pool = [(h, b.block_id) for h, b in self.pool.cached.items() if h not in self.disk]
+        for k in range(0, len(pool), 256):
+            run = pool[k:k + 256]
+            self.disk.put([h for h, _ in run], read_blocks([b for _, b in run]).to("cpu"), bounded=False)
+        return len(host) + len(pool)
+
+    def poll_disk(self) -> None:
+        """Forget the disk blocks found bad since the last call, and announce them gone."""
+        if self.disk is not None:
+            refused = self.disk.take_refused()
+            self.pool.announce_tier([], [h for h in refused if h not in self.host], MEDIUM_DISK)
+
+    def tier_blocks(self) -> dict[str, list[BlockHash]]:
+        """What each tier behind the pool holds that no faster tier does (their part of a full
+        dump): ``{"host": [...], "disk": [...]}``."""
+        tiers = {}
+        if self.host is not None:
+            tiers[MEDIUM_HOST] = [h for h in self.host.slots if h not in self.pool.cached]
+        if self.disk is not None:
+            tiers[MEDIUM_DISK] = [h for h in self.disk.slots if h not in self.pool.cached and h not in self.host]
+        return tiers
 
     def take_evictions(self) -> list[tuple[int, BlockHash]]:
         """(block id, hash) of the cached blocks reused since the last call: to demote
@@ -148,6 +251,8 @@ class KVCacheManager:
         self.num_hashed[child.seq_id] = self.num_hashed.get(parent.seq_id, 0)
 
     def free(self, seq: Sequence) -> None:
+        self.fetches.pop(seq.seq_id, None)  # a read still running finishes unused
+        self.staged.pop(seq.seq_id, None)
         table = self.tables.pop(seq.seq_id, [])
         self.num_hashed.pop(seq.seq_id, None)
         # tail first: a request's last blocks are the least likely to be shared, evict them first
@@ -168,5 +273,9 @@ class KVCacheManager:
         self.pool.evicted.clear()
         if self.host is not None:
             self.host.clear()
+        if self.disk is not None:
+            self.disk.clear()
+            self.fetches.clear()
+            self.staged.clear()
         for rid in self.num_hashed:
             self.num_hashed[rid] = 0

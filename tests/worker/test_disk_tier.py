@@ -1,0 +1,239 @@
+"""Tier 2 behind the KV pool (``worker/kv/disk_tier.py``): blocks the host tier pushes out
+go to one file on disk, come back when a prompt needs them, survive a restart of the engine,
+and are refused when their bytes are not what was written. float32 with the default kernels
+(``make_engine``): the blocks read back are the very bytes computed before, so a prefix
+from disk is exact by construction, and the comparisons with `transformers` say so."""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+
+import pytest
+import torch
+
+from kervan.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored
+from tests.conftest import hf_greedy, make_engine, make_prompts
+from tests.worker.test_engine import assert_idle
+from worker import SamplingParams
+from worker.config import ConfigError
+from worker.kv.disk_tier import FILE_NAME, RECORD, DiskTier
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+BLOCK = 1 << 10  # the tiny llama's block: 1 KiB (float32, block size 4)
+SHAPE = (1, 2, 1, 4)
+
+
+def _block(v: float) -> torch.Tensor:
+    return torch.full((1, 2, 1, 1, 4), float(v))
+
+
+def _read(tier: DiskTier, hashes: list[bytes]):
+    return tier.fetch(hashes).result(timeout=10)
+
+
+def test_blocks_written_read_back_and_the_least_recently_used_pushed_out(tmp_path):
+    tier = DiskTier(tmp_path, 2, SHAPE, torch.float32, "m")
+    try:
+        assert tier.put([b"a"], _block(1)) == [] and tier.put([b"b"], _block(2)) == []
+        hashes, data = _read(tier, [b"a"])  # a is now the most recently used
+        assert hashes == [b"a"] and data.shape == (1, 2, 1, 1, 4) and data[0, 0, 0, 0, 0] == 1
+        assert tier.put([b"c"], _block(3)) == [b"b"]
+        hashes, data = _read(tier, [b"a", b"c"])
+        assert hashes == [b"a", b"c"] and data[0, 1, 1, 0, 3] == 3
+        assert tier.num_stored == 3 and tier.num_loaded == 3 and tier.num_dropped == 1
+    finally:
+        tier.close()
+
+
+def test_a_restart_finds_the_blocks_in_their_order_and_another_identity_starts_afresh(tmp_path):
+    tier = DiskTier(tmp_path, 3, SHAPE, torch.float32, "model-1")
+    tier.put([b"a", b"b", b"c"], torch.cat([_block(1), _block(2), _block(3)], dim=2))
+    _read(tier, [b"a"])
+    tier.close()
+    again = DiskTier(tmp_path, 3, SHAPE, torch.float32, "model-1")
+    try:
+        assert again.num_restored == 3 and list(again.slots) == [b"a", b"b", b"c"]  # written order
+        assert again.put([b"d"], _block(4)) == [b"a"]  # the oldest write goes first
+        assert _read(again, [b"c"])[1][0, 0, 0, 0, 0] == 3
+    finally:
+        again.close()
+    for other in (dict(identity="model-2"), dict(num_blocks=4), dict(dtype=torch.bfloat16)):
+        args = dict(num_blocks=3, block_shape=SHAPE, dtype=torch.float32, identity="model-1") | other
+        fresh = DiskTier(tmp_path, **args)
+        assert fresh.num_restored == 0 and len(fresh) == 0, other
+        fresh.close()
+
+
+def test_a_block_whose_bytes_changed_is_refused_and_forgotten(tmp_path):
+    tier = DiskTier(tmp_path, 4, SHAPE, torch.float32, "m")
+    try:
+        tier.put([b"a", b"b", b"c"], torch.cat([_block(1), _block(2), _block(3)], dim=2))
+        _read(tier, [b"a"])  # the writes are made before this read (one I/O thread, in order)
+        slot = tier.slots[b"b"]
+        with open(tmp_path / FILE_NAME, "r+b") as f:  # one flipped byte in b's KV
+            f.seek(tier.blocks_at + slot * tier.block_bytes + 5)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x40]))
+        hashes, data = _read(tier, [b"a", b"b", b"c"])
+        assert hashes == [b"a"] and data.shape[2] == 1  # stops at the first block refused
+        assert tier.num_corrupt == 1 and tier.take_refused() == [b"b"] and b"b" not in tier
+    finally:
+        tier.close()
+
+
+def test_a_torn_record_is_not_indexed_at_restart(tmp_path):
+    tier = DiskTier(tmp_path, 2, SHAPE, torch.float32, "m")
+    tier.put([b"a", b"b"], torch.cat([_block(1), _block(2)], dim=2))
+    slot = tier.slots[b"a"]
+    tier.close()
+    with open(tmp_path / FILE_NAME, "r+b") as f:  # a crash between clearing a record and writing it
+        f.seek(tier.records_at + slot * RECORD.size)
+        f.write(bytes(RECORD.size))
+    again = DiskTier(tmp_path, 2, SHAPE, torch.float32, "m")
+    try:
+        assert list(again.slots) == [b"b"] and len(again.free) == 1
+    finally:
+        again.close()
+
+
+def test_one_file_serves_one_worker(tmp_path):
+    tier = DiskTier(tmp_path, 2, SHAPE, torch.float32, "m")
+    try:
+        with pytest.raises(ValueError, match="in use by another worker"):
+            DiskTier(tmp_path, 2, SHAPE, torch.float32, "m")
+    finally:
+        tier.close()
+
+
+def test_writes_past_the_bound_are_dropped_not_waited_for(tmp_path):
+    tier = DiskTier(tmp_path, 8, SHAPE, torch.float32, "m", max_pending=2)
+    gate = threading.Event()
+    tier._jobs.put(("read", [], _Blocked(gate)))  # a disk that does not answer yet
+    try:
+        tier.put([b"a", b"b", b"c", b"d"], torch.cat([_block(v) for v in range(4)], dim=2))
+        assert list(tier.slots) == [b"a", b"b"] and tier.num_write_dropped == 2
+    finally:
+        gate.set()
+        tier.close()
+    assert tier.num_stored == 2
+
+
+class _Blocked:
+    """A read job's future that holds the I/O thread until ``gate`` is set."""
+
+    def __init__(self, gate):
+        self.gate = gate
+
+    def set_result(self, _):
+        self.gate.wait(10)
+
+    def done(self):
+        return True
+
+
+def _tiers(path, tmp_path, **options):
+    """An engine whose pool holds one prompt, host tier two blocks, disk tier the rest."""
+    return make_engine(path, num_kv_blocks=24, kv_host_bytes=2 * BLOCK, kv_disk_bytes=256 * BLOCK,
+                       kv_disk_dir=str(tmp_path / "disk"), **options)
+
+
+@pytest.mark.parametrize("write", ["back", "through"])
+def test_an_evicted_prefix_comes_back_from_disk_with_the_same_tokens(hf_models, tmp_path, write):
+    hf, path = hf_models("llama")
+    first, *others = make_prompts([41, 40, 40, 40, 40], seed=60)
+    engine = _tiers(path, tmp_path, kv_disk_write=write)
+    try:
+        [before] = engine.generate([first], GREEDY)
+        engine.generate(others, GREEDY)  # the pool reuses the first prompt's blocks; the host tier holds 2
+        [again] = engine.generate([first], GREEDY)
+        assert again.num_cached_tokens == 40  # ten blocks back from disk (through the host tier)
+        assert again.outputs[0].token_ids == before.outputs[0].token_ids == hf_greedy(hf, first, 6)
+        stats = engine.stats()
+        assert stats.num_disk_loaded >= 8 and stats.num_disk_blocks > 0 and stats.num_disk_corrupt == 0
+        assert_idle(engine)
+    finally:
+        engine.close()
+
+
+def test_a_restarted_engine_serves_a_prefix_from_the_disk_it_left_and_tells_the_registry(hf_models, tmp_path):
+    hf, path = hf_models("llama")
+    first, *others = make_prompts([41, 40, 40, 40, 40], seed=61)
+    engine = _tiers(path, tmp_path)
+    engine.generate([first, *others], GREEDY)
+    engine.close()  # the queued writes are made
+    engine = _tiers(path, tmp_path)
+    try:
+        assert engine.stats().num_disk_blocks > 0
+        [found] = engine.take_events()  # before any request: the registry hears what the disk holds
+        assert isinstance(found, BlockStored) and found.medium == MEDIUM_DISK
+        assert set(found.block_hashes) == set(engine.kv.disk.slots)
+        _, cached = engine.cached_blocks()
+        assert cached == [] and len(engine.tier_blocks()[MEDIUM_DISK]) == engine.stats().num_disk_blocks
+        [again] = engine.generate([first], GREEDY)
+        assert again.num_cached_tokens == 40 and again.outputs[0].token_ids == hf_greedy(hf, first, 6)
+    finally:
+        engine.close()
+
+
+def test_a_corrupted_block_on_disk_is_computed_again_and_announced_gone(hf_models, tmp_path):
+    hf, path = hf_models("llama")
+    first, *others = make_prompts([41, 40, 40, 40, 40], seed=62)
+    engine = _tiers(path, tmp_path)
+    engine.generate([first, *others], GREEDY)
+    engine.close()
+    engine = _tiers(path, tmp_path)
+    try:
+        disk = engine.kv.disk
+        third = engine.kv.disk.slots  # the first prompt's third block: damaged on disk
+        victim = _sequence(engine, first).block_hashes[2]
+        assert victim in third
+        with open(disk.path, "r+b") as f:
+            f.seek(disk.blocks_at + disk.slots[victim] * disk.block_bytes)
+            f.write(struct.pack("<f", 1e30))
+        engine.take_events()
+        [again] = engine.generate([first], GREEDY)
+        assert again.num_cached_tokens == 8  # the two blocks before it; the rest computed
+        assert again.outputs[0].token_ids == hf_greedy(hf, first, 6)
+        assert engine.stats().num_disk_corrupt == 1 and victim not in disk
+        removed = [e for e in engine.take_events() if isinstance(e, BlockRemoved) and e.medium == MEDIUM_DISK]
+        assert any(victim in e.block_hashes for e in removed)
+        assert_idle(engine)
+    finally:
+        engine.close()
+
+
+def test_the_registry_hears_blocks_move_from_host_memory_to_disk(hf_models, tmp_path):
+    _, path = hf_models("llama")
+    first, *others = make_prompts([41, 40, 40, 40, 40], seed=63)
+    engine = _tiers(path, tmp_path)
+    try:
+        engine.generate([first, *others], GREEDY)
+        events = engine.take_events()
+        def of(kind, medium):
+            return {h for e in events if isinstance(e, kind) and e.medium == medium for h in e.block_hashes}
+        host, disk = of(BlockStored, MEDIUM_HOST), of(BlockStored, MEDIUM_DISK)
+        # what left the pool went to host memory, and on to disk when the two host blocks ran out
+        assert host and disk and host | disk <= of(BlockRemoved, "device") and len(disk - host) > 0
+        assert not of(BlockRemoved, MEDIUM_DISK)  # the disk tier's 256 blocks lost none
+        tiers = engine.tier_blocks()
+        assert set(tiers[MEDIUM_DISK]).isdisjoint(tiers[MEDIUM_HOST]) and len(tiers[MEDIUM_HOST]) <= 2
+    finally:
+        engine.close()
+
+
+def _sequence(engine, prompt):
+    from worker.engine.sequence import Sequence
+    return Sequence("probe", prompt, GREEDY, engine.config.block_size, engine.model_config.eos_token_ids)
+
+
+def test_disk_settings_that_cannot_work_are_refused(tmp_path):
+    from worker.config import EngineConfig
+    with pytest.raises(ConfigError, match="kv_disk_dir"):
+        EngineConfig(kv_host_bytes=1 << 20, kv_disk_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="host tier"):
+        EngineConfig(kv_disk_bytes=1 << 20, kv_disk_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="back or through"):
+        EngineConfig(kv_host_bytes=1, kv_disk_bytes=1, kv_disk_dir=str(tmp_path), kv_disk_write="around")
