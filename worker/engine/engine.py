@@ -57,9 +57,9 @@ class Engine:
             model = load_model(model_dir, self.config.dtype, self.config.max_model_len, self.config.device)
             self.runner = ModelRunner(model, self.config, self.group)
             host = self._host_tier()
+            disk = self._disk_tier(model_dir) if host is not None and self.config.enable_prefix_caching else None
             self.kv = KVCacheManager(self.config.num_kv_blocks, self.config.block_size,
-                                     self.config.enable_prefix_caching, host,
-                                     self._disk_tier(model_dir) if host is not None and self.config.enable_prefix_caching else None,
+                                     self.config.enable_prefix_caching, host, disk,
                                      write_through=self.config.kv_disk_write == "through")
         except BaseException:
             self.close()
