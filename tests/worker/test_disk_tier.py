@@ -30,7 +30,8 @@ def _block(v: float) -> torch.Tensor:
 
 
 def _read(tier: DiskTier, hashes: list[bytes]):
-    return tier.fetch(hashes).result(timeout=10)
+    got, raw = tier.fetch(hashes).result(timeout=10)
+    return got, tier.blocks(raw)
 
 
 def test_blocks_written_read_back_and_the_least_recently_used_pushed_out(tmp_path):

@@ -150,15 +150,26 @@ class DiskTier:
         return [h for h in dropped if h not in self.slots]
 
     def fetch(self, hashes: Sequence[BlockHash]) -> Future:
-        """Read held blocks on the I/O thread; the future's result is ``(hashes, data)``:
-        the leading blocks that read back whole (``[layers, 2, n, ...]``), stopping at the
-        first one refused (a failed checksum or read), which is forgotten (``take_refused``)."""
+        """Read held blocks on the I/O thread; the future's result is ``(hashes, raw)``: the
+        leading blocks that read back whole, as bytes (``blocks`` makes the tensor), stopping
+        at the first one refused (a failed checksum or read), which is forgotten
+        (``take_refused``). The I/O thread runs no torch op: a parallel op there would start
+        a second OpenMP team beside the engine's, and it slowed every decode step after it
+        by half (measured)."""
         future: Future = Future()
         wanted = [(h, self.slots[h]) for h in hashes]
         for h in hashes:
             self.slots.move_to_end(h)
         self._jobs.put(("read", wanted, future))
         return future
+
+    def blocks(self, raw: list[bytearray]) -> torch.Tensor:
+        """Blocks read by ``fetch`` as one tensor, ``[layers, 2, len(raw), ...]`` (on the
+        caller's thread)."""
+        out = torch.empty((*self.block_shape[:2], len(raw), *self.block_shape[2:]), dtype=self.dtype)
+        for k, data in enumerate(raw):
+            out[:, :, k].copy_(torch.frombuffer(data, dtype=self.dtype).view(self.block_shape))
+        return out
 
     def take_refused(self) -> list[BlockHash]:
         """Blocks found bad since the last call (failed writes, failed checksums): forgotten
@@ -269,15 +280,16 @@ class DiskTier:
         blocks, hashes = [], []
         for h, slot in wanted:
             record = os.pread(self.fd, RECORD.size, self.records_at + slot * RECORD.size)
-            raw = os.pread(self.fd, self.block_bytes, self.blocks_at + slot * self.block_bytes)
+            raw = bytearray(self.block_bytes)  # writable: the tensor made of it needs no copy
+            got = os.preadv(self.fd, [raw], self.blocks_at + slot * self.block_bytes)
             magic, _, crc, length, stored = RECORD.unpack(record)
-            if magic != RECORD_MAGIC or stored[:length] != h or len(raw) != self.block_bytes or zlib.crc32(raw) != crc:
+            if magic != RECORD_MAGIC or stored[:length] != h or got != self.block_bytes or zlib.crc32(raw) != crc:
                 log.warning("disk tier: block %s in slot %d failed its check; refused", h.hex()[:16], slot)
                 self.num_corrupt += 1
                 with self._lock:
                     self._failed.append(h)
                 break
-            blocks.append(torch.frombuffer(bytearray(raw), dtype=self.dtype).view(self.block_shape))
+            blocks.append(raw)
             hashes.append(h)
         self.num_loaded += len(blocks)
-        future.set_result((hashes, torch.stack(blocks, dim=2) if blocks else None))
+        future.set_result((hashes, blocks))

@@ -50,7 +50,8 @@ class KVCacheManager:
         self.disk = disk if self.host is not None else None
         self.write_through = write_through
         self.fetches: dict[str, Future] = {}  # sequence id -> its prefix's blocks being read from disk
-        self.staged: dict[str, dict[BlockHash, torch.Tensor]] = {}  # sequence id -> its blocks read from disk
+        # sequence id -> the blocks read from disk for it: their hashes, their KV [layers, 2, n, ...]
+        self.staged: dict[str, tuple[list[BlockHash], torch.Tensor]] = {}
         if self.disk is not None and len(self.disk):  # found again at start: the registry hears of them first
             self.pool.announce_tier(list(self.disk.slots), [], MEDIUM_DISK)
         self.pool.track_evictions = self.host is not None
@@ -86,7 +87,7 @@ class KVCacheManager:
         the host tier, or read from disk for this sequence (``awaiting_disk``)."""
         if self.host is None:
             return []
-        staged = self.staged.get(seq.seq_id, {})
+        staged = self.staged.get(seq.seq_id, ((), None))[0]
         n = 0
         for h in self._wanted(seq, num_hit_blocks):
             if h not in staged and h not in self.host:
@@ -97,15 +98,18 @@ class KVCacheManager:
     def take_prefix(self, seq: Sequence, hashes: list[BlockHash]):
         """The KV of ``host_prefix``'s blocks, ``[layers, 2, len(hashes), ...]``: what was
         read from disk for the sequence, the rest from the host tier."""
-        staged = self.staged.pop(seq.seq_id, {})
-        from_host = [h for h in hashes if h not in staged]
+        staged_hashes, staged_kv = self.staged.pop(seq.seq_id, ([], None))
+        at = {h: k for k, h in enumerate(staged_hashes)}
+        from_host = [h for h in hashes if h not in at]
         host = self.host.take(from_host) if from_host else None
-        if not staged:
+        if not at:
             return host
+        if hashes == staged_hashes[:len(hashes)]:  # the usual case: all of it read from disk, in order
+            return staged_kv.narrow(2, 0, len(hashes))
         parts, k = [], 0
         for h in hashes:
-            if h in staged:
-                parts.append(staged[h].unsqueeze(2))
+            if h in at:
+                parts.append(staged_kv[:, :, at[h]:at[h] + 1])
             else:
                 parts.append(host[:, :, k:k + 1])
                 k += 1
@@ -145,10 +149,10 @@ class KVCacheManager:
             if not future.done():
                 return True
             del self.fetches[seq.seq_id]
-            hashes, data = future.result()
+            hashes, raw = future.result()
             self.poll_disk()
             if hashes:
-                self.staged[seq.seq_id] = dict(zip(hashes, data.unbind(2)))
+                self.staged[seq.seq_id] = (hashes, self.disk.blocks(raw))
             return False
         if seq.seq_id in self.staged:
             return False
