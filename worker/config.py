@@ -213,6 +213,9 @@ class EngineConfig:
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 0
     kv_disk_write: str = "back"
+    # the tiers' reuse gate: a block is demoted only once this many requests have used it (1: all;
+    # 2 keeps one-off prompts out of the tiers; a preempted sequence's blocks always go)
+    kv_offload_min_uses: int = 1
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position
@@ -251,6 +254,8 @@ class EngineConfig:
             raise ConfigError("kv_disk_bytes needs kv_disk_dir, the directory of the disk tier's file")
         if self.kv_disk_bytes and not self.kv_host_bytes:
             raise ConfigError("the disk tier sits behind the host tier: kv_disk_bytes needs kv_host_bytes too")
+        if self.kv_offload_min_uses < 1:
+            raise ConfigError(f"kv_offload_min_uses must be >= 1, got {self.kv_offload_min_uses}")
         if self.kv_disk_write not in ("back", "through"):
             raise ConfigError(f"kv_disk_write must be back or through, got {self.kv_disk_write!r}")
 

@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-disk-write", choices=("back", "through"), default="back",
                     help="back: a block is written to disk when the host tier lets it go; through: as soon as it "
                          "leaves the pool")
+    ap.add_argument("--kv-offload-min-uses", type=int, default=1,
+                    help="the tiers' reuse gate: a block is demoted to host memory (and disk) only once this many "
+                         "requests used it (1: every block; 2 keeps one-off prompts from flushing the tiers)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                     help="tokens one engine step computes at most: a longer prompt is prefilled in chunks of this "
@@ -179,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
                                         num_kv_blocks=args.num_kv_blocks, kv_host_bytes=args.kv_host_bytes,
                                         kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes,
                                         kv_disk_write=args.kv_disk_write,
+                                        kv_offload_min_uses=args.kv_offload_min_uses,
                                         max_num_seqs=args.max_num_seqs,
                                         max_num_batched_tokens=args.max_num_batched_tokens,
                                         tensor_parallel_size=args.tensor_parallel,

@@ -65,19 +65,16 @@ async def test_an_expired_lease_is_purged_at_once(redis_client):
 async def test_the_reconciliation_loop_purges_an_expired_worker_without_any_notification(redis_client):
     index = PrefixIndex(redis_client, ttl_s=1)
     async with watching(index, redis_client, interval_s=0.2) as watcher:
-        for _ in range(100):  # the watcher subscribed; then Redis stops notifying (as after a restart)
-            if await redis_client.execute_command("PUBSUB", "NUMPAT"):
-                break
-            await asyncio.sleep(0.05)
+        # the watcher turned notifications on and subscribed; then Redis stops notifying (as after a
+        # restart). Waits are generous (a loaded CI machine): they bound the test, not the watcher
+        await until(lambda: redis_client.execute_command("PUBSUB", "NUMPAT"), "subscribed", timeout=30)
         await redis_client.config_set("notify-keyspace-events", "")
         token = await index.register(WorkerRecord(worker_id="w", address="127.0.0.1:1", role="decode", model="m",
                                                   incarnation="", block_size=16, hash_name=HASH_NAME,
                                                   max_model_len=4096, max_n=16))
         await index.apply("w", token, [BlockStored(1, [b"\x01" * 32], None, [], 16)])
-        for _ in range(100):  # the lease (1 s) expires; only the loop can notice
-            if not await redis_client.sismember("kervan:workers", "w"):
-                break
-            await asyncio.sleep(0.05)
+        # the lease (1 s) expires; only the loop (every 0.2 s) can notice
+        await until(lambda: _false(redis_client.sismember("kervan:workers", "w")), "purged", timeout=30)
         assert watcher.declared_dead == []  # no notification arrived
         assert not await redis_client.sismember("kervan:workers", "w")
         assert not await redis_client.exists("kervan:own:w") and not await redis_client.keys("kervan:blk:*")

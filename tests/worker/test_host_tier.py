@@ -75,6 +75,8 @@ def test_a_negative_host_budget_is_refused():
     from worker.config import EngineConfig
     with pytest.raises(ConfigError, match="kv_host_bytes"):
         EngineConfig(kv_host_bytes=-1)
+    with pytest.raises(ConfigError, match="kv_offload_min_uses"):
+        EngineConfig(kv_offload_min_uses=0)
 
 
 def test_the_registry_hears_which_blocks_live_in_host_memory(llama):
@@ -112,3 +114,24 @@ def test_a_batch_larger_than_the_tier_keeps_its_last_blocks():
     assert tier.put([b"a", b"b", b"c"], data, lambda hashes, kv: spilled.append((hashes, kv[0, 0, :, 0, 0]))) == [b"a"]
     assert spilled[0][0] == [b"a"] and spilled[0][1].tolist() == [0.0]  # on to the next tier, if any
     assert list(tier.slots) == [b"b", b"c"] and tier.take([b"c"])[0, 0, 0, 0, 0] == 2
+
+
+def test_the_reuse_gate_keeps_one_off_prompts_out_of_the_tier_and_lets_preempted_sequences_swap(llama):
+    """``kv_offload_min_uses=2``: a prompt used once leaves the pool for nowhere; one used
+    twice is demoted when the pool moves on; a preempted sequence's blocks always are."""
+    _, path = llama
+    engine = make_engine(path, num_kv_blocks=24, kv_host_bytes=HOST_BYTES, kv_offload_min_uses=2)
+    once, twice, *others = make_prompts([40, 40, 40, 40], seed=64)
+    engine.generate([once], GREEDY)
+    engine.generate([twice], GREEDY)
+    engine.generate([twice], GREEDY)  # a pool hit: its second use
+    engine.generate(others, GREEDY)  # the pool moves on
+    held = set(engine.kv.host.slots)
+    assert not held & set(_sequence(engine, once).block_hashes)
+    assert set(_sequence(engine, twice).block_hashes[:10]) <= held
+    assert not held & set(_sequence(engine, others[0]).block_hashes)  # used once, pushed out since: gone
+    preempting = make_engine(path, num_kv_blocks=24, kv_host_bytes=HOST_BYTES, kv_offload_min_uses=2)
+    preempting.generate(make_prompts([20, 19, 21, 18], seed=11), SamplingParams(max_tokens=10, temperature=0,
+                                                                                ignore_eos=True))
+    assert preempting.stats().num_preemptions > 0 and preempting.kv.host.num_promoted > 0
+    assert_idle(engine)

@@ -60,7 +60,8 @@ class Engine:
             disk = self._disk_tier(model_dir) if host is not None and self.config.enable_prefix_caching else None
             self.kv = KVCacheManager(self.config.num_kv_blocks, self.config.block_size,
                                      self.config.enable_prefix_caching, host, disk,
-                                     write_through=self.config.kv_disk_write == "through")
+                                     write_through=self.config.kv_disk_write == "through",
+                                     min_uses=self.config.kv_offload_min_uses)
         except BaseException:
             self.close()
             raise

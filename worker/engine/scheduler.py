@@ -132,6 +132,7 @@ class StepScheduler:
             req.num_computed_tokens = start
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = cached
+                self.kv.count_use(req)
             self.running.append(req)
             taken += _seats(req)
             scheduled.append(self._scheduled(req, start, n))
@@ -145,6 +146,7 @@ class StepScheduler:
         return ScheduledSequence(req, num_computed, n, self.kv.get_block_ids(req.seq_id), samples)
 
     def _preempt(self, req: Sequence) -> None:
+        self.kv.count_use(req, self.kv.min_uses)  # it resumes: its blocks pass the tiers' reuse gate
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = SequenceStatus.PREEMPTED

@@ -16,6 +16,7 @@ caller preempts or waits, nothing is half-allocated."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from concurrent.futures import Future
 from typing import NamedTuple
 
@@ -41,7 +42,7 @@ class ComputedBlocks(NamedTuple):
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, host: HostTier | None = None,
-                 disk: DiskTier | None = None, write_through: bool = False):
+                 disk: DiskTier | None = None, write_through: bool = False, min_uses: int = 1):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size, enable_caching)
         self.host = host if enable_caching else None
@@ -49,6 +50,14 @@ class KVCacheManager:
         # (write-back), or every block demoted is written there at once too (write-through)
         self.disk = disk if self.host is not None else None
         self.write_through = write_through
+        # the reuse gate: a block leaves the pool for the tiers only once this many requests used
+        # it (1: every block), so a scan of one-off prompts cannot flush the tiers' hot set; a
+        # preempted sequence's blocks always pass (it resumes). Uses are counted per hash, for
+        # the most recent hashes only (a bounded map, least recently used out).
+        self.min_uses = min_uses
+        self.uses: OrderedDict[BlockHash, int] = OrderedDict()
+        self.max_tracked = 4 * (num_blocks + (host.num_blocks if host is not None else 0)
+                                + (disk.num_blocks if disk is not None else 0))
         self.fetches: dict[str, Future] = {}  # sequence id -> its prefix's blocks being read from disk
         # sequence id -> the blocks read from disk for it: their hashes, their KV [layers, 2, n, ...]
         self.staged: dict[str, tuple[list[BlockHash], torch.Tensor]] = {}
@@ -196,10 +205,23 @@ class KVCacheManager:
         return tiers
 
     def take_evictions(self) -> list[tuple[int, BlockHash]]:
-        """(block id, hash) of the cached blocks reused since the last call: to demote
-        before the step that overwrites them runs."""
+        """(block id, hash) of the cached blocks reused since the last call that pass the
+        reuse gate: to demote before the step that overwrites them runs."""
         evicted, self.pool.evicted = self.pool.evicted, []
+        if self.min_uses > 1:
+            evicted = [(b, h) for b, h in evicted if self.uses.get(h, 0) >= self.min_uses]
         return evicted
+
+    def count_use(self, seq: Sequence, uses: int = 1) -> None:
+        """A request admitted (or, with ``uses`` = the gate, a sequence preempted): its full
+        prompt blocks count one more use each."""
+        if self.host is None or self.min_uses <= 1:
+            return
+        for h in seq.block_hashes[:seq.num_tokens // self.block_size]:
+            self.uses[h] = self.uses.get(h, 0) + uses
+            self.uses.move_to_end(h)
+        while len(self.uses) > self.max_tracked:
+            self.uses.popitem(last=False)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
                        computed: list[KVBlock] = ()) -> list[KVBlock] | None:
