@@ -26,6 +26,7 @@ round (medians over rounds, with their range):
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import random
 import shutil
@@ -107,14 +108,14 @@ def revisits(model_dir, args, on: bool, rng_seed: int) -> dict:
             "disk_loaded_blocks": stats.num_disk_loaded, "disk_write_dropped_blocks": stats.num_disk_write_dropped}
 
 
-def preemption(model_dir, args, on: bool, rng_seed: int) -> dict:
+def preemption(model_dir, args, on: bool, rng_seed: int, streams: int) -> dict:
     engine = Engine.from_pretrained(model_dir, dtype=args.dtype, num_kv_blocks=args.pool_blocks,
-                                    max_num_seqs=args.streams, **tiers(args, on))
+                                    max_num_seqs=streams, **tiers(args, on))
     vocab = min(engine.model_config.vocab_size, 30000)
     rng = random.Random(rng_seed)
-    prompts = [[rng.randrange(3, vocab) for _ in range(args.reason_prompt)] for _ in range(args.streams)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.reason_prompt)] for _ in range(streams)]
     params = SamplingParams(max_tokens=args.reason_output, temperature=0, ignore_eos=True)
-    _, tokens, seconds = run_closed_loop(engine, prompts, params, args.streams)
+    _, tokens, seconds = run_closed_loop(engine, prompts, params, streams)
     stats = engine.stats()
     close(engine)
     return {"output_tokens_per_s": tokens / seconds, "preemptions": stats.num_preemptions,
@@ -182,7 +183,8 @@ def main() -> None:
     ap.add_argument("--visits", type=int, default=2, help="revisits of each document")
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=2)
-    ap.add_argument("--streams", type=int, default=8, help="long generations at once (preemption)")
+    ap.add_argument("--streams", default="8", help="long generations at once (preemption); a comma list runs "
+                                                   "each count as its own workload (preemption-N)")
     ap.add_argument("--reason-prompt", type=int, default=256)
     ap.add_argument("--reason-output", type=int, default=512)
     ap.add_argument("--workloads", default="revisits,preemption,bandwidth")
@@ -190,10 +192,14 @@ def main() -> None:
     args = ap.parse_args()
     workloads = args.workloads.split(",")
     model_dir = resolve_model(args.model) if args.model else ensure_default_model()
-    results: dict[str, dict[str, list[dict]]] = {w: {"off": [], "on": []} for w in ("revisits", "preemption")
-                                                 if w in workloads}
+    runs = {"revisits": revisits} if "revisits" in workloads else {}
+    if "preemption" in workloads:
+        counts = [int(n) for n in args.streams.split(",")]
+        for n in counts:
+            runs["preemption" if len(counts) == 1 else f"preemption-{n}"] = functools.partial(preemption, streams=n)
+    results: dict[str, dict[str, list[dict]]] = {w: {"off": [], "on": []} for w in runs}
     for r in range(args.rounds):
-        for name, fn in ((w, {"revisits": revisits, "preemption": preemption}[w]) for w in results):
+        for name, fn in runs.items():
             for tier in (("off", "on") if r % 2 == 0 else ("on", "off")):
                 out = fn(model_dir, args, tier == "on", rng_seed=r)
                 results[name][tier].append(out)
