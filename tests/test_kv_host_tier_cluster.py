@@ -109,3 +109,32 @@ def test_a_restarted_cluster_finds_its_prompts_on_disk_and_the_registry_hears_of
         assert sample(metrics, "kervan_kv_disk_corrupt_blocks_total") == 0
     finally:
         cluster.stop()
+
+
+def test_a_prefix_another_worker_holds_is_pulled_over_the_kv_transfer(llama, tmp_path):
+    """Two aggregated workers, the scheduler alternating between them (round robin: the cost
+    would send the revisit back to the holder) with pulls on: the second request for the same
+    prompt goes to the worker that lacks it, and the holder prefills it — computing one block,
+    not eight — and pushes the whole prompt's KV to it. Same greedy tokens (float32, the very
+    KV computed the first time)."""
+    from tests.cluster_helpers import scheduler_stats, wait_cached
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, dtype="float32",
+                                  num_kv_blocks=64, scheduler_args=("--policy", "round_robin",
+                                                                    "--pull-block-cost", "0.1")), tmp_path)
+    cluster.start(timeout=240)
+    try:
+        prompt = make_prompts([120], seed=65)[0]
+        kwargs = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+        async def run():
+            before = await complete(cluster, token_ids=prompt, **kwargs)
+            await wait_cached(cluster, prompt, 7)
+            again = await complete(cluster, token_ids=prompt, **kwargs)
+            return before, again, await scheduler_stats(cluster)
+        before, again, stats = asyncio.run(run())
+        assert stats.by_prefill_reason["aggregated"] == 1 and stats.by_prefill_reason["pull"] == 1
+        assert before.usage["cached_prompt_tokens"] == 0
+        assert again.usage["cached_prompt_tokens"] == 112  # the holder's 7 blocks, not recomputed
+        assert again.token_ids == before.token_ids
+    finally:
+        cluster.stop()

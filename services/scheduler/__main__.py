@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "back instead of a prefill)")
     ap.add_argument("--disk-block-cost", type=float, default=PlacementConfig.disk_block_cost,
                     help="a matched block only on a worker's disk tier, as a share of an uncached block's cost")
+    ap.add_argument("--pull-block-cost", type=float, default=PlacementConfig.pull_block_cost,
+                    help="pull a prefix another worker holds (it prefills, the KV moves) when the blocks saved "
+                         "outweigh this share of an uncached block per prompt block moved (0: never)")
     ap.add_argument("--eviction-weight", type=float, default=PlacementConfig.eviction_weight,
                     help="weight of cached blocks a request would evict")
     ap.add_argument("--temperature", type=float, default=PlacementConfig.temperature,

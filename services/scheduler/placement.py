@@ -107,6 +107,12 @@ class PlacementConfig:
     # a matched block only on a worker's disk tier (a read from the disk tier's file; measured
     # as a revisit's TTFT on SmolLM2 in benchmarks/README.md's kv_tiers)
     disk_block_cost: float = 0.2
+    # pulling a prefix from another worker: when the chosen worker lacks prompt blocks another
+    # worker holds (in any tier), that worker prefills the prompt (computing only what it lacks)
+    # and pushes the whole prompt's KV over the KV transfer, if the blocks it saves outweigh
+    # this share of an uncached block per block moved; 0: never (the default until measured on
+    # more than one workload)
+    pull_block_cost: float = 0.0
 
 
 # Why a request prefills where it does.
@@ -116,6 +122,7 @@ SHORT = "short"  # the uncached part is too short to be worth a KV handoff
 FORKED = "forked"  # n > 1: the samples fork from the prompt's KV on the decode worker
 NO_PREFILL_WORKER = "no_prefill_worker"  # decode-only fallback: no prefill worker is up
 PREFILL_QUEUE_FULL = "prefill_queue_full"  # overflow: the prefill pool is backed up
+PULL = "pull"  # another worker holds more of the prompt: it prefills, and the KV moves
 
 
 class AllBusy(Exception):
@@ -146,6 +153,23 @@ def cost(c: Candidate, num_prompt_blocks: int, cfg: PlacementConfig) -> float:
     evicted = min(c.evictable_blocks, max(0, uncached + copied + 1 - (c.free_blocks - c.evictable_blocks)))
     work = uncached + cfg.host_block_cost * host + cfg.disk_block_cost * disk
     return cfg.overlap_weight * work + c.active_blocks + uncached + copied + cfg.eviction_weight * evicted
+
+
+def pull_from(candidates: list[Candidate], decode: Candidate, num_prompt_blocks: int, cfg: PlacementConfig,
+              size: Size) -> Candidate | None:
+    """The worker to pull the prompt's prefix from (it prefills, the KV moves to ``decode``),
+    or None: the one holding the most of the prompt beyond what ``decode`` holds, if the
+    blocks that saves outweigh moving every prompt block at ``pull_block_cost``."""
+    if cfg.pull_block_cost <= 0:
+        return None
+    prefill_size = Size(num_prompt_tokens=size.num_prompt_tokens, max_tokens=1)
+    holders = [c for c in candidates if c.worker_id != decode.worker_id and c.role in ("prefill", "both")
+               and not c.full and prefill_size.fits(c)]
+    holder = max(holders, key=lambda c: c.matched_blocks, default=None)
+    if holder is None:
+        return None
+    saved = holder.matched_blocks - decode.matched_blocks
+    return holder if saved > cfg.pull_block_cost * num_prompt_blocks else None
 
 
 def held_blocks(c: Candidate) -> int:
@@ -197,8 +221,19 @@ def place(candidates: list[Candidate], num_prompt_blocks: int, cfg: PlacementCon
           rng: random.Random | None = None, turn: int = 0, model: str = "", size: Size = Size(),
           prefix_key: bytes = b"") -> Decision | None:
     """``turn``: a counter the caller advances per request (round robin); ``model``:
-    only workers serving it (empty: any); ``prefix_key``: what ``prefix_hash`` hashes."""
+    only workers serving it (empty: any); ``prefix_key``: what ``prefix_hash`` hashes.
+    A request the decode worker would prefill itself is prefilled where its prefix is
+    instead when that pays (``pull_from``)."""
     candidates = [c for c in candidates if not model or c.model == model]
+    decision = _place(candidates, num_prompt_blocks, cfg, rng, turn, size, prefix_key)
+    if decision is None or decision.prefill is not None or size.n > 1:
+        return decision
+    holder = pull_from(candidates, decision.decode, num_prompt_blocks, cfg, size)
+    return decision if holder is None else Decision(decision.decode, holder, decision.scores, PULL)
+
+
+def _place(candidates: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig, rng: random.Random | None,
+           turn: int, size: Size, prefix_key: bytes) -> Decision | None:
     decoders = [c for c in candidates if c.role in ("decode", "both")]
     if not decoders:
         return None

@@ -63,6 +63,24 @@ def test_a_prefix_on_disk_costs_a_read_between_host_memory_and_a_miss():
     assert d.decode.worker_id == "none"  # no room to read into
 
 
+def test_a_prefix_another_worker_holds_is_pulled_from_it_when_that_saves_more_than_moving_it_costs():
+    """b holds 8 of the 10 blocks but is busy, so the request decodes on a; with pulls on, b
+    prefills (computing 2 blocks, not 10) and pushes the KV to a."""
+    pool = [cand("a", "both"), cand("b", "both", matched=8, active=40)]
+    assert place(pool, 10, CFG).reason == "aggregated"  # pulls off: a computes all 10
+    d = place(pool, 10, PlacementConfig(overlap_weight=1.0, pull_block_cost=0.1))
+    assert (d.decode.worker_id, d.prefill.worker_id, d.reason) == ("a", "b", "pull")
+    # saving 8 blocks does not pay for moving 10 at 0.9 each; nor does a holder that is full
+    assert place(pool, 10, PlacementConfig(overlap_weight=1.0, pull_block_cost=0.9)).reason == "aggregated"
+    full = [cand("a", "both"), cand("b", "both", matched=8, active=40, full=True)]
+    assert place(full, 10, PlacementConfig(overlap_weight=1.0, pull_block_cost=0.1)).reason == "aggregated"
+    # a short remainder a decode worker would compute itself is pulled from a prefill worker too
+    disagg = [cand("d", matched=1), cand("p1", "prefill"), cand("p2", "prefill", matched=9)]
+    assert place(disagg, 10, PlacementConfig(overlap_weight=1.0, min_remote_prefill_blocks=20)).reason == "short"
+    d = place(disagg, 10, PlacementConfig(overlap_weight=1.0, min_remote_prefill_blocks=20, pull_block_cost=0.1))
+    assert (d.prefill.worker_id, d.reason) == ("p2", "pull")
+
+
 def test_new_prefix_content_sends_a_prompt_no_worker_caches_to_the_worker_holding_the_least():
     content = PlacementConfig(new_prefix="content")
     pool = [cand("a", evictable=40), cand("b", sent=64), cand("c", active=10)]

@@ -95,7 +95,8 @@ def test_every_placement_setting_has_a_scheduler_flag():
     values = {"policy": "approx_tree", "overlap_weight": 3.5, "eviction_weight": 0.25, "temperature": 0.5,
               "min_remote_prefill_blocks": 7, "max_prefill_queue_tokens": 99, "hash_prefix_blocks": 3,
               "cache_threshold": 0.75, "balance_abs_threshold": 5, "balance_rel_threshold": 1.5,
-              "new_prefix": "content", "host_block_cost": 0.3, "disk_block_cost": 0.45}
+              "new_prefix": "content", "host_block_cost": 0.3, "disk_block_cost": 0.45,
+              "pull_block_cost": 0.05}
     assert set(values) == {f.name for f in dataclasses.fields(PlacementConfig)}
     assert all(getattr(PlacementConfig(), k) != v for k, v in values.items())  # none is the default
     argv = ["--registry", "127.0.0.1:1"]
