@@ -33,6 +33,11 @@ absolute TTFTs include that contention alike for every policy.
 
     python -m benchmarks.prefix_placement            # ~15 min: embedded model, 5 policies x 3 seeds
     python -m benchmarks.prefix_placement --policies kv,approx_tree --seeds 1
+
+With ``--kv-host-bytes`` every replica keeps a host KV tier behind its pool, and
+``--variants`` compares runs of one policy with different scheduler flags, e.g. placement
+that prices host-tier blocks as copies against placement blind to them (a host block
+costed as a miss): ``--variants 'tier-aware=kv;tier-blind=kv --host-block-cost 1'``.
 """
 
 from __future__ import annotations
@@ -79,10 +84,12 @@ def repeat_hit_share(requests: list[workload.BenchRequest], results, prefix_len:
     return round(hits / max(repeats, 1), 4)
 
 
-def run_policy(model_dir: Path, policy: str, requests, seed: int, args) -> dict:
+def run_policy(model_dir: Path, policy: str, requests, seed: int, args, extra: tuple[str, ...] = ()) -> dict:
     spec = ClusterSpec(model_dir, num_prefill=0, num_decode=0, num_both=args.replicas, dtype=args.dtype,
                        num_kv_blocks=args.kv_blocks_per_worker, threads_per_worker=1, pin_cores=True,
-                       scheduler_args=("--policy", policy, "--seed", str(seed), *args.scheduler_args.split()))
+                       kv_host_bytes=args.kv_host_bytes,
+                       scheduler_args=("--policy", policy, "--seed", str(seed), *args.scheduler_args.split(),
+                                       *extra))
     cluster = Cluster(spec, new_log_dir())
     cluster.start()
     try:
@@ -117,11 +124,23 @@ def main() -> None:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--scheduler-args", default="", help="more scheduler flags, e.g. '--overlap-weight 2'")
     ap.add_argument("--seeds", default="1,2,3", help="workload seeds (0 was the tuning seed)")
+    ap.add_argument("--kv-host-bytes", type=int, default=0, help="a host KV tier behind each replica's pool")
+    ap.add_argument("--variants", default="",
+                    help="runs of one policy with more scheduler flags, each under its own name: "
+                         "'NAME=POLICY FLAGS;NAME=POLICY FLAGS' (e.g. 'tier-blind=kv --host-block-cost 1'), "
+                         "in place of --policies")
     add_dtype_argument(ap)
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else ensure_default_model()
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    policies = args.policies.split(",")
+    runs = {p: (p, ()) for p in args.policies.split(",")}
+    if args.variants:
+        runs = {}
+        for variant in args.variants.split(";"):
+            name, _, flags = variant.partition("=")
+            policy, *extra = flags.split()
+            runs[name.strip()] = (policy, tuple(extra))
+    policies = list(runs)
     seeds = [int(s) for s in args.seeds.split(",")]
     per_policy: dict[str, list[dict]] = {p: [] for p in policies}
     bounds = []
@@ -131,7 +150,7 @@ def main() -> None:
                                   workload.SharedPrefix(args.prefixes, args.prefix_len, args.zipf_s))
         bounds.append(hit_rate_bound(requests, args.prefix_len))
         for policy in (policies if i % 2 == 0 else list(reversed(policies))):  # alternate the order
-            run = run_policy(model_dir, policy, requests, seed, args)
+            run = run_policy(model_dir, *runs[policy][:1], requests, seed, args, runs[policy][1])
             per_policy[policy].append(run)
             print(json.dumps({"seed": seed, "policy": policy, **{k: v for k, v in run.items() if k != "ttfts_ms"}}),
                   file=sys.stderr, flush=True)  # each run as it ends: a long sweep's partial results
@@ -142,7 +161,9 @@ def main() -> None:
               "workload": {"requests": args.requests, "rate": args.rate, "system_prompts": args.prefixes,
                            "system_prompt_tokens": args.prefix_len, "zipf_s": args.zipf_s,
                            "suffix_tokens": args.suffix_len, "output_tokens": args.output_len,
-                           "kv_blocks_per_worker": args.kv_blocks_per_worker, "ttft_slo_ms": args.ttft_slo_ms},
+                           "kv_blocks_per_worker": args.kv_blocks_per_worker, "ttft_slo_ms": args.ttft_slo_ms,
+                           "kv_host_bytes": args.kv_host_bytes},
+              "runs": {name: " ".join([policy, *extra]) for name, (policy, extra) in runs.items()},
               "hit_rate_bound": spread(bounds, "seeds"), "policies": {}}
     for policy, runs in per_policy.items():
         report["policies"][policy] = {key: spread([r[key] for r in runs], "seeds")
