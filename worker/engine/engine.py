@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,8 +144,8 @@ class Engine:
         batch = self.scheduler.schedule()
         self._demote()
         if not batch.sequences:
-            if self.kv.fetches:  # nothing to run until a prefix is read from disk: wait for it, briefly
-                futures.wait(list(self.kv.fetches.values()), timeout=0.05, return_when=futures.FIRST_COMPLETED)
+            if self.kv.tiers is not None and self.kv.tiers.fetches:  # nothing to run until a prefix is read
+                self.kv.tiers.wait_for_reads(0.05)
             return []
         started = time.time_ns()
         result = self.runner.execute(batch)
@@ -217,11 +216,14 @@ class Engine:
     def _demote(self) -> None:
         """Copy the cached blocks this step's schedule took for reuse into the host tier,
         before the step overwrites them."""
-        self.kv.poll_disk()
+        tiers = self.kv.tiers
+        if tiers is None:
+            return
+        tiers.poll_disk()
         evicted = self.kv.take_evictions()
         if evicted:
             data = self.runner.read_blocks([block_id for block_id, _ in evicted])
-            self.kv.demote([h for _, h in evicted], data.to("cpu"))
+            tiers.demote([h for _, h in evicted], data.to("cpu"))
 
     def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """The prompt as token ids, or InvalidRequest naming what to fix. Reads only
@@ -295,7 +297,7 @@ class Engine:
     def tier_blocks(self) -> dict[str, list[bytes]]:
         """The blocks only the tiers behind the pool hold, by tier ("host", "disk"; call with
         ``cached_blocks``, for one dump)."""
-        return self.kv.tier_blocks()
+        return self.kv.tiers.blocks() if self.kv.tiers is not None else {}
 
     def keepalive(self) -> None:
         """Call while idle, at least every second: the peers of a worker group wait for
@@ -306,12 +308,12 @@ class Engine:
     def close(self) -> None:
         """Write the cached KV to the disk tier, if any (a restart finds it there), and stop
         the disk tier's thread once its writes are made and a worker group's other ranks."""
-        kv = getattr(self, "kv", None)
-        if kv is not None and kv.disk is not None:
+        tiers = getattr(getattr(self, "kv", None), "tiers", None)
+        if tiers is not None and tiers.disk is not None:
             try:
-                kv.keep_on_disk(self.runner.read_blocks)
+                tiers.keep_on_disk(self.runner.read_blocks)
             finally:
-                kv.disk.close()
+                tiers.disk.close()
         if self.group is not None:
             self.group.stop()
             self.group = None

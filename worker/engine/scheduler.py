@@ -113,9 +113,10 @@ class StepScheduler:
             else:
                 # what the pool lacks but the host tier holds is copied back, not computed (no budget);
                 # what only the disk tier holds is read first, while others run
-                if self.kv.awaiting_disk(req, len(hit.blocks)):
+                tiers = self.kv.tiers
+                if tiers is not None and tiers.awaiting_disk(req, len(hit.blocks)):
                     break
-                promoted = self.kv.host_prefix(req, len(hit.blocks))
+                promoted = tiers.prefix(req, len(hit.blocks)) if tiers is not None else []
                 start = cached = hit.num_tokens + len(promoted) * self.config.block_size
                 if self.kv.allocate_slots(req, start - hit.num_tokens + min(req.num_tokens - start, budget),
                                           hit.blocks) is None:
@@ -123,7 +124,7 @@ class StepScheduler:
                 if promoted:
                     first = len(hit.blocks)
                     blocks = self.kv.get_block_ids(req.seq_id)[first:first + len(promoted)]
-                    writes.append(KVWrite(blocks, self.kv.take_prefix(req, promoted)))
+                    writes.append(KVWrite(blocks, tiers.take(req, promoted)))
             n = min(req.num_tokens - start, budget)
             self.waiting.popleft()
             req.status = SequenceStatus.RUNNING
@@ -132,7 +133,8 @@ class StepScheduler:
             req.num_computed_tokens = start
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = cached
-                self.kv.count_use(req)
+                if self.kv.tiers is not None:
+                    self.kv.tiers.count_use(req)
             self.running.append(req)
             taken += _seats(req)
             scheduled.append(self._scheduled(req, start, n))
@@ -146,7 +148,8 @@ class StepScheduler:
         return ScheduledSequence(req, num_computed, n, self.kv.get_block_ids(req.seq_id), samples)
 
     def _preempt(self, req: Sequence) -> None:
-        self.kv.count_use(req, self.kv.min_uses)  # it resumes: its blocks pass the tiers' reuse gate
+        if self.kv.tiers is not None:
+            self.kv.tiers.count_use(req, resumes=True)  # its blocks pass the tiers' reuse gate
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = SequenceStatus.PREEMPTED

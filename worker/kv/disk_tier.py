@@ -30,7 +30,6 @@ import queue
 import struct
 import threading
 import zlib
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 
 from kervan.block_hash import BlockHash
+from worker.kv.slots import HashSlots
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def model_identity(model_dir: str | Path) -> str:
     return digest.hexdigest()
 
 
-class DiskTier:
+class DiskTier(HashSlots):
     def __init__(self, directory: str | Path, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
                  identity: str, max_pending: int = 256):
         if num_blocks < 1:
@@ -91,7 +91,7 @@ class DiskTier:
         self.identity = json.dumps({"model": identity, "dtype": str(dtype).removeprefix("torch."),
                                     "block_shape": list(self.block_shape), "num_blocks": num_blocks},
                                    sort_keys=True).encode()
-        self.slots: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
+        super().__init__()
         self.free: list[int] = []
         self._use = 0  # last-use numbers: the order of the LRU across restarts
         self.num_stored = 0  # blocks written
@@ -108,20 +108,6 @@ class DiskTier:
         self._thread.start()
 
     # -- the engine's side (one thread) -------------------------------------------
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-    def __contains__(self, block_hash: BlockHash) -> bool:
-        return block_hash in self.slots
-
-    def leading(self, hashes: Sequence[BlockHash]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self.slots:
-                break
-            n += 1
-        return n
 
     def put(self, hashes: Sequence[BlockHash], data: torch.Tensor, bounded: bool = True) -> list[BlockHash]:
         """Queue blocks for writing (``data``: ``[layers, 2, len(hashes), ...]``, not modified

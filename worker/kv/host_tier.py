@@ -13,15 +13,15 @@ Each slot holds one block in the handoff's layout, every layer and KV head:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
 
 from kervan.block_hash import BlockHash
+from worker.kv.slots import HashSlots
 
 
-class HostTier:
+class HostTier(HashSlots):
     def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False):
         if num_blocks < 1:
             raise ValueError(f"a host tier needs at least one block, got {num_blocks}")
@@ -30,7 +30,7 @@ class HostTier:
         # out as one copy, never a copy per block; zeros, not empty: every page is touched now,
         # not by the first demotions into it
         self.data = torch.zeros((layers, kv, num_blocks, *rest), dtype=dtype, pin_memory=pin)
-        self.slots: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
+        super().__init__()
         self.free = list(range(num_blocks - 1, -1, -1))
         self.num_stored = 0  # blocks demoted into the tier
         self.num_promoted = 0  # blocks copied back into the pool
@@ -39,21 +39,6 @@ class HostTier:
     @property
     def num_blocks(self) -> int:
         return self.data.shape[2]
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-    def __contains__(self, block_hash: BlockHash) -> bool:
-        return block_hash in self.slots
-
-    def leading(self, hashes: Sequence[BlockHash]) -> int:
-        """How many of ``hashes``, from the first, the tier holds."""
-        n = 0
-        for h in hashes:
-            if h not in self.slots:
-                break
-            n += 1
-        return n
 
     def put(self, hashes: Sequence[BlockHash], data: torch.Tensor,
             spill: Callable[[list[BlockHash], torch.Tensor], None] | None = None) -> list[BlockHash]:
