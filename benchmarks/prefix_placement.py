@@ -49,7 +49,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import plots
-from benchmarks.machine import add_dtype_argument, machine
+from benchmarks.machine import add_dtype_argument, machine, write_report
 from benchmarks.stats import spread
 from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
 from kervan.bench import workload
@@ -129,6 +129,7 @@ def main() -> None:
                     help="runs of one policy with more scheduler flags, each under its own name: "
                          "'NAME=POLICY FLAGS;NAME=POLICY FLAGS' (e.g. 'tier-blind=kv --host-block-cost 1'), "
                          "in place of --policies")
+    ap.add_argument("--json-out", default=None, help="also write the report here (with the commit)")
     add_dtype_argument(ap)
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else ensure_default_model()
@@ -182,7 +183,7 @@ def main() -> None:
                        {p: [r["hit_rate"]["median"], r["ttft_p50_ms"]["median"], r["ttft_p99_ms"]["median"]]
                         for p, r in by.items()},
                        ["cached / prompt tokens", "ms", "ms"])
-    print(json.dumps(report, indent=2))
+    write_report(report, args.json_out)
 
 
 if __name__ == "__main__":
