@@ -37,7 +37,8 @@ absolute TTFTs include that contention alike for every policy.
 With ``--kv-host-bytes`` every replica keeps a host KV tier behind its pool, and
 ``--variants`` compares runs of one policy with different scheduler flags, e.g. placement
 that prices host-tier blocks as copies against placement blind to them (a host block
-costed as a miss): ``--variants 'tier-aware=kv;tier-blind=kv --host-block-cost 1'``.
+costed as a miss): ``--variants 'tier-aware=kv;tier-blind=kv --host-block-cost 1'``; a
+variant's own ``--kv-host-bytes N`` sets its host tier (``no-tiers=kv --kv-host-bytes 0``).
 """
 
 from __future__ import annotations
@@ -85,9 +86,13 @@ def repeat_hit_share(requests: list[workload.BenchRequest], results, prefix_len:
 
 
 def run_policy(model_dir: Path, policy: str, requests, seed: int, args, extra: tuple[str, ...] = ()) -> dict:
+    host_bytes = args.kv_host_bytes
+    if "--kv-host-bytes" in extra:  # the variant's own host tier, not a scheduler flag
+        at = extra.index("--kv-host-bytes")
+        host_bytes, extra = int(extra[at + 1]), extra[:at] + extra[at + 2:]
     spec = ClusterSpec(model_dir, num_prefill=0, num_decode=0, num_both=args.replicas, dtype=args.dtype,
                        num_kv_blocks=args.kv_blocks_per_worker, threads_per_worker=1, pin_cores=True,
-                       kv_host_bytes=args.kv_host_bytes,
+                       kv_host_bytes=host_bytes,
                        scheduler_args=("--policy", policy, "--seed", str(seed), *args.scheduler_args.split(),
                                        *extra))
     cluster = Cluster(spec, new_log_dir())
@@ -128,7 +133,7 @@ def main() -> None:
     ap.add_argument("--variants", default="",
                     help="runs of one policy with more scheduler flags, each under its own name: "
                          "'NAME=POLICY FLAGS;NAME=POLICY FLAGS' (e.g. 'tier-blind=kv --host-block-cost 1'), "
-                         "in place of --policies")
+                         "in place of --policies; --kv-host-bytes N among the flags sets that run's host tier")
     ap.add_argument("--json-out", default=None, help="also write the report here (with the commit)")
     add_dtype_argument(ap)
     args = ap.parse_args()
