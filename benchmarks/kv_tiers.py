@@ -149,7 +149,7 @@ def bandwidth(model_dir, args, blocks: int = 64, reps: int = 10) -> dict:
             times.append(time.perf_counter() - start)
         return nbytes / median(times) / 1e9
     out = {"bytes": nbytes, "plain_copy_gb_s": timed(lambda: dst.copy_(src)),
-           "promote_gb_s": timed(lambda: runner.write_blocks(ids, host.take(hashes))),
+           "promote_gb_s": timed(lambda: runner.write_blocks(ids, host.take(hashes, copy=False))),
            "demote_gb_s": timed(lambda: host.put(fresh(), runner.read_blocks(ids)))}
     disk = engine.kv.disk
     if disk is not None:  # a write is queued, then made; a read of blocks just written comes from the page cache

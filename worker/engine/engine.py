@@ -142,13 +142,17 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        self._demote()
+        leaving = self._leaving()
         if not batch.sequences:
+            self._demote(leaving)
             if self.kv.tiers is not None and self.kv.tiers.fetches:  # nothing to run until a prefix is read
                 self.kv.tiers.wait_for_reads(0.05)
             return []
         started = time.time_ns()
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        finally:  # after the step: its promotions read the host tier's slots in place
+            self._demote(leaving)
         ended = time.time_ns()
         for scheduled in batch.sequences:  # each prompt chunk's place in the request's timeline
             seq = scheduled.sequence
@@ -213,17 +217,21 @@ class Engine:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"disk tier: {exc}") from None
 
-    def _demote(self) -> None:
-        """Copy the cached blocks this step's schedule took for reuse into the host tier,
-        before the step overwrites them."""
+    def _leaving(self) -> tuple[list[bytes], torch.Tensor] | None:
+        """The cached blocks this step's schedule took for reuse that go to the tiers: their
+        hashes and KV, read before the step overwrites them."""
         tiers = self.kv.tiers
         if tiers is None:
-            return
+            return None
         tiers.poll_disk()
         evicted = self.kv.take_evictions()
-        if evicted:
-            data = self.runner.read_blocks([block_id for block_id, _ in evicted])
-            tiers.demote([h for _, h in evicted], data.to("cpu"))
+        if not evicted:
+            return None
+        return [h for _, h in evicted], self.runner.read_blocks([block_id for block_id, _ in evicted]).to("cpu")
+
+    def _demote(self, leaving: tuple[list[bytes], torch.Tensor] | None) -> None:
+        if leaving is not None:
+            self.kv.tiers.demote(*leaving)
 
     def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """The prompt as token ids, or InvalidRequest naming what to fix. Reads only

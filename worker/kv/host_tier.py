@@ -81,16 +81,18 @@ class HostTier(HashSlots):
             self.num_stored += len(taken)
         return [h for h in overflow if h not in self.slots] + [h for h, _ in gone]
 
-    def take(self, hashes: Sequence[BlockHash]) -> torch.Tensor:
-        """A copy of held blocks, ``[layers, 2, len(hashes), ...]``; each becomes the most
-        recently used."""
+    def take(self, hashes: Sequence[BlockHash], copy: bool = True) -> torch.Tensor:
+        """Held blocks, ``[layers, 2, len(hashes), ...]``; each becomes the most recently
+        used. Without ``copy``, blocks in consecutive slots come as a view of the tier's
+        memory, valid until the next ``put`` (the engine's step reads it first)."""
         slots = []
         for h in hashes:
             slots.append(self.slots[h])
             self.slots.move_to_end(h)
         self.num_promoted += len(slots)
         if _consecutive(slots):
-            return self.data.narrow(2, slots[0], len(slots)).clone()
+            run = self.data.narrow(2, slots[0], len(slots))
+            return run.clone() if copy else run
         return self.data.index_select(2, torch.tensor(slots, dtype=torch.long))
 
     def clear(self) -> None:

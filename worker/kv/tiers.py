@@ -70,7 +70,9 @@ class KVTiers:
         staged_hashes, staged_kv = self.staged.pop(seq.seq_id, ([], None))
         at = {h: k for k, h in enumerate(staged_hashes)}
         from_host = [h for h in hashes if h not in at]
-        host = self.host.take(from_host) if from_host else None
+        # a view where it can be: the step writes it into the pool before any demotion reuses
+        # those slots (the engine demotes after the step)
+        host = self.host.take(from_host, copy=False) if from_host else None
         if not at:
             return host
         if hashes == staged_hashes[:len(hashes)]:  # the usual case: all of it read from disk, in order
