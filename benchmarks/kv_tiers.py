@@ -150,7 +150,9 @@ def bandwidth(model_dir, args, blocks: int = 64, reps: int = 10) -> dict:
         return nbytes / median(times) / 1e9
     out = {"bytes": nbytes, "plain_copy_gb_s": timed(lambda: dst.copy_(src)),
            "promote_gb_s": timed(lambda: runner.write_blocks(ids, host.take(hashes, copy=False))),
-           "demote_gb_s": timed(lambda: host.put(fresh(), runner.read_blocks(ids)))}
+           "demote_gb_s": timed(lambda: host.put(fresh(), runner.read_blocks(ids))),
+           # the pool frees a request's blocks tail first: evictions come in descending order
+           "demote_scattered_gb_s": timed(lambda: host.put(fresh(), runner.read_blocks(ids[::-1])))}
     disk = engine.kv.disk
     if disk is not None:  # a write is queued, then made; a read of blocks just written comes from the page cache
         def write():
@@ -212,7 +214,7 @@ def main() -> None:
         for c in copies:
             print("bandwidth: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()), flush=True)
         summary["bandwidth"] = {k: spread([c[k] for c in copies]) for k in copies[0]}
-        for way in ("promote", "demote"):
+        for way in ("promote", "demote", "demote_scattered"):
             summary["bandwidth"][f"{way}_over_plain_copy"] = spread([c[f"{way}_gb_s"] / c["plain_copy_gb_s"]
                                                                      for c in copies])
     for name, by_tier in results.items():

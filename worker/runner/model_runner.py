@@ -142,7 +142,15 @@ class ModelRunner:
         whole; the peers get None."""
         if self.group is not None:
             self._in_group(self.group.read_kv, block_ids)
-        local = torch.stack([_blocks_of(cache, block_ids) for cache in self.kv_caches])
+        first = self.kv_caches[0]
+        local = first.new_empty((len(self.kv_caches), first.shape[0], len(block_ids), *first.shape[2:]))
+        run = _run_start(block_ids)  # each layer's blocks gathered straight into the result: one copy
+        index = None if run is not None else torch.tensor(block_ids, dtype=torch.long, device=first.device)
+        for cache, out in zip(self.kv_caches, local):
+            if run is not None:
+                out.copy_(cache.narrow(1, run, len(block_ids)))
+            else:
+                torch.index_select(cache, 1, index, out=out)
         cfg = self.model.cfg
         return self._in_group(kv_shards.gather, local, get_parallel_state(), cfg.num_layers, cfg.num_kv_heads)
 
@@ -213,10 +221,3 @@ def _run_start(block_ids: list[int]) -> int | None:
     if block_ids and all(b - a == 1 for a, b in zip(block_ids, block_ids[1:])):
         return block_ids[0]
     return None
-
-
-def _blocks_of(cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    run = _run_start(block_ids)
-    if run is not None:
-        return cache.narrow(1, run, len(block_ids))
-    return cache.index_select(1, torch.tensor(block_ids, dtype=torch.long, device=cache.device))
