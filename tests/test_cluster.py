@@ -5,6 +5,7 @@ prefill and a decode worker, and the router, started by the same launcher as
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import grpc
 import pytest
@@ -71,12 +72,17 @@ async def test_cancel_mid_stream_aborts_on_the_worker_and_frees_its_kv(cluster):
     await wait_idle(cluster)
 
 
+_RUNS = itertools.count()
+
+
 async def test_a_shared_prefix_is_placed_on_the_decode_worker_that_caches_it(cluster):
     """Two decode workers: the KV-aware policy sends every request sharing a prefix to the
     one that holds it (round robin or random would not), and prefills an uncached long
     prompt on the prefill worker."""
     decoders = {f"decode@{cluster.addresses[n]}": n for n in ("decode-0", "decode-1")}
-    prompt = make_prompts([70], seed=43)[0]  # 4 full blocks of 16, none cached anywhere
+    # 4 full blocks of 16, none cached anywhere: a new prompt for each run of the test (a rerun
+    # shares the module's cluster, where the last run's prompt is cached)
+    prompt = make_prompts([70], seed=43 + 1000 * next(_RUNS))[0]
     before = await scheduler_stats(cluster)
     out = await complete(cluster, token_ids=prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
     first = await scheduler_stats(cluster)
