@@ -202,18 +202,21 @@ class Engine:
         num_blocks = self.config.host_tier_blocks(self.model_config)
         if not num_blocks:
             return None
+        return HostTier(num_blocks, self._tier_block_shape(), self.config.dtype,
+                        pin=self.config.device.startswith("cuda"))
+
+    def _tier_block_shape(self) -> tuple[int, ...]:
+        """One block in the tiers' (and the handoff's) layout: every layer and KV head."""
         cfg = self.model_config
-        shape = (cfg.num_layers, 2, cfg.num_kv_heads, self.config.block_size * cfg.head_dim)
-        return HostTier(num_blocks, shape, self.config.dtype, pin=self.config.device.startswith("cuda"))
+        return cfg.num_layers, 2, cfg.num_kv_heads, self.config.block_size * cfg.head_dim
 
     def _disk_tier(self, model_dir: str | Path) -> DiskTier | None:
         num_blocks = self.config.disk_tier_blocks(self.model_config)
         if not num_blocks:
             return None
-        cfg = self.model_config
-        shape = (cfg.num_layers, 2, cfg.num_kv_heads, self.config.block_size * cfg.head_dim)
         try:
-            return DiskTier(self.config.kv_disk_dir, num_blocks, shape, self.config.dtype, model_identity(model_dir))
+            return DiskTier(self.config.kv_disk_dir, num_blocks, self._tier_block_shape(), self.config.dtype,
+                            model_identity(model_dir))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"disk tier: {exc}") from None
 

@@ -91,13 +91,11 @@ class DiskTier(HashSlots):
         self.identity = json.dumps({"model": identity, "dtype": str(dtype).removeprefix("torch."),
                                     "block_shape": list(self.block_shape), "num_blocks": num_blocks},
                                    sort_keys=True).encode()
-        super().__init__()
-        self.free: list[int] = []
+        super().__init__(num_blocks)
         self._use = 0  # last-use numbers: the order of the LRU across restarts
         self.num_stored = 0  # blocks written
         self.num_loaded = 0  # blocks read back
         self.num_corrupt = 0  # blocks refused by their checksum
-        self.num_dropped = 0  # blocks pushed out (least recently used)
         self.num_write_dropped = 0  # writes not made: the queue was full (a slow disk)
         self.num_restored = self._open()
         self._pending = 0  # writes queued, not yet made
@@ -122,13 +120,9 @@ class DiskTier(HashSlots):
             if bounded and self._pending >= self.max_pending:
                 self.num_write_dropped += len(hashes) - k
                 break
-            if self.free:
-                slot = self.free.pop()
-            else:
-                old, slot = self.slots.popitem(last=False)
-                dropped.append(old)
-                self.num_dropped += 1
-            self.slots[h] = slot
+            slot, pushed = self.claim(h)
+            if pushed is not None:
+                dropped.append(pushed)
             self._use += 1
             with self._lock:
                 self._pending += 1
@@ -172,8 +166,7 @@ class DiskTier(HashSlots):
 
     def clear(self) -> None:
         self._jobs.put(("clear",))
-        self.slots.clear()
-        self.free = list(range(self.num_blocks - 1, -1, -1))
+        super().clear()
 
     @property
     def closed(self) -> bool:
@@ -209,7 +202,6 @@ class DiskTier(HashSlots):
             raise ValueError("disk tier identity too long for its header")
         os.pwrite(self.fd, MAGIC + struct.pack("<II", VERSION, len(self.identity)) + self.identity, 0)
         os.pwrite(self.fd, bytes(self.blocks_at - self.records_at), self.records_at)
-        self.free = list(range(self.num_blocks - 1, -1, -1))
         return 0
 
     def _index(self) -> int:

@@ -30,11 +30,9 @@ class HostTier(HashSlots):
         # out as one copy, never a copy per block; zeros, not empty: every page is touched now,
         # not by the first demotions into it
         self.data = torch.zeros((layers, kv, num_blocks, *rest), dtype=dtype, pin_memory=pin)
-        super().__init__()
-        self.free = list(range(num_blocks - 1, -1, -1))
+        super().__init__(num_blocks)
         self.num_stored = 0  # blocks demoted into the tier
         self.num_promoted = 0  # blocks copied back into the pool
-        self.num_dropped = 0  # blocks pushed out of the tier (least recently used)
 
     @property
     def num_blocks(self) -> int:
@@ -59,13 +57,9 @@ class HostTier(HashSlots):
             if h in self.slots:
                 self.slots.move_to_end(h)
                 continue
-            if self.free:
-                slot = self.free.pop()
-            else:
-                old, slot = self.slots.popitem(last=False)
-                dropped.append(old)
-                self.num_dropped += 1
-            self.slots[h] = slot
+            slot, pushed = self.claim(h)
+            if pushed is not None:
+                dropped.append(pushed)
             taken.append(slot)
             sources.append(k)
         gone = [(h, slot) for h, slot in zip(dropped, taken[len(taken) - len(dropped):]) if h not in self.slots]
@@ -95,9 +89,6 @@ class HostTier(HashSlots):
             return run.clone() if copy else run
         return self.data.index_select(2, torch.tensor(slots, dtype=torch.long))
 
-    def clear(self) -> None:
-        self.free = list(range(self.num_blocks - 1, -1, -1))
-        self.slots.clear()
 
 
 def _consecutive(slots: list[int]) -> bool:

@@ -1,5 +1,6 @@
 """What the tiers behind the pool share: an index of block hash -> slot, least recently
-used first (``HostTier`` and ``DiskTier`` keep their blocks in numbered slots)."""
+used first, and the free slots (``HostTier`` and ``DiskTier`` keep their blocks in
+numbered slots)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,23 @@ from kervan.block_hash import BlockHash
 
 
 class HashSlots:
-    def __init__(self) -> None:
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
         self.slots: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
+        self.free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self.num_dropped = 0  # blocks pushed out (least recently used)
+
+    def claim(self, block_hash: BlockHash) -> tuple[int, BlockHash | None]:
+        """A slot for a block not held: a free one, else the least recently used block's
+        (pushed out, and returned with it)."""
+        pushed = None
+        if self.free:
+            slot = self.free.pop()
+        else:
+            pushed, slot = self.slots.popitem(last=False)
+            self.num_dropped += 1
+        self.slots[block_hash] = slot
+        return slot, pushed
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -27,3 +43,8 @@ class HashSlots:
                 break
             n += 1
         return n
+
+    def clear(self) -> None:
+        """Forget every block: all slots free."""
+        self.slots.clear()
+        self.free = list(range(self.num_slots - 1, -1, -1))
