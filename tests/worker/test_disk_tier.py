@@ -154,6 +154,8 @@ def test_an_evicted_prefix_comes_back_from_disk_with_the_same_tokens(hf_models, 
         assert again.outputs[0].token_ids == before.outputs[0].token_ids == hf_greedy(hf, first, 6)
         stats = engine.stats()
         assert stats.num_disk_loaded >= 8 and stats.num_disk_blocks > 0 and stats.num_disk_corrupt == 0
+        if write == "through":  # every block the host tier holds went to disk as it was demoted
+            assert set(engine.kv.host.slots) <= set(engine.kv.disk.slots)
         assert_idle(engine)
     finally:
         engine.close()

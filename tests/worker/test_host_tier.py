@@ -16,7 +16,7 @@ from worker.config import ConfigError
 from worker.kv.host_tier import HostTier
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-HOST_BYTES = 256 << 10  # 256 blocks of the tiny llama's 1 KiB (float32, block size 4)
+HOST_BYTES = 256 << 10  # 128 blocks of the tiny llama's 2 KiB (float32, block size 4)
 
 
 def test_the_tier_keeps_the_most_recently_used_blocks():
@@ -134,4 +134,24 @@ def test_the_reuse_gate_keeps_one_off_prompts_out_of_the_tier_and_lets_preempted
     preempting.generate(make_prompts([20, 19, 21, 18], seed=11), SamplingParams(max_tokens=10, temperature=0,
                                                                                 ignore_eos=True))
     assert preempting.stats().num_preemptions > 0 and preempting.kv.host.num_promoted > 0
+    assert_idle(engine)
+
+
+def test_a_prefix_promoted_in_the_step_whose_demotions_fill_the_tier_keeps_its_kv(hf_models):
+    """A host tier of 10 blocks holding a 40-token prefix: admitting it again takes pool blocks
+    that still cache another prompt, whose 12 blocks are demoted into the same tier in the same
+    step, reusing the promoted blocks' slots: the prefix reaches the pool whole, with the first
+    run's tokens. (Here the tier got the prefix in eviction order, its slots descending, so the
+    promotion copies rather than reads in place; this test holds the case, not the view.)"""
+    hf, path = hf_models("llama")
+    first, second, third = make_prompts([41, 40, 40], seed=66)
+    engine = make_engine(path, num_kv_blocks=24, kv_host_bytes=20 << 10)  # 10 blocks of 2 KiB
+    assert engine.kv.host.num_blocks == 10
+    [before] = engine.generate([first], GREEDY)  # 12 blocks of the 24
+    engine.generate([second], GREEDY)  # the 12 never used
+    engine.generate([third], GREEDY)  # the first's: its prompt's 10 blocks go to the tier
+    assert engine.kv.host.leading(_sequence(engine, first).block_hashes) == 10
+    [again] = engine.generate([first], GREEDY)  # back from the tier; the second's 12 blocks demoted
+    assert again.num_cached_tokens == 40
+    assert again.outputs[0].token_ids == before.outputs[0].token_ids == hf_greedy(hf, first, 6)
     assert_idle(engine)
