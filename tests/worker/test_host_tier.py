@@ -141,8 +141,9 @@ def test_a_prefix_promoted_in_the_step_whose_demotions_fill_the_tier_keeps_its_k
     """A host tier of 10 blocks holding a 40-token prefix: admitting it again takes pool blocks
     that still cache another prompt, whose 12 blocks are demoted into the same tier in the same
     step, reusing the promoted blocks' slots: the prefix reaches the pool whole, with the first
-    run's tokens. (Here the tier got the prefix in eviction order, its slots descending, so the
-    promotion copies rather than reads in place; this test holds the case, not the view.)"""
+    run's tokens. The prefix is promoted from a view of the tier's slots (one run: the tier
+    gives a prefix ascending slots), lent until the step's demotions, which must not take
+    those slots: without the loan this test gets another prompt's KV."""
     hf, path = hf_models("llama")
     first, second, third = make_prompts([41, 40, 40], seed=66)
     engine = make_engine(path, num_kv_blocks=24, kv_host_bytes=20 << 10)  # 10 blocks of 2 KiB
@@ -155,3 +156,42 @@ def test_a_prefix_promoted_in_the_step_whose_demotions_fill_the_tier_keeps_its_k
     assert again.num_cached_tokens == 40
     assert again.outputs[0].token_ids == before.outputs[0].token_ids == hf_greedy(hf, first, 6)
     assert_idle(engine)
+
+
+def test_blocks_demoted_tail_first_get_their_prefix_in_ascending_slots():
+    """Eviction order (each request tail first) is the LRU order, but a prefix's slots
+    ascend, so its promotion is one view of the tier's memory, not a gather."""
+    tier = HostTier(8, (1, 2, 1, 4), torch.float32)
+    evicted = [b"a3", b"a2", b"a1", b"a0", b"b1", b"b0"]  # two requests freed, a first
+    data = torch.arange(6.0).reshape(1, 1, 6, 1, 1).expand(1, 2, 6, 1, 4).contiguous()
+    assert tier.put(evicted, data) == []
+    assert list(tier.slots) == evicted  # a3 goes first
+    assert [tier.slots[h] for h in (b"b0", b"b1", b"a0", b"a1", b"a2", b"a3")] == [0, 1, 2, 3, 4, 5]
+    [run] = tier.take_runs([b"a0", b"a1", b"a2", b"a3"])
+    assert run.data_ptr() == tier.data[:, :, 2].data_ptr()  # a view, in place
+    assert run[0, 0, :, 0, 0].tolist() == [3.0, 2.0, 1.0, 0.0]  # each block its own KV
+    parts = tier.take_runs([b"b0", b"b1", b"a0", b"a2"])
+    assert [p.shape[2] for p in parts] == [3, 1]
+
+
+def test_a_store_writes_straight_into_the_slots_and_never_reuses_a_lent_one():
+    """``store`` hands ``fill`` views of the slots themselves; blocks lent this step (a
+    promotion reading them in place) are never pushed out: the batch spills its first
+    blocks instead."""
+    tier = HostTier(3, (1, 2, 1, 4), torch.float32)
+    tier.put([b"x", b"y", b"z"], torch.zeros(1, 2, 3, 1, 4))
+    tier.take_runs([b"x"])  # lent: moved to the back of the LRU order
+    filled, spilled = [], []
+
+    def fill(positions, out):
+        start = tier.data.data_ptr()
+        in_tier = start <= out.data_ptr() < start + tier.data.numel() * tier.data.element_size()
+        filled.append((positions, in_tier))
+        out.fill_(7.0)
+    dropped = tier.store([b"p", b"q", b"r"], fill, lambda hashes, kv: spilled.append(hashes), lent={b"x"})
+    assert b"x" in tier and set(tier.slots) == {b"x", b"q", b"r"}
+    assert dropped == [b"p", b"y", b"z"] and spilled == [[b"p"], [b"y", b"z"]]
+    # p, the first, spills from a temporary; q and r are written into their slots, r first (prefix order)
+    assert filled == [([0], False), ([2, 1], True)]
+    assert tier.take([b"q", b"r"])[0, 0, :, 0, 0].tolist() == [7.0, 7.0]
+    assert tier.take([b"x"])[0, 0, 0, 0, 0] == 0.0

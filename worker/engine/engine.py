@@ -142,17 +142,13 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        leaving = self._leaving()
+        self._demote()
         if not batch.sequences:
-            self._demote(leaving)
             if self.kv.tiers is not None and self.kv.tiers.fetches:  # nothing to run until a prefix is read
                 self.kv.tiers.wait_for_reads(0.05)
             return []
         started = time.time_ns()
-        try:
-            result = self.runner.execute(batch)
-        finally:  # after the step: its promotions read the host tier's slots in place
-            self._demote(leaving)
+        result = self.runner.execute(batch)
         ended = time.time_ns()
         for scheduled in batch.sequences:  # each prompt chunk's place in the request's timeline
             seq = scheduled.sequence
@@ -220,21 +216,17 @@ class Engine:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"disk tier: {exc}") from None
 
-    def _leaving(self) -> tuple[list[bytes], torch.Tensor] | None:
-        """The cached blocks this step's schedule took for reuse that go to the tiers: their
-        hashes and KV, read before the step overwrites them."""
+    def _demote(self) -> None:
+        """The cached blocks this step's schedule took for reuse that go to the tiers, read
+        straight into the host tier's slots before the step overwrites them."""
         tiers = self.kv.tiers
         if tiers is None:
-            return None
+            return
         tiers.poll_disk()
         evicted = self.kv.take_evictions()
-        if not evicted:
-            return None
-        return [h for _, h in evicted], self.runner.read_blocks([block_id for block_id, _ in evicted]).to("cpu")
-
-    def _demote(self, leaving: tuple[list[bytes], torch.Tensor] | None) -> None:
-        if leaving is not None:
-            self.kv.tiers.demote(*leaving)
+        ids = [block_id for block_id, _ in evicted]
+        tiers.demote([h for _, h in evicted],
+                     lambda positions, out: self.runner.read_blocks([ids[p] for p in positions], out=out))
 
     def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """The prompt as token ids, or InvalidRequest naming what to fix. Reads only

@@ -124,7 +124,9 @@ class StepScheduler:
                 if promoted:
                     first = len(hit.blocks)
                     blocks = self.kv.get_block_ids(req.seq_id)[first:first + len(promoted)]
-                    writes.append(KVWrite(blocks, tiers.take(req, promoted)))
+                    for part in tiers.take(req, promoted):  # runs of the tiers' slots, copied in place
+                        writes.append(KVWrite(blocks[:part.shape[2]], part))
+                        blocks = blocks[part.shape[2]:]
             n = min(req.num_tokens - start, budget)
             self.waiting.popleft()
             req.status = SequenceStatus.RUNNING

@@ -9,16 +9,30 @@ into the pool stays here too, so its next eviction costs nothing to demote.
 
 Each slot holds one block in the handoff's layout, every layer and KV head:
 ``[layers, 2, kv_heads, block_size * head_dim]``; ``take`` gives a run of them as
-``[layers, 2, n, kv_heads, block_size * head_dim]``, what ``KVWrite`` places."""
+``[layers, 2, n, kv_heads, block_size * head_dim]``, what ``KVWrite`` places.
+
+Blocks arrive in eviction order, a request's tail first (``KVCacheManager.free``), and
+that is their LRU order here too: a prefix loses its tail before its head. Their slots
+are handed out the other way round, a prefix in ascending slots, so that a prefix
+promoted later is one run of slots, copied into the pool from a view of the tier:
+
+    evicted     A3 A2 A1 A0 B1 B0        (two requests, each tail first)
+    LRU order   A3 A2 A1 A0 B1 B0        (A3 pushed out first)
+    slots       5  4  3  2  1  0         B0 B1 | A0 A1 A2 A3 ascending"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
 from kervan.block_hash import BlockHash
-from worker.kv.slots import HashSlots
+from worker.kv.slots import HashSlots, consecutive_runs
+
+# fill(positions, out): write the blocks at ``positions`` of a put's hashes into ``out``,
+# ``[layers, 2, len(positions), ...]`` (a view of the tier's slots)
+BlockFill = Callable[[list[int], torch.Tensor], None]
+Spill = Callable[[list[BlockHash], torch.Tensor], None]
 
 
 class HostTier(HashSlots):
@@ -38,58 +52,79 @@ class HostTier(HashSlots):
     def num_blocks(self) -> int:
         return self.data.shape[2]
 
-    def put(self, hashes: Sequence[BlockHash], data: torch.Tensor,
-            spill: Callable[[list[BlockHash], torch.Tensor], None] | None = None) -> list[BlockHash]:
-        """Store blocks (``data``: ``[layers, 2, len(hashes), ...]``), pushing out the least
-        recently used when full; returns the hashes pushed out. A hash already held is only
-        refreshed (same content). ``spill`` gets the pushed-out blocks and a copy of their KV
-        before their slots are overwritten (the next tier down)."""
-        overflow: list[BlockHash] = []
-        if len(hashes) > self.num_blocks:  # more than it holds: the last ones stay, the first go on
-            extra = len(hashes) - self.num_blocks
-            keep = [k for k, h in enumerate(hashes[:extra]) if h not in self.slots]
-            overflow = [hashes[k] for k in keep]
-            if overflow and spill is not None:
-                spill(overflow, data[:, :, keep])
-            hashes, data = hashes[extra:], data[:, :, extra:]
-        dropped, taken, sources = [], [], []
-        for k, h in enumerate(hashes):
-            if h in self.slots:
-                self.slots.move_to_end(h)
-                continue
-            slot, pushed = self.claim(h)
+    def put(self, hashes: Sequence[BlockHash], data: torch.Tensor, spill: Spill | None = None) -> list[BlockHash]:
+        """``store`` from a tensor, ``[layers, 2, len(hashes), ...]``."""
+        def fill(positions: list[int], out: torch.Tensor) -> None:
+            torch.index_select(data, 2, torch.tensor(positions, dtype=torch.long), out=out)
+        return self.store(hashes, fill, spill)
+
+    def store(self, hashes: Sequence[BlockHash], fill: BlockFill, spill: Spill | None = None,
+              lent: Collection[BlockHash] = ()) -> list[BlockHash]:
+        """Store blocks, given in eviction order, pushing out the least recently used when
+        full; returns the hashes pushed out. ``fill`` writes the new blocks straight into
+        their slots (one copy from the pool). A hash already held is only refreshed (same
+        content). ``spill`` gets the pushed-out blocks and a copy of their KV before their
+        slots are overwritten (the next tier down). ``lent``: held blocks whose slots a
+        copy still reads (``take`` without copy, this step): never pushed out, so a batch
+        larger than the rest of the tier keeps its last blocks and spills the first."""
+        refreshed = [h for h in hashes if h in self.slots]
+        for h in refreshed:
+            self.slots.move_to_end(h)
+        new = [k for k, h in enumerate(hashes) if h not in self.slots]
+        # the slots that may be claimed: the free ones, then the held ones before the refreshed and
+        # the lent, which now sit at the back of the LRU order
+        room = self.num_blocks - len(set(refreshed).union(lent))
+        overflow, new = new[:max(0, len(new) - room)], new[max(0, len(new) - room):]
+        if overflow and spill is not None:
+            spill([hashes[k] for k in overflow], self._filled(overflow, fill))
+        claimed, gone = [], []
+        for k in new:
+            slot, pushed = self.claim(hashes[k])
+            claimed.append(slot)
             if pushed is not None:
-                dropped.append(pushed)
-            taken.append(slot)
-            sources.append(k)
-        gone = [(h, slot) for h, slot in zip(dropped, taken[len(taken) - len(dropped):]) if h not in self.slots]
-        if gone and spill is not None:  # once the free slots ran out, each new block took a dropped one's slot
+                gone.append((pushed, slot))
+        if gone and spill is not None:  # read before any slot is written
             spill([h for h, _ in gone], self.data.index_select(2, torch.tensor([s for _, s in gone])))
-        if taken:
-            if len(sources) < len(hashes):
-                data = data.index_select(2, torch.tensor(sources, dtype=torch.long))
-            if _consecutive(taken):  # one plain copy (a fresh tier hands out runs)
-                self.data.narrow(2, taken[0], len(taken)).copy_(data)
-            else:
-                self.data.index_copy_(2, torch.tensor(taken, dtype=torch.long), data)
-            self.num_stored += len(taken)
-        return [h for h in overflow if h not in self.slots] + [h for h, _ in gone]
+        # a prefix in ascending slots: the new blocks in prefix order (eviction order reversed)
+        slots = sorted(claimed)
+        for k, slot in zip(reversed(new), slots):
+            self.slots[hashes[k]] = slot
+        order = list(reversed(new))
+        for start, n in consecutive_runs(slots):
+            fill(order[start:start + n], self.data.narrow(2, slots[start], n))
+        self.num_stored += len(new)
+        return [hashes[k] for k in overflow] + [h for h, _ in gone]
+
+    def _filled(self, positions: list[int], fill: BlockFill) -> torch.Tensor:
+        out = self.data.new_empty((*self.data.shape[:2], len(positions), *self.data.shape[3:]))
+        fill(positions, out)
+        return out
 
     def take(self, hashes: Sequence[BlockHash], copy: bool = True) -> torch.Tensor:
         """Held blocks, ``[layers, 2, len(hashes), ...]``; each becomes the most recently
         used. Without ``copy``, blocks in consecutive slots come as a view of the tier's
-        memory, valid until the next ``put`` (the engine's step reads it first)."""
+        memory, valid until the next ``store`` that does not count them ``lent``."""
+        if copy:
+            return self.data.index_select(2, torch.tensor(self._touch(hashes), dtype=torch.long))
+        parts = self.take_runs(hashes)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    def take_runs(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor]:
+        """Held blocks as views of the tier's memory, one per run of consecutive slots, in
+        the order of ``hashes`` (each ``[layers, 2, run, ...]``); each becomes the most
+        recently used."""
+        slots = self._touch(hashes)
+        return [self.data.narrow(2, slots[start], n) for start, n in consecutive_runs(slots)]
+
+    def view(self, hashes: Sequence[BlockHash]) -> torch.Tensor:
+        """Held blocks, ``[layers, 2, len(hashes), ...]``, leaving their LRU order as it is."""
+        return self.data.index_select(2, torch.tensor([self.slots[h] for h in hashes], dtype=torch.long))
+
+    def _touch(self, hashes: Sequence[BlockHash]) -> list[int]:
         slots = []
         for h in hashes:
             slots.append(self.slots[h])
             self.slots.move_to_end(h)
         self.num_promoted += len(slots)
-        if _consecutive(slots):
-            run = self.data.narrow(2, slots[0], len(slots))
-            return run.clone() if copy else run
-        return self.data.index_select(2, torch.tensor(slots, dtype=torch.long))
+        return slots
 
-
-
-def _consecutive(slots: list[int]) -> bool:
-    return all(b - a == 1 for a, b in zip(slots, slots[1:]))

@@ -48,3 +48,15 @@ class HashSlots:
         """Forget every block: all slots free."""
         self.slots.clear()
         self.free = list(range(self.num_slots - 1, -1, -1))
+
+
+def consecutive_runs(values: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, length) of each run of consecutive ascending values, in order:
+    ``[4, 5, 6, 2, 3]`` -> ``[(0, 3), (3, 2)]``."""
+    runs: list[tuple[int, int]] = []
+    for k, value in enumerate(values):
+        if runs and value == values[k - 1] + 1:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((k, 1))
+    return runs

@@ -13,6 +13,7 @@ prefix is being read waits in the queue (``awaiting_disk``) while others run."""
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent import futures
@@ -24,7 +25,8 @@ from kervan.kv_events import MEDIUM_DISK, MEDIUM_HOST
 from worker.engine.sequence import Sequence
 from worker.kv.block_pool import BlockPool
 from worker.kv.disk_tier import DiskTier
-from worker.kv.host_tier import HostTier
+from worker.kv.host_tier import BlockFill, HostTier
+from worker.kv.slots import consecutive_runs
 
 
 class KVTiers:
@@ -47,6 +49,7 @@ class KVTiers:
         self.fetches: dict[str, futures.Future] = {}  # sequence id -> its prefix's blocks being read from disk
         # sequence id -> the blocks read from disk for it: their hashes, their KV [layers, 2, n, ...]
         self.staged: dict[str, tuple[list[BlockHash], torch.Tensor]] = {}
+        self.lent: set[BlockHash] = set()  # host blocks ``take`` handed out as views this step
         if disk is not None and len(disk):  # found again at start: the registry hears of them first
             pool.announce_tier(list(disk.slots), [], MEDIUM_DISK)
 
@@ -64,27 +67,23 @@ class KVTiers:
             n += 1
         return seq.block_hashes[num_hit_blocks:num_hit_blocks + n]
 
-    def take(self, seq: Sequence, hashes: list[BlockHash]) -> torch.Tensor:
-        """The KV of ``prefix``'s blocks, ``[layers, 2, len(hashes), ...]``: what was read
-        from disk for the sequence, the rest from the host tier."""
+    def take(self, seq: Sequence, hashes: list[BlockHash]) -> list[torch.Tensor]:
+        """The KV of ``prefix``'s blocks, in parts whose concatenation along dim 2 is
+        ``[layers, 2, len(hashes), ...]``: runs of what was read from disk for the sequence,
+        and views of the host tier's slots, lent until this step's ``demote`` (the step
+        writes them into the pool before any later demotion can reuse those slots)."""
         staged_hashes, staged_kv = self.staged.pop(seq.seq_id, ([], None))
         at = {h: k for k, h in enumerate(staged_hashes)}
-        from_host = [h for h in hashes if h not in at]
-        # a view where it can be: the step writes it into the pool before any demotion reuses
-        # those slots (the engine demotes after the step)
-        host = self.host.take(from_host, copy=False) if from_host else None
-        if not at:
-            return host
-        if hashes == staged_hashes[:len(hashes)]:  # the usual case: all of it read from disk, in order
-            return staged_kv.narrow(2, 0, len(hashes))
-        parts, k = [], 0
-        for h in hashes:
-            if h in at:
-                parts.append(staged_kv[:, :, at[h]:at[h] + 1])
+        parts: list[torch.Tensor] = []
+        for from_disk, group in itertools.groupby(hashes, key=lambda h: h in at):
+            group = list(group)
+            if from_disk:
+                positions = [at[h] for h in group]
+                parts += [staged_kv.narrow(2, positions[k], n) for k, n in consecutive_runs(positions)]
             else:
-                parts.append(host[:, :, k:k + 1])
-                k += 1
-        return torch.cat(parts, dim=2)
+                self.lent.update(group)
+                parts += self.host.take_runs(group)
+        return parts
 
     def awaiting_disk(self, seq: Sequence, num_hit_blocks: int) -> bool:
         """Whether the sequence's prefix, after the pool's hit, has blocks only the disk tier
@@ -139,19 +138,23 @@ class KVTiers:
         while len(self.uses) > self.max_tracked:
             self.uses.popitem(last=False)
 
-    def demote(self, hashes: list[BlockHash], data: torch.Tensor) -> None:
-        """Blocks leaving the pool, into the host tier (``data``: their KV, read before the
-        step that reuses them), announced as the host tier's; what the host tier pushes out
-        goes on to the disk tier, if any."""
-        if self.disk is not None and self.write_through:
-            self._to_disk(hashes, data)
-        self._to_host(hashes, data)
-
-    def _to_host(self, hashes: list[BlockHash], data: torch.Tensor) -> None:
+    def demote(self, hashes: list[BlockHash], fill: BlockFill) -> None:
+        """Blocks leaving the pool, given in eviction order, into the host tier (``fill``
+        writes their KV straight into its slots, before the step that reuses the blocks
+        runs), announced as the host tier's; what the host tier pushes out goes on to the
+        disk tier, if any, and with write-through every block demoted does. Called once a
+        step, with or without blocks: it ends the loan of ``take``'s views."""
         spill: Callable | None = None if self.disk is None else self._to_disk
-        dropped = self.host.put(hashes, data, spill)
-        on_disk = [h for h in dropped if self.disk is not None and h in self.disk]
+        dropped = self.host.store(hashes, fill, spill, self.lent) if hashes else []
+        self.lent.clear()
+        if not hashes:
+            return
         held = [h for h in hashes if h in self.host]  # a batch larger than the tier keeps its last blocks
+        if self.disk is not None and self.write_through:
+            written = [h for h in held if h not in self.disk]
+            if written:
+                self._to_disk(written, self.host.view(written))
+        on_disk = [h for h in dropped if self.disk is not None and h in self.disk]
         self.pool.announce_tier(held, [h for h in dropped if h not in on_disk], MEDIUM_HOST)
         self.pool.announce_tier(on_disk, [], MEDIUM_DISK)
 
@@ -173,7 +176,7 @@ class KVTiers:
             return 0
         host = [h for h in self.host.slots if h not in self.disk]
         if host:
-            self.disk.put(host, self.host.take(host), bounded=False)
+            self.disk.put(host, self.host.view(host), bounded=False)
         pool = [(h, b.block_id) for h, b in self.pool.cached.items() if h not in self.disk]
         for k in range(0, len(pool), 256):
             run = pool[k:k + 256]

@@ -135,24 +135,33 @@ class ModelRunner:
         return self.model.compute_logits(hidden[torch.tensor(step.logit_rows, device=self.device)])
 
     @torch.inference_mode()
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor | None:
+    def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor | None:
         """A copy of blocks' KV in the handoff's layout, every layer and KV head: [layers, 2,
-        len(block_ids), kv_heads, block_size * head_dim]. In a worker group every rank
-        calls it (rank 0 first sends the peers ``read_kv``) and rank 0 gets the gathered
-        whole; the peers get None."""
+        len(block_ids), kv_heads, block_size * head_dim], written into ``out`` when given (a
+        view of a host tier's slots: one copy, nothing allocated). In a worker group every
+        rank calls it (rank 0 first sends the peers ``read_kv``) and rank 0 gets the
+        gathered whole; the peers get None."""
         if self.group is not None:
             self._in_group(self.group.read_kv, block_ids)
         first = self.kv_caches[0]
-        local = first.new_empty((len(self.kv_caches), first.shape[0], len(block_ids), *first.shape[2:]))
+        direct = out is not None and self.group is None and out.device == first.device
+        local = out if direct else first.new_empty((len(self.kv_caches), first.shape[0], len(block_ids),
+                                                    *first.shape[2:]))
         run = _run_start(block_ids)  # each layer's blocks gathered straight into the result: one copy
         index = None if run is not None else torch.tensor(block_ids, dtype=torch.long, device=first.device)
-        for cache, out in zip(self.kv_caches, local):
+        for cache, layer in zip(self.kv_caches, local):
             if run is not None:
-                out.copy_(cache.narrow(1, run, len(block_ids)))
+                layer.copy_(cache.narrow(1, run, len(block_ids)))
             else:
-                torch.index_select(cache, 1, index, out=out)
+                torch.index_select(cache, 1, index, out=layer)
+        if direct:
+            return out
         cfg = self.model.cfg
-        return self._in_group(kv_shards.gather, local, get_parallel_state(), cfg.num_layers, cfg.num_kv_heads)
+        whole = self._in_group(kv_shards.gather, local, get_parallel_state(), cfg.num_layers, cfg.num_kv_heads)
+        if out is not None and whole is not None:
+            out.copy_(whole)
+            return out
+        return whole
 
     @torch.inference_mode()
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
