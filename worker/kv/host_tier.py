@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from kervan.block_hash import BlockHash
+from worker.kv.memory import zeros_on_huge_pages
 from worker.kv.slots import HashSlots, consecutive_runs
 
 # fill(positions, out): write the blocks at ``positions`` of a put's hashes into ``out``,
@@ -41,9 +42,10 @@ class HostTier(HashSlots):
             raise ValueError(f"a host tier needs at least one block, got {num_blocks}")
         layers, kv, *rest = block_shape
         # the blocks along dim 2, as the handoff's layout has them: a run of blocks goes in and
-        # out as one copy, never a copy per block; zeros, not empty: every page is touched now,
-        # not by the first demotions into it
-        self.data = torch.zeros((layers, kv, num_blocks, *rest), dtype=dtype, pin_memory=pin)
+        # out as one copy, never a copy per block; every page is touched now, not by the first
+        # demotions into it
+        shape = (layers, kv, num_blocks, *rest)
+        self.data = torch.zeros(shape, dtype=dtype, pin_memory=True) if pin else zeros_on_huge_pages(shape, dtype)
         super().__init__(num_blocks)
         self.num_stored = 0  # blocks demoted into the tier
         self.num_promoted = 0  # blocks copied back into the pool

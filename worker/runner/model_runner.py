@@ -9,7 +9,6 @@ end this step (repeated ``n`` times for the first sample of an ``n > 1`` request
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ import torch
 from worker.config import ConfigError, EngineConfig
 from worker.engine.scheduler import KVWrite, ScheduledBatch, ScheduledSequence
 from worker.kernels import has_native_kernels
+from worker.kv.memory import zeros_on_huge_pages
 from worker.layers.paged_attention import AttentionMetadata
 from worker.models.decoder import DecoderModel
 from worker.parallel import get_parallel_state, kv_shards, pipeline
@@ -44,9 +44,12 @@ class ModelRunner:
         cfg = model.cfg
         # a pipeline stage holds the KV of its layers only; one block past the pool's pads CUDA graphs' batches
         self.pad_block = config.num_kv_blocks
-        self.kv_caches = allocate_kv_caches(len(model.layers), config.num_kv_blocks + 1,
-                                            model.layers[0].attn.num_kv_heads, config.block_size, cfg.head_dim,
-                                            config.dtype, self.device)
+        # every layer's cache in one tensor, [layers, 2, blocks, kv_heads, block_size * head_dim]: a run of
+        # blocks moves in or out of the pool as one copy, not one per layer
+        self.kv_pool = allocate_kv_pool(len(model.layers), config.num_kv_blocks + 1,
+                                        model.layers[0].attn.num_kv_heads, config.block_size, cfg.head_dim,
+                                        config.dtype, self.device)
+        self.kv_caches = list(self.kv_pool.unbind(0))
         self.native_kernels = self.device.type == "cpu" and has_native_kernels()
         if config.deterministic:
             if not self.native_kernels:
@@ -143,17 +146,14 @@ class ModelRunner:
         gathered whole; the peers get None."""
         if self.group is not None:
             self._in_group(self.group.read_kv, block_ids)
-        first = self.kv_caches[0]
-        direct = out is not None and self.group is None and out.device == first.device
-        local = out if direct else first.new_empty((len(self.kv_caches), first.shape[0], len(block_ids),
-                                                    *first.shape[2:]))
-        run = _run_start(block_ids)  # each layer's blocks gathered straight into the result: one copy
-        index = None if run is not None else torch.tensor(block_ids, dtype=torch.long, device=first.device)
-        for cache, layer in zip(self.kv_caches, local):
-            if run is not None:
-                layer.copy_(cache.narrow(1, run, len(block_ids)))
-            else:
-                torch.index_select(cache, 1, index, out=layer)
+        pool = self.kv_pool
+        direct = out is not None and self.group is None and out.device == pool.device
+        local = out if direct else pool.new_empty((*pool.shape[:2], len(block_ids), *pool.shape[3:]))
+        run = _run_start(block_ids)  # every layer's blocks gathered straight into the result: one copy
+        if run is not None:
+            local.copy_(pool.narrow(2, run, len(block_ids)))
+        else:
+            torch.index_select(pool, 2, torch.tensor(block_ids, dtype=torch.long, device=pool.device), out=local)
         if direct:
             return out
         cfg = self.model.cfg
@@ -169,13 +169,12 @@ class ModelRunner:
         keeps its part."""
         cfg = self.model.cfg
         local = kv_shards.local_part(data, get_parallel_state(), cfg.num_layers, cfg.num_kv_heads)
-        run = _run_start(block_ids)  # a run of consecutive blocks: one plain copy per layer
-        index = None if run is not None else torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for cache, layer in zip(self.kv_caches, local.to(self.device)):
-            if run is not None:
-                cache.narrow(1, run, len(block_ids)).copy_(layer)
-            else:
-                cache.index_copy_(1, index, layer)
+        local = local.to(self.device)
+        run = _run_start(block_ids)  # a run of consecutive blocks: one plain copy
+        if run is not None:
+            self.kv_pool.narrow(2, run, len(block_ids)).copy_(local)
+        else:
+            self.kv_pool.index_copy_(2, torch.tensor(block_ids, dtype=torch.long, device=self.device), local)
 
     def _in_group(self, fn, *args):
         """``fn(*args)``; in a group a RuntimeError (a rank died or hangs) fails the group."""
@@ -207,22 +206,20 @@ class ModelRunner:
         return step
 
 
-def allocate_kv_caches(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, num_kv_heads, block_size * head_dim] tensor per layer.
-    On the CPU they share one anonymous mapping advised to use huge pages: decode
-    attention reads blocks scattered over the whole cache, and 4 KiB pages make
-    that a TLB miss per block."""
+def allocate_kv_pool(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                     dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every layer's KV cache, zeroed: [num_layers, 2, num_blocks, num_kv_heads, block_size *
+    head_dim]; on the CPU on huge pages (decode attention reads blocks scattered over it)."""
     shape = (num_layers, 2, num_blocks, num_kv_heads, block_size * head_dim)
     if device.type != "cpu":
-        return list(torch.zeros(shape, dtype=dtype, device=device).unbind(0))
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    caches = torch.frombuffer(buf, dtype=torch.uint8)
-    caches.zero_()  # fault every page in now, not in the middle of the first prefills
-    return list(caches.view(dtype).view(shape).unbind(0))
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return zeros_on_huge_pages(shape, dtype)
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """``allocate_kv_pool``, one [2, num_blocks, num_kv_heads, block_size * head_dim] view per layer."""
+    return list(allocate_kv_pool(num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype, device).unbind(0))
 
 
 def _run_start(block_ids: list[int]) -> int | None:
