@@ -8,8 +8,8 @@ a block put or taken moves to the back. The tier holds copies: a block promoted 
 into the pool stays here too, so its next eviction costs nothing to demote.
 
 Each slot holds one block in the handoff's layout, every layer and KV head:
-``[layers, 2, kv_heads, block_size * head_dim]``; ``take`` gives a run of them as
-``[layers, 2, n, kv_heads, block_size * head_dim]``, what ``KVWrite`` places.
+``[layers, 2, kv_heads, block_size * head_dim]``; ``take_runs`` gives runs of them as
+``[layers, 2, n, kv_heads, block_size * head_dim]`` views, what ``KVWrite`` places.
 
 Blocks arrive in eviction order, a request's tail first (``KVCacheManager.free``), and
 that is their LRU order here too: a prefix loses its tail before its head. Their slots
@@ -67,7 +67,7 @@ class HostTier(HashSlots):
         their slots (one copy from the pool). A hash already held is only refreshed (same
         content). ``spill`` gets the pushed-out blocks and a copy of their KV before their
         slots are overwritten (the next tier down). ``lent``: held blocks whose slots a
-        copy still reads (``take`` without copy, this step): never pushed out, so a batch
+        copy still reads (``take_runs``' views, this step): never pushed out, so a batch
         larger than the rest of the tier keeps its last blocks and spills the first."""
         refreshed = [h for h in hashes if h in self.slots]
         for h in refreshed:
@@ -102,19 +102,15 @@ class HostTier(HashSlots):
         fill(positions, out)
         return out
 
-    def take(self, hashes: Sequence[BlockHash], copy: bool = True) -> torch.Tensor:
-        """Held blocks, ``[layers, 2, len(hashes), ...]``; each becomes the most recently
-        used. Without ``copy``, blocks in consecutive slots come as a view of the tier's
-        memory, valid until the next ``store`` that does not count them ``lent``."""
-        if copy:
-            return self.data.index_select(2, torch.tensor(self._touch(hashes), dtype=torch.long))
-        parts = self.take_runs(hashes)
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    def take(self, hashes: Sequence[BlockHash]) -> torch.Tensor:
+        """A copy of held blocks, ``[layers, 2, len(hashes), ...]``; each becomes the most
+        recently used."""
+        return self.data.index_select(2, torch.tensor(self._touch(hashes), dtype=torch.long))
 
     def take_runs(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor]:
         """Held blocks as views of the tier's memory, one per run of consecutive slots, in
         the order of ``hashes`` (each ``[layers, 2, run, ...]``); each becomes the most
-        recently used."""
+        recently used. Valid until the next ``store`` that does not count them ``lent``."""
         slots = self._touch(hashes)
         return [self.data.narrow(2, slots[start], n) for start, n in consecutive_runs(slots)]
 
