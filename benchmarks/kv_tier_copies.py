@@ -6,7 +6,8 @@ runs both; ``--workloads bandwidth,itl``).
   through the engine's own paths, in GB/s, against one plain copy of the same bytes (into
   the same buffer each time, and into eight in turn, which the caches cannot hold). The
   blocks are demoted in eviction order (a request's tail first, as ``KVCacheManager.free``
-  leaves them) and promoted in prefix order, as a revisit asks for them; with ``--tier
+  leaves them) and promoted in prefix order, as a revisit asks for them; also a prefix
+  demoted one block at a time (a long decode's growth), promoted run by run; with ``--tier
   disk`` also written to and read from the disk tier.
 - ``itl``: ``--itl-streams`` long generations decode while documents are revisited one at a
   time beside them; the streams' inter-token latency with the revisits' prefixes coming from
@@ -53,6 +54,13 @@ def bandwidth(engine: Engine, blocks: int = 64, reps: int = 10) -> dict:
                      lambda positions, out: runner.read_blocks([pool_ids[order[p]] for p in positions], out=out))
         return prefix
 
+    def demote_one_by_one(prefix: list[bytes]) -> list[bytes]:
+        """``prefix``'s blocks leave the pool one a step, tail first, as a long decode's
+        growth takes them: each lands wherever the tier has room, one-block runs."""
+        for k in reversed(range(blocks)):
+            tiers.demote([prefix[k]], lambda positions, out, k=k: runner.read_blocks([ids[k]], out=out))
+        return prefix
+
     def promote(prefix: list[bytes]) -> None:
         """A revisit's prefix back into the pool: the step's ``KVWrite`` of each run of slots."""
         start = 0
@@ -69,10 +77,11 @@ def bandwidth(engine: Engine, blocks: int = 64, reps: int = 10) -> dict:
         return nbytes / median(times) / 1e9
     # the tier's demotions write where the caches have not been: a plain copy into buffers in turn too
     targets = itertools.cycle([zeros_on_huge_pages(tuple(data.shape), data.dtype) for _ in range(8)])
-    held = demote(fresh(), ids)
+    held, scattered = demote(fresh(), ids), demote_one_by_one(fresh())
     out = {"bytes": nbytes, "plain_copy_gb_s": timed(lambda: dst.copy_(src)),
            "plain_copy_in_turn_gb_s": timed(lambda: next(targets).copy_(src)),
            "promote_gb_s": timed(lambda: promote(held)),
+           "promote_scattered_gb_s": timed(lambda: promote(scattered)),
            "demote_gb_s": timed(lambda: demote(fresh(), ids)),
            # a pool that has moved on: the request's blocks scattered over it
            "demote_scattered_gb_s": timed(lambda: demote(fresh(), random.Random(0).sample(

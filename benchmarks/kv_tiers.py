@@ -208,7 +208,7 @@ def ratios(runs: dict[str, list[dict]], variants: tuple[str, ...], metrics: tupl
             else:
                 out[f"{m}_{variant}_over_{base}"] = spread([v[m] / b[m] if b[m] else None for b, v in pairs])
     if "plain_copy_gb_s" in runs[base][0]:
-        for way in ("promote", "demote", "demote_scattered"):
+        for way in ("promote", "promote_scattered", "demote", "demote_scattered"):
             for plain in ("plain_copy", "plain_copy_in_turn"):
                 out[f"{way}_over_{plain}"] = spread([r[f"{way}_gb_s"] / r[f"{plain}_gb_s"] for r in runs[base]])
     return out

@@ -195,3 +195,25 @@ def test_a_store_writes_straight_into_the_slots_and_never_reuses_a_lent_one():
     assert filled == [([0], False), ([2, 1], True)]
     assert tier.take([b"q", b"r"])[0, 0, :, 0, 0].tolist() == [7.0, 7.0]
     assert tier.take([b"x"])[0, 0, 0, 0, 0] == 0.0
+
+
+def test_a_prefix_demoted_over_several_steps_comes_back_run_by_run_with_the_same_tokens(hf_models):
+    """The first prompt's blocks leave the pool over several steps (the third and fourth
+    prompts' prefills and decodes each take some): its prefix sits in several runs of the
+    tier's slots and is promoted as one copy per run, each into its own pool blocks, with
+    the first run's tokens."""
+    from worker.kv.slots import consecutive_runs
+    hf, path = hf_models("llama")
+    first, second, third, fourth = make_prompts([41, 40, 20, 20], seed=67)
+    engine = make_engine(path, num_kv_blocks=24, kv_host_bytes=HOST_BYTES)
+    [before] = engine.generate([first], GREEDY)  # 12 of the 24 blocks
+    engine.generate([second], GREEDY)  # the 12 never used
+    engine.generate([third], GREEDY)  # some of the first's blocks, tail first
+    engine.generate([fourth], GREEDY)  # the rest
+    hashes = _sequence(engine, first).block_hashes[:10]
+    assert engine.kv.get_computed_blocks(_sequence(engine, first)).num_tokens == 0
+    assert len(consecutive_runs([engine.kv.host.slots[h] for h in hashes])) > 1
+    [again] = engine.generate([first], GREEDY)
+    assert again.num_cached_tokens == 40
+    assert again.outputs[0].token_ids == before.outputs[0].token_ids == hf_greedy(hf, first, 6)
+    assert_idle(engine)
