@@ -166,12 +166,26 @@ def test_blocks_demoted_tail_first_get_their_prefix_in_ascending_slots():
     data = torch.arange(6.0).reshape(1, 1, 6, 1, 1).expand(1, 2, 6, 1, 4).contiguous()
     assert tier.put(evicted, data) == []
     assert list(tier.slots) == evicted  # a3 goes first
-    assert [tier.slots[h] for h in (b"b0", b"b1", b"a0", b"a1", b"a2", b"a3")] == [0, 1, 2, 3, 4, 5]
+    assert [tier.slots[h] for h in (b"b0", b"b1", b"a0", b"a1", b"a2", b"a3")] == [2, 3, 4, 5, 6, 7]  # from the top
     [run] = tier.take_runs([b"a0", b"a1", b"a2", b"a3"])
-    assert run.data_ptr() == tier.data[:, :, 2].data_ptr()  # a view, in place
+    assert run.data_ptr() == tier.data[:, :, 4].data_ptr()  # a view, in place
     assert run[0, 0, :, 0, 0].tolist() == [3.0, 2.0, 1.0, 0.0]  # each block its own KV
     parts = tier.take_runs([b"b0", b"b1", b"a0", b"a2"])
     assert [p.shape[2] for p in parts] == [3, 1]
+
+
+def test_a_prefix_demoted_block_by_block_is_one_run_and_stays_one_once_the_tier_is_full():
+    """A long decode's growth takes one cached block a step: each store holds one block, tail
+    first. Free slots go from the top down, and a full tier gives up its least recently used
+    blocks' slots in the order they went in, so each prefix is still one run of slots."""
+    tier = HostTier(8, (1, 2, 1, 4), torch.float32)
+    one = torch.zeros(1, 2, 1, 1, 4)
+    for prefix in ("a", "b"):  # the second prefix pushes the first out, block by block
+        for k in reversed(range(8)):
+            tier.put([f"{prefix}{k}".encode()], one)
+        slots = [tier.slots[f"{prefix}{k}".encode()] for k in range(8)]
+        assert slots == list(range(8)), slots
+    assert len(tier.take_runs([f"b{k}".encode() for k in range(8)])) == 1
 
 
 def test_a_store_writes_straight_into_the_slots_and_never_reuses_a_lent_one():
@@ -197,11 +211,11 @@ def test_a_store_writes_straight_into_the_slots_and_never_reuses_a_lent_one():
     assert tier.take([b"x"])[0, 0, 0, 0, 0] == 0.0
 
 
-def test_a_prefix_demoted_over_several_steps_comes_back_run_by_run_with_the_same_tokens(hf_models):
+def test_a_prefix_split_over_runs_of_slots_comes_back_run_by_run_with_the_same_tokens(hf_models):
     """The first prompt's blocks leave the pool over several steps (the third and fourth
-    prompts' prefills and decodes each take some): its prefix sits in several runs of the
-    tier's slots and is promoted as one copy per run, each into its own pool blocks, with
-    the first run's tokens."""
+    prompts' prefills and decodes each take some); another block demoted in between (here
+    put by hand) splits its prefix into two runs of the tier's slots, promoted as one copy
+    per run, each into its own pool blocks, with the first run's tokens."""
     from worker.kv.slots import consecutive_runs
     hf, path = hf_models("llama")
     first, second, third, fourth = make_prompts([41, 40, 20, 20], seed=67)
@@ -209,10 +223,11 @@ def test_a_prefix_demoted_over_several_steps_comes_back_run_by_run_with_the_same
     [before] = engine.generate([first], GREEDY)  # 12 of the 24 blocks
     engine.generate([second], GREEDY)  # the 12 never used
     engine.generate([third], GREEDY)  # some of the first's blocks, tail first
+    engine.kv.host.put([bytes(32)], torch.zeros_like(engine.kv.host.data[:, :, :1]))  # another block
     engine.generate([fourth], GREEDY)  # the rest
     hashes = _sequence(engine, first).block_hashes[:10]
     assert engine.kv.get_computed_blocks(_sequence(engine, first)).num_tokens == 0
-    assert len(consecutive_runs([engine.kv.host.slots[h] for h in hashes])) > 1
+    assert len(consecutive_runs([engine.kv.host.slots[h] for h in hashes])) == 2
     [again] = engine.generate([first], GREEDY)
     assert again.num_cached_tokens == 40
     assert again.outputs[0].token_ids == before.outputs[0].token_ids == hf_greedy(hf, first, 6)

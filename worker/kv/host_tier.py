@@ -18,7 +18,14 @@ promoted later is one run of slots, copied into the pool from a view of the tier
 
     evicted     A3 A2 A1 A0 B1 B0        (two requests, each tail first)
     LRU order   A3 A2 A1 A0 B1 B0        (A3 pushed out first)
-    slots       5  4  3  2  1  0         B0 B1 | A0 A1 A2 A3 ascending"""
+    slots       5  4  3  2  1  0         B0 B1 | A0 A1 A2 A3 ascending
+
+Within one ``store`` the claimed slots are sorted and given out in reverse; across calls
+(a long decode's growth takes one cached block a step) each claim takes the slot below the
+last: free slots are handed out from the top down, and once the tier is full the least
+recently used blocks, which went in tail first into descending slots, give theirs up in
+the same order. So a prefix demoted block by block is still one run (unless other
+requests' blocks are demoted between its own)."""
 
 from __future__ import annotations
 
@@ -37,6 +44,8 @@ Spill = Callable[[list[BlockHash], torch.Tensor], None]
 
 
 class HostTier(HashSlots):
+    highest_first = True  # tail-first demotions, one call after another, land in descending slots
+
     def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False):
         if num_blocks < 1:
             raise ValueError(f"a host tier needs at least one block, got {num_blocks}")

@@ -11,10 +11,13 @@ from kervan.block_hash import BlockHash
 
 
 class HashSlots:
+    # the free slots are handed out from slot 0 up, or (True) from the last slot down
+    highest_first = False
+
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self.slots: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
-        self.free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self.free = self._all_free()  # popped from the end
         self.num_dropped = 0  # blocks pushed out (least recently used)
 
     def claim(self, block_hash: BlockHash) -> tuple[int, BlockHash | None]:
@@ -47,7 +50,10 @@ class HashSlots:
     def clear(self) -> None:
         """Forget every block: all slots free."""
         self.slots.clear()
-        self.free = list(range(self.num_slots - 1, -1, -1))
+        self.free = self._all_free()
+
+    def _all_free(self) -> list[int]:
+        return list(range(self.num_slots)) if self.highest_first else list(range(self.num_slots - 1, -1, -1))
 
 
 def consecutive_runs(values: Sequence[int]) -> list[tuple[int, int]]:
