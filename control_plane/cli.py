@@ -262,8 +262,8 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
             key = "KERVAN_API_KEY=<key> " if api_key_file else ""  # not --api-key: a command line shows in ps
             click.echo(f'try: {key}kervan generate --addr {cluster.router_addresses}{flags} "Once upon a time"',
                        err=True)
-            click.echo("Ctrl-C stops the cluster (crashed services are restarted until then)", err=True)
-            cluster.supervise_until_signal()
+            cluster.supervise_until_signal(ready=lambda: click.echo(
+                "Ctrl-C stops the cluster (crashed services are restarted until then)", err=True))
             return
         completion = Completion()
 

@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -329,11 +330,15 @@ class Cluster:
             restarted.append(name)
         return restarted
 
-    def supervise_until_signal(self, poll_s: float = 0.5) -> None:
-        """Restart crashed services until SIGINT, SIGTERM or SIGHUP."""
+    def supervise_until_signal(self, poll_s: float = 0.5, ready: Callable[[], None] | None = None) -> None:
+        """Restart crashed services until SIGINT, SIGTERM or SIGHUP. ``ready`` runs once the
+        signals are caught (what tells the user they may stop it: a signal sent on seeing it
+        must not find the default action, which kills this process and leaves no stop)."""
         received: list[int] = []
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, lambda s, f: received.append(s))
+        if ready is not None:
+            ready()
         while not received:
             for name in self.restart_crashed():
                 print(f"kervan: {name} exited; restarted it (restart {self.restarts[name]})", file=sys.stderr,
