@@ -14,7 +14,9 @@ def test_workers_join_and_leave_while_requests_flow(llama, tmp_path):
                                   num_kv_blocks=256), tmp_path)
     cluster.start(timeout=240)
     try:
-        prompts = make_prompts([20 + i % 13 for i in range(300)], seed=50)
+        # enough that the clients never run out before the newcomer has served 8 alone (300 ran out
+        # once on a loaded machine while the first worker drained: the last wait could never end)
+        prompts = make_prompts([20 + i % 13 for i in range(2000)], seed=50)
 
         async def traffic():
             outs, done = [], asyncio.Event()

@@ -59,6 +59,7 @@ async def test_an_expired_lease_is_purged_at_once(redis_client):
                 break
             await asyncio.sleep(0.05)
         assert watcher.declared_dead == ["w"]
+        await until(lambda: _swept(redis_client), "its blocks swept", timeout=30)  # in the background
         assert not await redis_client.exists("kervan:own:w") and not await redis_client.keys("kervan:blk:*")
 
 
@@ -76,6 +77,8 @@ async def test_the_reconciliation_loop_purges_an_expired_worker_without_any_noti
         # the lease (1 s) expires; only the loop (every 0.2 s) can notice
         await until(lambda: _false(redis_client.sismember("kervan:workers", "w")), "purged", timeout=30)
         assert watcher.declared_dead == []  # no notification arrived
+        # its block bits are swept in the background after the purge (a batch per script call)
+        await until(lambda: _swept(redis_client), "its blocks swept", timeout=30)
         assert not await redis_client.sismember("kervan:workers", "w")
         assert not await redis_client.exists("kervan:own:w") and not await redis_client.keys("kervan:blk:*")
 
@@ -124,6 +127,10 @@ async def test_a_subscription_that_goes_silent_is_dropped_and_made_again(redis_c
     finally:
         await through.aclose()
         await proxy.stop()
+
+
+async def _swept(redis_client) -> bool:
+    return not await redis_client.exists("kervan:own:w") and not await redis_client.keys("kervan:blk:*")
 
 
 async def _false(awaitable) -> bool:
