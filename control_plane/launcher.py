@@ -81,6 +81,7 @@ class ClusterSpec:
     num_schedulers: int = 1  # replicas: "scheduler", "scheduler-1", ... (every router lists them all)
     redis_persistent: bool = False  # the private Redis keeps an append-only file (survives its restart)
     deterministic: bool = False  # every worker runs batch-invariant kernels (--deterministic)
+    quantization: str | None = None  # every worker's weights in this low precision (--quantization)
 
     def __post_init__(self) -> None:
         sizes = self.parallel_sizes()
@@ -236,6 +237,7 @@ class Cluster:
         extra += [arg for name, n in self.spec.parallel_sizes().items() if n > 1
                   for arg in (f"--{name}-parallel", str(n))]
         extra += ["--deterministic"] if self.spec.deterministic else []
+        extra += ["--quantization", self.spec.quantization] if self.spec.quantization else []
         port = free_port()
         tls = None
         if self.authority is not None:  # its own certificate, naming the one address it may register

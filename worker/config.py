@@ -232,6 +232,9 @@ class EngineConfig:
     # else is in its steps, however its prompt is chunked, wherever its prefix KV came from
     # (``worker/layers/batch_invariant.py``); the CPU with the native kernels only, for now
     deterministic: bool = False
+    # weight-only low precision for a float checkpoint's linears (``worker/quant/method.py``: int8,
+    # int4, fp8, nvfp4, ...); None: as the checkpoint holds them (a GGUF file stays in its blocks)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -256,6 +259,12 @@ class EngineConfig:
             raise ConfigError("the disk tier sits behind the host tier: kv_disk_bytes needs kv_host_bytes too")
         if self.kv_offload_min_uses < 1:
             raise ConfigError(f"kv_offload_min_uses must be >= 1, got {self.kv_offload_min_uses}")
+        if self.quantization is not None:
+            from worker.quant.method import method_names
+
+            if self.quantization not in method_names():
+                raise ConfigError(f"quantization {self.quantization!r} unknown; choose one of "
+                                  f"{', '.join(method_names())}")
         if self.kv_disk_write not in ("back", "through"):
             raise ConfigError(f"kv_disk_write must be back or through, got {self.kv_disk_write!r}")
 

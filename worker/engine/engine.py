@@ -53,7 +53,8 @@ class Engine:
         # a worker group: the other ranks start now and load their shards while this one loads its own
         self.group = GroupLeader.start(model_dir, self.config) if self.config.world_size > 1 else None
         try:
-            model = load_model(model_dir, self.config.dtype, self.config.max_model_len, self.config.device)
+            model = load_model(model_dir, self.config.dtype, self.config.max_model_len, self.config.device,
+                               self.config.quantization)
             self.runner = ModelRunner(model, self.config, self.group)
             host = self._host_tier()
             disk = self._disk_tier(model_dir) if host is not None and self.config.enable_prefix_caching else None

@@ -9,7 +9,12 @@ and KV heads fewer than the ranks are replicated (``ParallelState.shard_heads``)
 Each layer's ``load`` indexes its rank's slice of a checkpoint tensor, and only that
 slice is read from the file (``worker/loader.py``). On the CPU the loader may replace ``weight`` by a oneDNN-packed
 ``packed_weight`` (``worker/layers/packing.py``). In deterministic mode ``row_plan`` makes
-every matmul batch-invariant (``worker/layers/batch_invariant.py``)."""
+every matmul batch-invariant (``worker/layers/batch_invariant.py``).
+
+A quantized layer holds ``quant`` (``worker/quant/weight.py``) instead of ``weight``:
+filled from a pre-quantized checkpoint, whose tensors ``load`` slices as it slices float
+ones (rows, or whole groups of columns), or made from the float weight after loading
+(``worker/quant/model.py``)."""
 
 from __future__ import annotations
 
@@ -19,12 +24,15 @@ from torch import nn
 from worker.layers.batch_invariant import RowPlan, probed_plan
 from worker.layers.packing import BRGEMM_MAX_ROWS, packed_linear
 from worker.parallel import all_reduce, get_parallel_state
+from worker.quant.matmul import quant_linear
+from worker.quant.weight import QuantizedWeight, cat_rows
 
 
 class MergedColumnParallelLinear(nn.Module):
     row_plan: RowPlan | None = None  # deterministic mode: batch-invariant calls (``DecoderModel.make_batch_invariant``)
     packed_weight: torch.Tensor | None = None  # the loader's packed copy (``packing.pack_weights``)
     brgemm_weight: torch.Tensor | None = None  # and, for small calls, its brgemm layout
+    quant: QuantizedWeight | None = None  # low-precision weights, in place of ``weight``
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype, head_dim: int = 0):
         """``head_dim``: the parts are heads of this size (0: plain features)."""
@@ -32,6 +40,7 @@ class MergedColumnParallelLinear(nn.Module):
         self.out_sizes = list(out_sizes)
         self.head_dim = head_dim
         self.input_size = in_features
+        self.dtype = dtype  # of activations, and of ``weight`` unless quantized
         self.local_sizes = [end - start for start, end in map(self._shard, out_sizes)]
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features, dtype=dtype),
                                    requires_grad=False)
@@ -42,12 +51,29 @@ class MergedColumnParallelLinear(nn.Module):
         """Copy this rank's slice of logical output ``part`` from a whole tensor."""
         start, end = self._shard(self.out_sizes[part])
         offset = sum(self.local_sizes[:part])
+        if tensor.dim() == 2 and self.weight is None:  # quantized parts come in
+            check_shape(tensor, (self.out_sizes[part], self.input_size))
+            self._load_quantized(part, tensor[start:end])
+            return
         target = self.bias if tensor.dim() == 1 else self.weight
         if target is None:
             raise ValueError("checkpoint has a bias but the layer has none")
         expected = (self.out_sizes[part],) + tuple(target.shape[1:])
         check_shape(tensor, expected)
-        target.data[offset:offset + end - start].copy_(tensor[start:end])
+        rows = tensor[start:end]  # a tensor, or a QuantizedWeight (GGUF's blocks)
+        if isinstance(rows, QuantizedWeight):
+            self._load_quantized(part, rows)
+            return
+        target.data[offset:offset + end - start].copy_(rows)
+
+    def _load_quantized(self, part: int, quant: QuantizedWeight) -> None:
+        """A pre-quantized part; once every part is in, they become one matrix."""
+        self._parts = getattr(self, "_parts", {})
+        self._parts[part] = quant
+        self.register_parameter("weight", None)
+        if len(self._parts) == len(self.out_sizes):
+            self.quant = cat_rows([self._parts[p] for p in range(len(self.out_sizes))])
+            del self._parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self, self.bias)
@@ -63,12 +89,14 @@ class RowParallelLinear(nn.Module):
     row_plan: RowPlan | None = None  # as MergedColumnParallelLinear's
     packed_weight: torch.Tensor | None = None
     brgemm_weight: torch.Tensor | None = None
+    quant: QuantizedWeight | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.in_features = in_features
         start, end = get_parallel_state().shard(in_features, "input features")
         self.input_size = end - start  # this rank's
+        self.dtype = dtype
         self.weight = nn.Parameter(torch.empty(out_features, end - start, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
@@ -77,9 +105,15 @@ class RowParallelLinear(nn.Module):
             check_shape(tensor, tuple(self.bias.shape))
             self.bias.data.copy_(tensor[:])
             return
-        check_shape(tensor, (self.weight.shape[0], self.in_features))
+        out_features = (self.weight if self.weight is not None else self.quant).shape[0]
+        check_shape(tensor, (out_features, self.in_features))
         start, end = get_parallel_state().shard(self.in_features, "input features")
-        self.weight.data.copy_(tensor[:, start:end])
+        cols = tensor[:, start:end]  # a tensor, or a QuantizedWeight (GGUF's blocks)
+        if isinstance(cols, QuantizedWeight):
+            self.quant = cols
+            self.register_parameter("weight", None)
+            return
+        self.weight.data.copy_(cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = all_reduce(_linear(x, self, None))
@@ -97,15 +131,30 @@ def copy_checked(target: torch.Tensor, tensor: torch.Tensor) -> None:
 
 
 def _linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
+    if layer.quant is not None:
+        return quantized_linear(x, layer.quant, bias, layer.row_plan)
     packed = layer.packed_weight
     return packed_linear(x, layer.weight if packed is None else None, packed, bias, layer.row_plan,
                          layer.brgemm_weight)
 
 
+def quantized_linear(x: torch.Tensor, quant: QuantizedWeight, bias: torch.Tensor | None,
+                     row_plan: RowPlan | None) -> torch.Tensor:
+    if row_plan is not None:
+        return row_plan.run(lambda rows: quant_linear(rows, quant, bias), x)
+    return quant_linear(x, quant, bias)
+
+
 def plan_rows(layer: nn.Module, max_rows: int) -> None:
     """Deterministic mode: which call sizes compute this layer's rows alike
-    (``batch_invariant.RowPlan``), probed on its own (possibly packed) weight once per
-    shape; ``layer.input_size`` is its matmul's input width on this rank."""
+    (``batch_invariant.RowPlan``), probed on its own (possibly packed or quantized) weight
+    once per shape; ``layer.input_size`` is its matmul's input width on this rank."""
+    quant = layer.quant
+    if quant is not None:
+        layer.row_plan = probed_plan((tuple(quant.shape), quant.method, quant.group),
+                                     lambda rows: quant_linear(rows, quant), layer.input_size,
+                                     layer.dtype, quant.codes.device, max_rows)
+        return
     packed, small = layer.packed_weight, layer.brgemm_weight
     if small is not None:  # one kernel for every call: brgemm's rows are invariant by construction, and a
         max_rows = min(max_rows, BRGEMM_MAX_ROWS)  # larger call would mix in oneDNN's arithmetic

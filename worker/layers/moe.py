@@ -17,7 +17,8 @@ In a worker group the layer owns the experts its rank holds in the group's
   expert) pair to the rank of the expert (all-to-all), runs what it receives, sends
   the results back (all-to-all) and weights them, and the ranks' shares are gathered.
 Every rank routes every token (a small matmul), so each one counts the whole
-batch. Every layer adds the
+batch. Quantized (``--quantization``), each local expert's two matrices become
+``QuantizedWeight``s after loading (``quantize``); the router stays in float32. Every layer adds the
 (token, expert) pairs routed to each expert to ``routed_tokens`` (cumulative; the
 model gives all its MoE layers one such tensor) for the worker's load report."""
 
@@ -35,6 +36,9 @@ from worker.layers.packing import packed_linear
 from worker.parallel import all_reduce, get_parallel_state
 from worker.parallel.expert_map import ExpertMap
 from worker.parallel.state import all_gather_rows, all_to_all_rows, split_points
+from worker.quant.matmul import quant_linear
+from worker.quant.method import QuantMethod
+from worker.quant.weight import QuantizedWeight
 
 # checkpoint names of an expert's three matrices, per family: (gate, up, down)
 EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "default": ("gate_proj", "up_proj", "down_proj")}
@@ -66,6 +70,8 @@ def select_experts(logits: torch.Tensor, cfg: MoeConfig,
 class SparseMoe(nn.Module):
     # deterministic mode: batch-invariant calls per weight shape (an expert's rows vary with the batch)
     row_plans: dict[tuple[int, ...], RowPlan] | None = None
+    # per local expert: (gate/up, down) in low precision, in place of w13 and w2
+    expert_quants: list[tuple[QuantizedWeight, QuantizedWeight]] | None = None
 
     def __init__(self, hidden_size: int, cfg: MoeConfig, dtype: torch.dtype, family: str):
         super().__init__()
@@ -173,21 +179,44 @@ class SparseMoe(nn.Module):
             start += count
 
     def _expert(self, local: int, x: torch.Tensor) -> torch.Tensor:
+        if self.expert_quants is not None:
+            w13, w2 = self.expert_quants[local]
+            return self._linear(silu_and_mul(self._linear(x, w13)), w2)
         return self._linear(silu_and_mul(self._linear(x, self.w13[local])), self.w2[local])
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        plan = None if self.row_plans is None else self.row_plans[(tuple(weight.shape), weight.dtype)]
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        plan = None if self.row_plans is None else self.row_plans[_plan_key(weight)]
+        if isinstance(weight, QuantizedWeight):
+            return quant_linear(x, weight) if plan is None else plan.run(lambda rows: quant_linear(rows, weight), x)
         return packed_linear(x, weight, None, None, plan)
+
+    def quantize(self, method: QuantMethod) -> int:
+        """Each local expert's matrices in ``method``'s codes (experts are whole on their
+        rank, so a group's quantization is one process's); returns how many matrices."""
+        if self.expert_quants is not None or any(w.shape[-1] % method.block for w in (self.w13, self.w2)):
+            return 0
+        self.expert_quants = [(method.quantize(self.w13[e]), method.quantize(self.w2[e]))
+                              for e in range(self.num_local_experts)]
+        self.register_parameter("w13", None)
+        self.register_parameter("w2", None)
+        return 2 * self.num_local_experts
 
     def plan_rows(self, max_rows: int) -> None:
         """Deterministic mode: the call sizes of the router's and the experts' matmuls,
         probed once per shape (``batch_invariant.probed_plan``)."""
-        weights = [self.gate.float(), self.w13[0], self.w2[0]] + ([self.shared_gate] if self.shared_gate is not None
-                                                                   else [])
-        self.row_plans = {(tuple(w.shape), w.dtype): probed_plan(
-            (tuple(w.shape), False), lambda rows, w=w: packed_linear(rows, w, None, None), w.shape[1], w.dtype,
-            w.device, max_rows) for w in weights}
+        experts = list(self.expert_quants[0]) if self.expert_quants else [self.w13[0], self.w2[0]]
+        weights = [self.gate.float(), *experts] + ([self.shared_gate] if self.shared_gate is not None else [])
+        dtype = self.gate.dtype
+        self.row_plans = {_plan_key(w): probed_plan(
+            _plan_key(w), lambda rows, w=w: self._linear(rows, w), w.shape[1],
+            dtype if isinstance(w, QuantizedWeight) else w.dtype, self.gate.device, max_rows) for w in weights}
 
 
 def _skip(tensor: torch.Tensor) -> None:
     pass
+
+
+def _plan_key(weight: torch.Tensor | QuantizedWeight) -> tuple:
+    if isinstance(weight, QuantizedWeight):
+        return (tuple(weight.shape), weight.method, weight.group)
+    return (tuple(weight.shape), weight.dtype)

@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     # mapped before the rendezvous, after which rank 0 removes its name
     shm = shm_comm(args.shm, args.rank, config, create=False) if args.shm else None
     control = init_rank(args.rank, config, args.port, shm)
-    runner = ModelRunner(load_model(args.model, config.dtype, config.max_model_len, config.device), config)
+    runner = ModelRunner(load_model(args.model, config.dtype, config.max_model_len, config.device,
+                                    config.quantization), config)
     ps = get_parallel_state()
     with torch.inference_mode():
         while True:

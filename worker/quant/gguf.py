@@ -1,0 +1,134 @@
+"""GGUF files served as they ship: llama.cpp's blocks repacked into ``QuantizedWeight``
+by copying bytes, never through float.
+
+Read with llama.cpp's own ``gguf`` package (a memory map: a rank reads only the rows,
+or the blocks of columns, its slice needs). Supported block types, per 32 weights:
+
+- Q4_0: float16 ``d`` and 16 bytes of 4-bit codes; ``w = d * (q - 8)`` -> table -8..7, scale d;
+- Q4_1: float16 ``d`` and ``m``, 16 bytes of codes; ``w = d * q + m`` -> codes 0..15, scale d, zero m;
+- Q8_0: float16 ``d`` and 32 int8 codes; ``w = d * q`` -> int8 codes by groups of 32;
+- F32, F16, BF16: plain tensors (norms).
+
+llama.cpp's converter permutes the query and key rows of Llama-family models (its
+rotary embedding pairs neighbouring features, Hugging Face's pairs halves); the rows
+are put back in Hugging Face's order here, as transformers' GGUF reader does, so the
+model and every slice of it see the layout of the safetensors checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from worker.config import ConfigError, ModelConfig
+from worker.quant.weight import CodeFormat, QuantizedWeight
+
+# GGUF name -> Hugging Face name ({} is the layer)
+NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "blk.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    "blk.{}.attn_q.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "blk.{}.attn_k.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "blk.{}.attn_v.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "blk.{}.attn_output.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
+    "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
+}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per 32 weights
+Q4_0_VALUES = torch.arange(16, dtype=torch.float32) - 8
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def gguf_file(model_dir: Path) -> Path | None:
+    files = sorted(model_dir.glob("*.gguf"))
+    if len(files) > 1:
+        raise ConfigError(f"{model_dir}: more than one .gguf file ({[f.name for f in files]})")
+    return files[0] if files else None
+
+
+def hf_name(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) > 2:
+        template = NAMES.get(".".join(["blk", "{}", *parts[2:]]))
+        if template is not None:
+            return template.format(parts[1])
+    elif name in NAMES:
+        return NAMES[name]
+    raise ConfigError(f"GGUF tensor {name!r} has no counterpart in Kervan's Llama-family decoder")
+
+
+class GgufTensor:
+    """One GGUF tensor, read only as far as it is indexed (``t[a:b]`` rows, ``t[:, a:b]``
+    columns in whole blocks, ``t[:]``): a ``QuantizedWeight`` for the block types, a tensor
+    in ``dtype`` for the float ones."""
+
+    def __init__(self, name: str, kind: str, data: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
+                 row_order: torch.Tensor | None):
+        self.name, self.kind, self._data, self._dtype, self._order = name, kind, data, dtype, row_order
+        self.shape = torch.Size(shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index) -> torch.Tensor | QuantizedWeight:
+        rows, cols = index if isinstance(index, tuple) else (index, slice(None))
+        if self.kind in FLOAT_TYPES:
+            t = torch.from_numpy(np.array(self._data)).view(FLOAT_TYPES[self.kind])
+            t = t.view(self.shape) if self._order is None else t.view(self.shape)[self._order]
+            return t[index].to(self._dtype)
+        start, stop = cols.start or 0, self.shape[1] if cols.stop is None else cols.stop
+        if start % 32 or stop % 32:
+            raise ValueError(f"columns {start}:{stop} split a 32-weight GGUF block")
+        block = BLOCK_BYTES[self.kind]
+        picked = np.arange(self.shape[0])[rows] if self._order is None else self._order[rows].numpy()
+        raw = np.ascontiguousarray(self._data[picked][:, start // 32 * block:stop // 32 * block])
+        return repack(raw, self.kind, stop - start)
+
+
+def repack(raw: np.ndarray, kind: str, in_features: int) -> QuantizedWeight:
+    """GGUF blocks [rows, in / 32 * block bytes] -> a ``QuantizedWeight`` (bytes copied)."""
+    rows = raw.shape[0]
+    blocks = torch.from_numpy(raw).view(rows, in_features // 32, BLOCK_BYTES[kind])
+    d = blocks[..., 0:2].contiguous().view(torch.float16).view(rows, -1)
+    if kind == "Q8_0":
+        return QuantizedWeight(blocks[..., 2:].reshape(rows, in_features).contiguous(), d, None, None,
+                               CodeFormat.INT8, 32, in_features, method="gguf-q8_0")
+    if kind == "Q4_0":
+        return QuantizedWeight(blocks[..., 2:].reshape(rows, in_features // 2).contiguous(), d, None,
+                               Q4_0_VALUES.clone(), CodeFormat.LUT4, 32, in_features, method="gguf-q4_0")
+    m = blocks[..., 2:4].contiguous().view(torch.float16).view(rows, -1)
+    return QuantizedWeight(blocks[..., 4:].reshape(rows, in_features // 2).contiguous(), d, m, None,
+                           CodeFormat.UINT4, 32, in_features, method="gguf-q4_1")
+
+
+def iter_gguf_tensors(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, GgufTensor]]:
+    try:
+        from gguf import GGUFReader
+    except ImportError as exc:  # a dependency of kervan; absent only in a broken install
+        raise ConfigError(f"reading {path.name} needs llama.cpp's gguf package ({exc})") from None
+    reader = GGUFReader(str(path))
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in BLOCK_BYTES and kind not in FLOAT_TYPES:
+            raise ConfigError(f"{path.name}: tensor {t.name} is {kind}; Kervan reads GGUF's "
+                              f"{', '.join([*BLOCK_BYTES, *FLOAT_TYPES])}")
+        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
+        name = hf_name(t.name)
+        order = None
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
+            order = unpermuted_rows(shape[0], heads)
+        yield name, GgufTensor(name, kind, t.data, shape, dtype, order)
+
+
+def unpermuted_rows(rows: int, heads: int) -> torch.Tensor:
+    """Which GGUF row each Hugging Face row of a query or key matrix is (the inverse of
+    llama.cpp's ``permute``: within a head, rows 2i and 2i+1 came from i and i + half)."""
+    half = rows // heads // 2
+    return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
