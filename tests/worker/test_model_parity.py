@@ -27,8 +27,11 @@ def backend(request, monkeypatch):
     has_native_kernels.cache_clear()
 
 
-def prompt_logits(model_dir, prompt, block_size=4, dtype=torch.float32):
-    model = load_model(model_dir, dtype, 512)
+def prompt_logits(model_dir, prompt, block_size=4, dtype=torch.float32, quantization=None):
+    return model_logits(load_model(model_dir, dtype, 512, quantization=quantization), prompt, block_size, dtype)
+
+
+def model_logits(model, prompt, block_size=4, dtype=torch.float32):
     cfg = model.cfg
     n = len(prompt)
     num_blocks = -(-n // block_size)
