@@ -62,7 +62,8 @@ def set_quantized(module: nn.Module, quant: QuantizedWeight) -> None:
 
 def quantized_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of the weights by kind: ``quantized`` (codes, scales, zeros) and ``float``
-    (every parameter left, norms and routers included); a tied matrix counts once."""
+    (every parameter left, norms and routers included, and oneDNN's packed copies of the
+    weights it replaced; not the brgemm layout's second copy); a tied matrix counts once."""
     seen: set[int] = set()
     quantized = 0
     for module in model.modules():
@@ -71,6 +72,8 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
                 seen.add(id(q.codes))
                 quantized += q.nbytes
     floats = sum(p.nbytes for p in {id(p): p for p in model.parameters()}.values())
+    floats += sum(m.packed_weight.nbytes for m in model.modules()
+                  if getattr(m, "packed_weight", None) is not None and m.weight is None)
     return {"quantized": quantized, "float": floats, "total": quantized + floats}
 
 
