@@ -20,6 +20,7 @@ from worker.quant.nvfp4 import E2M1_VALUES, encode_e2m1
 from worker.quant.weight import CodeFormat, QuantizedWeight, pack_nibbles
 
 native = pytest.mark.skipif(not has_native_kernels(), reason="the native CPU kernels did not build here")
+pytestmark = pytest.mark.isa  # the kernel's AVX-512 and AVX2 paths: CI runs this file again capped to AVX2
 DTYPES = [torch.float32, torch.bfloat16]
 
 

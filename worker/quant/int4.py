@@ -12,6 +12,7 @@ import torch
 from worker.quant.method import QuantMethod
 from worker.quant.weight import CodeFormat, QuantizedWeight, pack_nibbles
 
+
 def quantize_int4(w: torch.Tensor, group: int) -> QuantizedWeight:
     out, size = w.shape
     g = w.float().view(out, size // group, group)
