@@ -8,10 +8,10 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.conftest import make_prompts
 from tests.worker.test_model_parity import model_logits, prompt_logits
+from tests.worker.test_tensor_parallel import WORLD, run_ranks
 from worker.kernels import has_native_kernels
 from worker.quant.matmul import fp8_scaled_mm, quant_linear, tiled_linear
 from worker.quant.method import get_method, method_names
@@ -162,8 +162,6 @@ def test_an_unknown_method_is_a_config_error():
         EngineConfig(quantization="int3")
 
 
-WORLD = 2
-
 
 def _rank_main(rank, sizes, store, path, prompt, name, results):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -189,20 +187,6 @@ def test_two_ranks_serve_quantized_moe_weights_as_one_process(hf_models, tmp_pat
     name = "int4-g32"
     one = prompt_logits(path, prompt, quantization=name)
     sizes = (WORLD, 1) if layout == "tensor" else (1, WORLD)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, sizes, str(tmp_path / "store"), str(path), prompt, name,
-                                                  results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        out = results.get(timeout=240)
-        for p in procs:
-            p.join(timeout=60)
-        assert [p.exitcode for p in procs] == [0] * WORLD
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    out = run_ranks(_rank_main, lambda r, results: (r, sizes, str(tmp_path / "store"), str(path), prompt, name,
+                                                     results))
     torch.testing.assert_close(torch.tensor(out), one, rtol=1e-4, atol=1e-4)

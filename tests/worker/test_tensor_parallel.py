@@ -33,17 +33,12 @@ def _rank_main(rank: int, sizes: tuple[int, int], store: str, paths: dict, promp
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("layout", ["tensor", "expert"])
-def test_two_ranks_match_transformers(hf_models, tmp_path, layout):
-    sizes = (WORLD, 1) if layout == "tensor" else (1, WORLD)  # (tp_size, ep_size)
-    kinds = MODEL_KINDS if layout == "tensor" else [k for k in MODEL_KINDS if k in MOE_KINDS]
-    models = {kind: hf_models(kind) for kind in kinds}
-    prompt = make_prompts([21], seed=3)[0]
+def run_ranks(target, rank_args):
+    """``target(*rank_args(rank, results))`` in WORLD spawned processes; what rank 0 put
+    on ``results``. Every process is gone afterwards."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, sizes, str(tmp_path / "store"),
-                                                  {k: str(p) for k, (_, p) in models.items()}, prompt, results))
-             for r in range(WORLD)]
+    procs = [ctx.Process(target=target, args=rank_args(r, results)) for r in range(WORLD)]
     for p in procs:
         p.start()
     try:
@@ -56,6 +51,17 @@ def test_two_ranks_match_transformers(hf_models, tmp_path, layout):
             if p.is_alive():
                 p.kill()
                 p.join()
+    return out
+
+
+@pytest.mark.parametrize("layout", ["tensor", "expert"])
+def test_two_ranks_match_transformers(hf_models, tmp_path, layout):
+    sizes = (WORLD, 1) if layout == "tensor" else (1, WORLD)  # (tp_size, ep_size)
+    kinds = MODEL_KINDS if layout == "tensor" else [k for k in MODEL_KINDS if k in MOE_KINDS]
+    models = {kind: hf_models(kind) for kind in kinds}
+    prompt = make_prompts([21], seed=3)[0]
+    out = run_ranks(_rank_main, lambda r, results: (r, sizes, str(tmp_path / "store"),
+                                                     {k: str(p) for k, (_, p) in models.items()}, prompt, results))
     for kind, (hf, _) in models.items():
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0]
