@@ -156,6 +156,16 @@ def test_quantized_bytes_count_a_tied_matrix_once(hf_models):
                                                         if getattr(m, "quant", None) is not None}.values())
 
 
+@pytest.mark.parametrize("quantized_first", [True, False])
+def test_a_merged_linear_refuses_float_and_quantized_parts_mixed(quantized_first):
+    from worker.layers.linear import MergedColumnParallelLinear
+    layer = MergedColumnParallelLinear(64, [32, 32], False, torch.float32)
+    parts = [get_method("int8").quantize(weight(32, 64)), weight(32, 64, seed=1)]
+    layer.load(0, parts[0] if quantized_first else parts[1])
+    with pytest.raises(ValueError, match="mix float and quantized"):
+        layer.load(1, parts[1] if quantized_first else parts[0])
+
+
 def test_an_unknown_method_is_a_config_error():
     from worker.config import ConfigError, EngineConfig
     with pytest.raises(ConfigError, match="quantization 'int3' unknown"):

@@ -64,10 +64,15 @@ class MergedColumnParallelLinear(nn.Module):
         if isinstance(rows, QuantizedWeight):
             self._load_quantized(part, rows)
             return
+        if target is self.weight:
+            self._float_parts = getattr(self, "_float_parts", set()) | {part}
         target.data[offset:offset + end - start].copy_(rows)
 
     def _load_quantized(self, part: int, quant: QuantizedWeight) -> None:
         """A pre-quantized part; once every part is in, they become one matrix."""
+        if not isinstance(quant, QuantizedWeight) or getattr(self, "_float_parts", None):
+            raise ValueError("the parts of a merged linear mix float and quantized tensors; Kervan stacks them "
+                             "into one matmul and needs them alike")
         self._parts = getattr(self, "_parts", {})
         self._parts[part] = quant
         self.register_parameter("weight", None)

@@ -30,13 +30,12 @@ from torch import nn
 from worker.config import MoeConfig
 from worker.layers.batch_invariant import RowPlan, probed_plan
 from worker.layers.fused import silu_and_mul
-from worker.layers.linear import copy_checked
+from worker.layers.linear import copy_checked, quantized_linear
 from worker.layers.mlp import Loader, SwiGLU
 from worker.layers.packing import packed_linear
 from worker.parallel import all_reduce, get_parallel_state
 from worker.parallel.expert_map import ExpertMap
 from worker.parallel.state import all_gather_rows, all_to_all_rows, split_points
-from worker.quant.matmul import quant_linear
 from worker.quant.method import QuantMethod
 from worker.quant.weight import QuantizedWeight
 
@@ -187,7 +186,7 @@ class SparseMoe(nn.Module):
     def _linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         plan = None if self.row_plans is None else self.row_plans[_plan_key(weight)]
         if isinstance(weight, QuantizedWeight):
-            return quant_linear(x, weight) if plan is None else plan.run(lambda rows: quant_linear(rows, weight), x)
+            return quantized_linear(x, weight, None, plan)
         return packed_linear(x, weight, None, None, plan)
 
     def quantize(self, method: QuantMethod) -> int:
