@@ -56,6 +56,49 @@ def test_the_kernel_matmul_is_dequantize_then_matmul(name, rows):
     assert torch.equal(alone[0], got[-1])
 
 
+def q4_0_like(out: int, size: int, lut: torch.Tensor, seed: int = 0) -> QuantizedWeight:
+    """A LUT4 weight as GGUF's Q4_0 stores one (random codes, float16 scales per 32)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (out, size // 2), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(out, size // 32, generator=g) * 0.01 + 0.001).half()
+    return QuantizedWeight(codes, scales, None, lut, CodeFormat.LUT4, 32, size)
+
+
+def bf16_weights() -> list[QuantizedWeight]:
+    """Every method, and Q4_0's table, at widths whole in 128-element chunks (256), 64 past
+    them (576: SmolLM2's hidden size) and one chunk and a half (192)."""
+    out = [get_method(name).quantize(weight(out=98, size=size, seed=size))
+           for name in method_names() for size in (256, 576, 192) if size % get_method(name).block == 0]
+    return out + [q4_0_like(98, size, torch.arange(16, dtype=torch.float32) - 8) for size in (256, 576)]
+
+
+@native
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
+def test_bf16_activations_are_dequantize_then_matmul_rounded_once(rows):
+    """bf16 x: the AVX512_BF16 path (``quant_bf16.h``; where the CPU lacks it, the float32
+    path) sums exact products in float32, so the result is the float64 reference rounded
+    to bf16, give or take one bf16 step; and a row alone gets the same bits as in a call."""
+    for q in bf16_weights():
+        x = torch.randn(rows, q.in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        want = (x.double() @ q.reference_dequantize().double().T)
+        got = quant_linear(x, q)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=1e-4, msg=f"{q.method} K={q.in_features}")
+        alone = quant_linear(x[-1:].clone(), q)
+        assert torch.equal(alone[0], got[-1]), f"{q.method} K={q.in_features}"
+
+
+@native
+def test_a_table_bf16_cannot_hold_takes_the_float32_path():
+    """A 4-bit table with values bf16 would round (0.1, ...) is computed in float32 even
+    for bf16 x: the same bits as float32 x's result rounded to bf16."""
+    lut = torch.linspace(-0.73, 0.81, 16)
+    assert not torch.equal(lut.bfloat16().float(), lut)
+    q = q4_0_like(98, 576, lut)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert torch.equal(quant_linear(x, q), quant_linear(x.float(), q).bfloat16())
+
+
 @pytest.mark.parametrize("rows", [2, 40])
 def test_long_calls_take_dequantized_tiles_and_agree(rows, monkeypatch):
     monkeypatch.setattr("worker.quant.matmul.TILE_ELEMENTS", 256 * 32)  # several tiles of 32 rows

@@ -20,7 +20,10 @@
 // values dot each row of x (float32 FMAs, in K order), times the group's scale, plus the
 // group's zero times the sum of x over the group; rows of x never mix, so a row's result is
 // the same whatever else is in the call. Longer calls dequantize tiles of rows and use the
-// dtype's matmul (``worker/quant/matmul.py``).
+// dtype's matmul (``worker/quant/matmul.py``). bf16 activations on a CPU with AVX512_BF16
+// take ``quant_bf16.h``'s kernels instead (codes made bf16 values, ``vdpbf16ps``), for the
+// formats whose values bf16 holds exactly. Every path prefetches the codes a few blocks of
+// features ahead: a decode step streams its weights from DRAM.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -30,9 +33,11 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <optional>
 #include <vector>
 
+#include "quant_bf16.h"
 #include "vec.h"
 
 namespace {
@@ -46,6 +51,8 @@ enum CodeFormat : int64_t { kLut4 = 0, kInt8 = 1, kE4m3 = 2, kUint4 = 3 };
 constexpr int64_t kSub = 16;           // elements decoded at a time
 constexpr int64_t kParts = kSub / kW;  // vectors per 16 elements (1 with AVX-512, 2 with AVX2)
 constexpr int64_t kOutAtOnce = 4;      // output features computed together: independent FMA chains, x loaded once
+constexpr int64_t kPrefetch = 2;       // blocks of features ahead whose codes are prefetched
+constexpr int64_t kSlab = 16;          // blocks of kOutAtOnce features whose scales are made float32 at once
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t kRowsAtOnce = 4;     // rows of x at once: 16 accumulators of 32 registers
 #else
@@ -225,13 +232,23 @@ struct GroupParams {
       : scales(s.data_ptr<S>()), zeros(z.has_value() ? z->data_ptr<S>() : nullptr), groups(s.size(1)),
         mult(static_cast<float>(tensor_scale)) {}
 
+  // rows [n0, n0 + count) of the scales and zeros, into cache ahead of ``load``
+  void prefetch(int64_t n0, int64_t count) const {
+    const int64_t bytes = count * groups * static_cast<int64_t>(sizeof(S));
+    for (int64_t off = 0; off < bytes; off += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(scales + n0 * groups) + off, 0, 3);
+      if (zeros != nullptr) __builtin_prefetch(reinterpret_cast<const char*>(zeros + n0 * groups) + off, 0, 3);
+    }
+  }
+
   void load(int64_t n0, int64_t count) {
     convert(scales + n0 * groups, count * groups, mult, scale);
     if (zeros != nullptr) convert(zeros + n0 * groups, count * groups, 1.0f, zero);
   }
 
+  // n values, then 16 zeros: the chunk kernel loads 16 from a row's last group on
   static void convert(const S* src, int64_t n, float m, std::vector<float>& out) {
-    out.resize(n);
+    out.assign(n + 16, 0.0f);
     int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     if constexpr (std::is_same_v<S, c10::Float8_e4m3fn>) {  // a table: c10's conversion is bit by bit
@@ -250,7 +267,7 @@ struct GroupParams {
 #endif
     for (; i < n; ++i) out[i] = static_cast<float>(src[i]);
     if (m != 1.0f)
-      for (float& v : out) v *= m;
+      for (int64_t j = 0; j < n; ++j) out[j] *= m;
   }
 };
 
@@ -290,21 +307,22 @@ void dequantize_impl(const at::Tensor& codes, const at::Tensor& scales, const st
 // multiplied into every row; result[b * R + r] gets the dot products, zeros' terms not
 // yet added. A group is 16 elements (half a 32-element block) or whole blocks.
 template <int64_t F, int B, int R>
-inline void dot_block(const float* xf, const uint8_t* const* rows, const float* scale, int64_t group,
-                      const Decoder<F>& dec, float* result) {
+inline void dot_block(const float* xf, const uint8_t* const* rows, const float* scale, const float* zero,
+                      const float* xsum, int64_t group, const Decoder<F>& dec, float* result) {
   const int64_t K = dec.K, groups = K / group, blocks_per_group = group == kSub ? 1 : group / 32;
   Reg acc[B][R];
+  float zacc[B][R];
 #pragma GCC unroll 16
   for (int b = 0; b < B; ++b)
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) acc[b][r] = reg_zero();
-  for (int64_t blk0 = 0; blk0 < K / 32; blk0 += blocks_per_group) {
+    for (int r = 0; r < R; ++r) acc[b][r] = reg_zero(), zacc[b][r] = 0.0f;
+  const int64_t g_step = group == kSub ? 2 : 1;  // groups a step of blocks_per_group blocks covers
+  for (int64_t blk0 = 0, g = 0; blk0 < K / 32; blk0 += blocks_per_group, g += g_step) {
     Reg s[B][2];
 #pragma GCC unroll 16
     for (int b = 0; b < B; ++b) {
-      const float* sb = scale + b * groups;
-      s[b][0] = reg_set(group == kSub ? sb[2 * blk0] : sb[blk0 / blocks_per_group]);
-      s[b][1] = reg_set(group == kSub ? sb[2 * blk0 + 1] : sb[blk0 / blocks_per_group]);
+      s[b][0] = reg_set(scale[b * groups + g]);
+      s[b][1] = reg_set(scale[b * groups + g + g_step - 1]);
     }
     for (int64_t blk = blk0; blk < blk0 + blocks_per_group; ++blk) {
 #pragma GCC unroll 2
@@ -323,34 +341,33 @@ inline void dot_block(const float* xf, const uint8_t* const* rows, const float* 
         }
       }
     }
+    if (zero != nullptr) {  // the groups' zeros times x's sums over them
+#pragma GCC unroll 16
+      for (int b = 0; b < B; ++b)
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          zacc[b][r] = std::fma(zero[b * groups + g], xsum[r * groups + g], zacc[b][r]);
+          if (group == kSub) zacc[b][r] = std::fma(zero[b * groups + g + 1], xsum[r * groups + g + 1], zacc[b][r]);
+        }
+    }
   }
 #pragma GCC unroll 16
   for (int b = 0; b < B; ++b)
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) result[b * R + r] = reg_sum(acc[b][r]);
+    for (int r = 0; r < R; ++r) result[b * R + r] = reg_sum(acc[b][r]) + zacc[b][r];
 }
 
 template <int64_t F, int B>
-inline void dot_rows(int64_t rows_x, const float* xf, const uint8_t* const* rows, const float* scale, int64_t group,
-                     const Decoder<F>& dec, float* result) {
+inline void dot_rows(int64_t rows_x, const float* xf, const uint8_t* const* rows, const float* scale,
+                     const float* zero, const float* xsum, int64_t group, const Decoder<F>& dec, float* result) {
   switch (rows_x) {
 #if defined(CPU_CAPABILITY_AVX512)
-    case 4: return dot_block<F, B, 4>(xf, rows, scale, group, dec, result);
-    case 3: return dot_block<F, B, 3>(xf, rows, scale, group, dec, result);
+    case 4: return dot_block<F, B, 4>(xf, rows, scale, zero, xsum, group, dec, result);
+    case 3: return dot_block<F, B, 3>(xf, rows, scale, zero, xsum, group, dec, result);
 #endif
-    case 2: return dot_block<F, B, 2>(xf, rows, scale, group, dec, result);
-    default: return dot_block<F, B, 1>(xf, rows, scale, group, dec, result);
+    case 2: return dot_block<F, B, 2>(xf, rows, scale, zero, xsum, group, dec, result);
+    default: return dot_block<F, B, 1>(xf, rows, scale, zero, xsum, group, dec, result);
   }
-}
-
-// sum_i a[i] * b[i], in a fixed order (vectors of kW, then the tail)
-inline float dot(const float* a, const float* b, int64_t n) {
-  Reg acc = reg_zero();
-  int64_t i = 0;
-  for (; i + kW <= n; i += kW) acc = reg_fma(reg_load(a + i), reg_load(b + i), acc);
-  float sum = reg_sum(acc);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
 }
 
 template <int64_t F, typename T, typename S>
@@ -358,12 +375,14 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
                  const std::optional<at::Tensor>& zeros, const Decoder<F>& dec, double tensor_scale,
                  const std::optional<at::Tensor>& bias, at::Tensor& out) {
   const int64_t M = x.size(0), K = dec.K, N = codes.size(0), group = K / scales.size(1), groups = scales.size(1);
-  // x in float32 once, and its sums over each group where zeros need them
-  std::vector<float> xf(M * K), xsum(zeros.has_value() ? M * groups : 0);
+  // x in float32 once, and its sums over each group where zeros need them (and the chunk
+  // kernel's 0..15 codes: ``quant_bf16.h``)
+  const bool sums = zeros.has_value() || F == kUint4;
+  std::vector<float> xf(M * K), xsum(sums ? M * groups : 0);
   const T* xp = x.data_ptr<T>();
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < K; k += kW) load_floats(xp + m * x.stride(0) + k).store(xf.data() + m * K + k);
-    for (int64_t g = 0; g < (zeros.has_value() ? groups : 0); ++g) {
+    for (int64_t g = 0; g < (sums ? groups : 0); ++g) {
       float s = 0.0f;
       for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xf[m * K + k];
       xsum[m * groups + g] = s;
@@ -373,29 +392,88 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
   T* op = out.data_ptr<T>();
   const int64_t blocks = (N + kOutAtOnce - 1) / kOutAtOnce;
+#if defined(CPU_CAPABILITY_AVX512)
+  // bf16 activations and codes whose values bf16 holds exactly: the vdpbf16ps path
+  uint16_t table16[16] = {};
+  bool bf16_dot = false;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    bf16_dot = F == kInt8 || F == kUint4 || F == kLut4;
+    for (int c = 0; c < 16 && (F == kUint4 || F == kLut4); ++c) {
+      const float v = F == kUint4 ? static_cast<float>(c) : dec.lut[c];
+      table16[c] = c10::BFloat16(v).x;
+      bf16_dot = bf16_dot && static_cast<float>(c10::BFloat16(v)) == v;
+    }
+    bf16_dot = bf16_dot && kervan::quant_bf16::available();
+  }
+  const kervan::quant_bf16::Table table(table16);
+  const uint16_t* x16 = reinterpret_cast<const uint16_t*>(xp);
+  // 4-bit codes whose groups tile 128-element chunks: the chunk kernel, x permuted for it once
+  const bool chunked = bf16_dot && F != kInt8 && kervan::quant_bf16::chunk_group(group, K);
+  std::optional<kervan::quant_bf16::ChunkX> cx;
+  if (chunked) cx.emplace(x16, x.stride(0), M, K);
+  const kervan::quant_bf16::ChunkGroups cg(group);
+#endif
+  const int64_t row_bytes = codes.size(1), ldx = x.stride(0);
   at::parallel_for(0, blocks, 4, [&](int64_t nb0, int64_t nb1) {
     GroupParams<S> params(scales, zeros, tensor_scale);
     float result[kOutAtOnce * kRowsAtOnce];
+    int64_t f0 = 0;  // the first feature whose scales params holds
     for (int64_t nb = nb0; nb < nb1; ++nb) {
       const int64_t n0 = nb * kOutAtOnce, count = std::min(kOutAtOnce, N - n0);
-      params.load(n0, count);
+      if ((nb - nb0) % kSlab == 0) {  // the scales of the next kSlab blocks of features, converted at once
+        f0 = n0;
+        params.load(f0, std::min(N, std::min(nb1, nb + kSlab) * kOutAtOnce) - f0);
+      }
       const uint8_t* rows[kOutAtOnce];
-      for (int64_t b = 0; b < count; ++b) rows[b] = cp + (n0 + b) * codes.size(1);
+      for (int64_t b = 0; b < count; ++b) rows[b] = cp + (n0 + b) * row_bytes;
+      // the codes kPrefetch blocks of features ahead, into cache while these compute: a
+      // decode step reads weights from DRAM, and short rows give the hardware prefetcher
+      // too little of a stream to ramp up on (without it 4-bit codes came at half of
+      // int8's bytes per second)
+      if (nb + kPrefetch < nb1) {
+        const uint8_t* ahead = cp + (n0 + kPrefetch * kOutAtOnce) * row_bytes;
+        for (int64_t off = 0; off < kOutAtOnce * row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
+        if ((nb - nb0) % kSlab == kSlab - kPrefetch) params.prefetch(n0 + kPrefetch * kOutAtOnce, kSlab * kOutAtOnce);
+      }
       for (int64_t m0 = 0; m0 < M; m0 += kRowsAtOnce) {
         const int64_t rx = std::min(kRowsAtOnce, M - m0);
-        const float* xr = xf.data() + m0 * K;
-        if (count == kOutAtOnce) {
-          dot_rows<F, kOutAtOnce>(rx, xr, rows, params.scale.data(), group, dec, result);
-        } else {  // the last few features, one at a time
-          for (int64_t b = 0; b < count; ++b)
-            dot_rows<F, 1>(rx, xr, rows + b, params.scale.data() + b * groups, group, dec, result + b * rx);
+        // 4 features at once, or the last few one at a time
+        for (int64_t b = 0; b < count; b += count == kOutAtOnce ? kOutAtOnce : 1) {
+          const float* scale = params.scale.data() + (n0 - f0 + b) * groups;
+          const float* zero = zeros.has_value() ? params.zero.data() + (n0 - f0 + b) * groups : nullptr;
+          const float* xs = zeros.has_value() ? xsum.data() + m0 * groups : nullptr;
+#if defined(CPU_CAPABILITY_AVX512)
+          if (chunked) {
+            const float* xsg = xsum.data() + m0 * groups;
+            if (count == kOutAtOnce)
+              kervan::quant_bf16::dot_rows_chunks<kOutAtOnce>(F == kUint4, rx, *cx, m0, K, rows, scale, zero, xsg,
+                                                              groups, cg, table, result);
+            else
+              kervan::quant_bf16::dot_rows_chunks<1>(F == kUint4, rx, *cx, m0, K, rows + b, scale, zero, xsg, groups,
+                                                     cg, table, result + b * rx);
+            continue;
+          }
+          if (bf16_dot) {
+            const uint16_t* xb = x16 + m0 * ldx;
+            if (count == kOutAtOnce)
+              kervan::quant_bf16::dot_rows<kOutAtOnce>(F != kInt8, rx, xb, ldx, K, rows, scale, zero, xs, group,
+                                                       table, result);
+            else
+              kervan::quant_bf16::dot_rows<1>(F != kInt8, rx, xb, ldx, K, rows + b, scale, zero, xs, group, table,
+                                              result + b * rx);
+            continue;
+          }
+#endif
+          const float* xr = xf.data() + m0 * K;
+          if (count == kOutAtOnce)
+            dot_rows<F, kOutAtOnce>(rx, xr, rows, scale, zero, xs, group, dec, result);
+          else
+            dot_rows<F, 1>(rx, xr, rows + b, scale, zero, xs, group, dec, result + b * rx);
         }
         for (int64_t b = 0; b < count; ++b) {
           for (int64_t r = 0; r < rx; ++r) {
-            float v = result[b * rx + r];
-            if (zeros.has_value()) v += dot(params.zero.data() + b * groups, xsum.data() + (m0 + r) * groups, groups);
-            if (bp != nullptr) v += static_cast<float>(bp[n0 + b]);
-            op[(m0 + r) * N + n0 + b] = static_cast<T>(v);
+            const float v = result[b * rx + r];
+            op[(m0 + r) * N + n0 + b] = static_cast<T>(bp != nullptr ? v + static_cast<float>(bp[n0 + b]) : v);
           }
         }
       }
