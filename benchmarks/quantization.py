@@ -13,7 +13,8 @@ every ``--quantization`` method are made at load.
   greedy next token with float32's on the same text.
 - Speed: decode tokens/s at batch 1, 8 and 32 (prompts of 16 tokens, 48 new tokens each,
   bf16 activations), rounds interleaving the formats; llama.cpp's ``llama-bench`` on the
-  GGUF at the same thread count (``tg``: batch 1) where ``--llama-bench`` names one.
+  GGUF at the same thread count (``tg``: batch 1) in each round where ``--llama-bench``
+  names one, and the GGUF's batch-1 rate over it per round.
 - Roofline: weight bytes read per batch-1 step over its time, against a read bandwidth
   measured between the rounds (a sum over a 512 MB tensor).
 
@@ -31,6 +32,7 @@ import json
 import math
 import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -127,12 +129,15 @@ def speed(args, formats: list[str]) -> dict:
         engines[fmt] = Engine.from_pretrained(directory, dtype=args.dtype, max_num_seqs=64,
                                               quantization=fmt if fmt in QUANTIZED else None)
     rates = {fmt: {b: [] for b in args.batches} for fmt in formats}
-    bandwidth = []
+    bandwidth, llama = [], []
+    gguf = str(next(Path(args.gguf_dir).glob("*.gguf")))
     for _ in range(args.rounds):
         bandwidth.append(read_bandwidth())
         for batch in args.batches:
             for fmt in formats:
                 rates[fmt][batch].append(decode_rate(engines[fmt], batch, args.new_tokens))
+        if args.llama_bench:  # the peer in the same round, batch 1, one run of its own
+            llama.append(llama_cpp(args.llama_bench, gguf, torch.get_num_threads(), 1, args.new_tokens))
     from worker.quant.model import quantized_bytes
     out = {"read_bandwidth_gb_s": spread(bandwidth)}
     for fmt in formats:
@@ -144,6 +149,12 @@ def speed(args, formats: list[str]) -> dict:
         for b in args.batches:
             out[fmt][f"batch_{b}_vs_bf16"] = spread([r / base for r, base in zip(rates[fmt][b], rates["bf16"][b])])
         engines[fmt].close()
+    if llama:
+        one = args.batches[0]
+        out["llama_cpp"] = {"command": llama[0]["command"], "build": llama[0]["build"], "threads": llama[0]["threads"],
+                            f"batch_{one}_tok_s": spread([r["tg_tok_s"] for r in llama])}
+        out["gguf-q4_1"][f"batch_{one}_vs_llama_cpp"] = spread(
+            [ours / r["tg_tok_s"] for ours, r in zip(rates["gguf-q4_1"][one], llama)])
     return out
 
 
@@ -151,7 +162,7 @@ def llama_cpp(path: str, gguf: str, threads: int, rounds: int, new_tokens: int) 
     cmd = [path, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(new_tokens), "-r", str(rounds), "-o", "json"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
     [row] = json.loads(res.stdout)
-    return {"command": " ".join(cmd), "tg_tok_s": spread(row["samples_ts"]), "build": row.get("build_commit"),
+    return {"command": " ".join(cmd), "tg_tok_s": float(row["avg_ts"]), "build": row.get("build_commit"),
             "threads": threads}
 
 
@@ -167,8 +178,6 @@ def main() -> None:
     ap.add_argument("--text-tokens", type=int, default=4096)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
-    from pathlib import Path
-
     from kervan.tokenizer import Tokenizer
     tokenizer = Tokenizer.from_dir(args.gguf_dir)
     ids = tokenizer.encode(held_out_text())[:args.text_tokens]
@@ -178,12 +187,6 @@ def main() -> None:
               "text": {"modules": TEXT_MODULES, "tokens": len(ids), "chunk_tokens": 1024},
               "quality": quality(args, ["gguf-q4_1", *QUANTIZED], chunks),
               "speed": speed(args, formats)}
-    if args.llama_bench:
-        gguf = next(Path(args.gguf_dir).glob("*.gguf"))
-        report["llama_cpp"] = llama_cpp(args.llama_bench, str(gguf), torch.get_num_threads(), args.rounds,
-                                        args.new_tokens)
-        ours = report["speed"]["gguf-q4_1"][f"batch_{args.batches[0]}_tok_s"]["median"]
-        report["gguf_batch_1_vs_llama_cpp"] = round(ours / report["llama_cpp"]["tg_tok_s"]["median"], 3)
     write_report(report, args.json_out)
 
 

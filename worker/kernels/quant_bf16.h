@@ -34,7 +34,7 @@ inline bool available() {
 // each sum in the same order whatever its neighbours ((x_i + x_i+8), then pairs, then
 // halves), so a row's result does not depend on how many rows or features share the call.
 template <int N>
-inline void reduce_store(const __m512* acc, float* result) {
+__attribute__((always_inline)) inline void reduce_store(const __m512 (&acc)[N], float* result) {
 #pragma GCC unroll 16
   for (int k = 0; k < N; k += 4) {
     __m256 h[4];
@@ -99,12 +99,12 @@ template <bool FOUR, bool SIXTEEN, int B, int R>
 inline void dot_block(const uint16_t* x, int64_t ldx, int64_t K, const uint8_t* const* rows, const float* scale,
                       const float* zero, const float* xsum, int64_t group, const Table& t, float* result) {
   const int64_t groups = K / group, blocks_per_group = SIXTEEN ? 1 : group / 32;
-  __m512 acc[B][R];
+  __m512 acc[B * R];  // [b * R + r]
   float zacc[B][R];
 #pragma GCC unroll 16
   for (int b = 0; b < B; ++b)
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps(), zacc[b][r] = 0.0f;
+    for (int r = 0; r < R; ++r) acc[b * R + r] = _mm512_setzero_ps(), zacc[b][r] = 0.0f;
   const uint8_t* row[B];
 #pragma GCC unroll 16
   for (int b = 0; b < B; ++b) row[b] = rows[b];
@@ -130,7 +130,7 @@ inline void dot_block(const uint16_t* x, int64_t ldx, int64_t K, const uint8_t* 
     for (int b = 0; b < B; ++b) {
       const __m512 s = group_scale<SIXTEEN>(scale + b * groups + g);
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[b][r] = _mm512_fmadd_ps(part[b][r], s, acc[b][r]);
+      for (int r = 0; r < R; ++r) acc[b * R + r] = _mm512_fmadd_ps(part[b][r], s, acc[b * R + r]);
       if (zero != nullptr) {
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
@@ -141,7 +141,7 @@ inline void dot_block(const uint16_t* x, int64_t ldx, int64_t K, const uint8_t* 
     }
   }
   float sums[B * R];
-  reduce_store<B * R>(&acc[0][0], sums);
+  reduce_store<B * R>(acc, sums);
 #pragma GCC unroll 16
   for (int k = 0; k < B * R; ++k) result[k] = sums[k] + zacc[k / R][k % R];
 }
@@ -241,11 +241,9 @@ inline void dot_chunks(const ChunkX& cx, int64_t m0, int64_t K, const uint8_t* c
   const uint16_t* xp = cx.x.data() + m0 * cx.Kp;
   const int64_t Kp = cx.Kp, chunks = cx.chunks;
   const __m512i low = _mm512_set1_epi16(0x000F), exponent = _mm512_set1_epi16(0x4300);
-  __m512 acc[B][R];
+  __m512 acc[B * R];  // [b * R + r]
 #pragma GCC unroll 16
-  for (int b = 0; b < B; ++b)
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
+  for (int k = 0; k < B * R; ++k) acc[k] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
     // all 64 bytes, or 32 for the last chunk of a K that is 64 past a multiple of 128
     const __mmask32 bytes = (c + 1) * kChunk > K ? 0xFFFF : 0xFFFFFFFF;
@@ -284,8 +282,8 @@ inline void dot_chunks(const ChunkX& cx, int64_t m0, int64_t K, const uint8_t* c
       const __m512 s1 = SIXTEEN ? _mm512_permutexvar_ps(cg.second, sv) : s0;
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        acc[b][r] = _mm512_fmadd_ps(part[b][r][0], s0, acc[b][r]);
-        if constexpr (SIXTEEN) acc[b][r] = _mm512_fmadd_ps(part[b][r][P - 1], s1, acc[b][r]);
+        acc[b * R + r] = _mm512_fmadd_ps(part[b][r][0], s0, acc[b * R + r]);
+        if constexpr (SIXTEEN) acc[b * R + r] = _mm512_fmadd_ps(part[b][r][P - 1], s1, acc[b * R + r]);
       }
     }
   }
@@ -299,11 +297,11 @@ inline void dot_chunks(const ChunkX& cx, int64_t m0, int64_t K, const uint8_t* c
         if constexpr (UINT) z = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), _mm512_maskz_loadu_ps(m, scale + b * groups + g), z);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r)
-          acc[b][r] = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(m, xsum + r * groups + g), acc[b][r]);
+          acc[b * R + r] = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(m, xsum + r * groups + g), acc[b * R + r]);
       }
     }
   }
-  reduce_store<B * R>(&acc[0][0], result);
+  reduce_store<B * R>(acc, result);
 }
 
 // NB features (4, or 1 for the last few) against rows_x (1-4) rows, in pieces whose

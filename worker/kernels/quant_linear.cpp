@@ -51,7 +51,9 @@ enum CodeFormat : int64_t { kLut4 = 0, kInt8 = 1, kE4m3 = 2, kUint4 = 3 };
 constexpr int64_t kSub = 16;           // elements decoded at a time
 constexpr int64_t kParts = kSub / kW;  // vectors per 16 elements (1 with AVX-512, 2 with AVX2)
 constexpr int64_t kOutAtOnce = 4;      // output features computed together: independent FMA chains, x loaded once
-constexpr int64_t kPrefetch = 2;       // blocks of features ahead whose codes are prefetched
+// codes prefetched this far ahead of the block of features computing: about a DRAM latency
+// (~100 ns) of one core's share of the read bandwidth (~25 GB/s), doubled
+constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kSlab = 16;          // blocks of kOutAtOnce features whose scales are made float32 at once
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t kRowsAtOnce = 4;     // rows of x at once: 16 accumulators of 32 registers
@@ -248,7 +250,8 @@ struct GroupParams {
 
   // n values, then 16 zeros: the chunk kernel loads 16 from a row's last group on
   static void convert(const S* src, int64_t n, float m, std::vector<float>& out) {
-    out.assign(n + 16, 0.0f);
+    if (static_cast<int64_t>(out.size()) < n + 16) out.resize(n + 16);
+    std::fill(out.begin() + n, out.begin() + n + 16, 0.0f);
     int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     if constexpr (std::is_same_v<S, c10::Float8_e4m3fn>) {  // a table: c10's conversion is bit by bit
@@ -414,9 +417,13 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   const kervan::quant_bf16::ChunkGroups cg(group);
 #endif
   const int64_t row_bytes = codes.size(1), ldx = x.stride(0);
+  const int64_t ahead_blocks = std::clamp<int64_t>(kPrefetchBytes / (kOutAtOnce * row_bytes), 1, kSlab - 1);
   at::parallel_for(0, blocks, 4, [&](int64_t nb0, int64_t nb1) {
     GroupParams<S> params(scales, zeros, tensor_scale);
     float result[kOutAtOnce * kRowsAtOnce];
+    // this range's outputs in float32 [M, width], plus bias, converted to T at the end
+    const int64_t first = nb0 * kOutAtOnce, width = std::min(N, nb1 * kOutAtOnce) - first;
+    std::vector<float> out32(M * width);
     int64_t f0 = 0;  // the first feature whose scales params holds
     for (int64_t nb = nb0; nb < nb1; ++nb) {
       const int64_t n0 = nb * kOutAtOnce, count = std::min(kOutAtOnce, N - n0);
@@ -426,14 +433,15 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
       }
       const uint8_t* rows[kOutAtOnce];
       for (int64_t b = 0; b < count; ++b) rows[b] = cp + (n0 + b) * row_bytes;
-      // the codes kPrefetch blocks of features ahead, into cache while these compute: a
+      // the codes ahead_blocks blocks of features ahead, into cache while these compute: a
       // decode step reads weights from DRAM, and short rows give the hardware prefetcher
       // too little of a stream to ramp up on (without it 4-bit codes came at half of
       // int8's bytes per second)
-      if (nb + kPrefetch < nb1) {
-        const uint8_t* ahead = cp + (n0 + kPrefetch * kOutAtOnce) * row_bytes;
+      if (nb + ahead_blocks < nb1) {
+        const uint8_t* ahead = cp + (n0 + ahead_blocks * kOutAtOnce) * row_bytes;
         for (int64_t off = 0; off < kOutAtOnce * row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
-        if ((nb - nb0) % kSlab == kSlab - kPrefetch) params.prefetch(n0 + kPrefetch * kOutAtOnce, kSlab * kOutAtOnce);
+        if ((nb - nb0) % kSlab == kSlab - ahead_blocks)
+          params.prefetch(n0 + ahead_blocks * kOutAtOnce, kSlab * kOutAtOnce);
       }
       for (int64_t m0 = 0; m0 < M; m0 += kRowsAtOnce) {
         const int64_t rx = std::min(kRowsAtOnce, M - m0);
@@ -470,13 +478,18 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
           else
             dot_rows<F, 1>(rx, xr, rows + b, scale, zero, xs, group, dec, result + b * rx);
         }
-        for (int64_t b = 0; b < count; ++b) {
-          for (int64_t r = 0; r < rx; ++r) {
-            const float v = result[b * rx + r];
-            op[(m0 + r) * N + n0 + b] = static_cast<T>(bp != nullptr ? v + static_cast<float>(bp[n0 + b]) : v);
-          }
-        }
+        for (int64_t b = 0; b < count; ++b)
+          for (int64_t r = 0; r < rx; ++r) out32[(m0 + r) * width + n0 - first + b] = result[b * rx + r];
       }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      float* src = out32.data() + m * width;
+      if (bp != nullptr)
+        for (int64_t j = 0; j < width; ++j) src[j] += static_cast<float>(bp[first + j]);
+      T* dst = op + m * N + first;
+      int64_t j = 0;
+      for (; j + kW <= width; j += kW) store_floats(dst + j, Vec::loadu(src + j));
+      for (; j < width; ++j) dst[j] = static_cast<T>(src[j]);
     }
   });
 }
