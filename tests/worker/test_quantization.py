@@ -69,6 +69,10 @@ def bf16_weights() -> list[QuantizedWeight]:
     them (576: SmolLM2's hidden size) and one chunk and a half (192)."""
     out = [get_method(name).quantize(weight(out=98, size=size, seed=size))
            for name in method_names() for size in (256, 576, 192) if size % get_method(name).block == 0]
+    # every e4m3 code but NaN's (0x7F, 0xFF), subnormals included, in every column over the rows
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F] + [0x00, 0x80], dtype=torch.uint8)
+    every = torch.stack([codes.roll(i) for i in range(98)])
+    out.append(QuantizedWeight(every, torch.full((98, 1), 0.01), None, None, CodeFormat.E4M3, 256, 256, method="e4m3"))
     return out + [q4_0_like(98, size, torch.arange(16, dtype=torch.float32) - 8) for size in (256, 576)]
 
 

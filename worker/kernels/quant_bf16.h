@@ -4,7 +4,7 @@
 // per instruction, twice the float32 FMA path's elements per instruction, with a quarter
 // of its decode work for 4-bit codes (one ``vpermw`` table lookup turns 32 codes into 32
 // values). Only formats whose values are exact in bf16 take it: 4-bit codes whose table is
-// (every int4, Q4_0, Q4_1 and e2m1 table is), int8 codes. The activations are used as they
+// (every int4, Q4_0, Q4_1 and e2m1 table is), int8 and float8 e4m3 codes. The activations are used as they
 // come, never rounded: they are bf16 already. The products are exact in float32; each
 // group's sum of products is then scaled once, in float32, as the float path does.
 //
@@ -67,18 +67,35 @@ struct Table {
   }
 };
 
-// elements [32 * blk, 32 * blk + 32) of a row's codes: 4-bit (16 bytes a block) or int8
-template <bool FOUR>
+// what the block kernel's codes are (the chunk kernel below takes 4-bit codes)
+enum Kind { kFourBit, kInt8Codes, kE4m3Codes };
+
+// elements [32 * blk, 32 * blk + 32) of a row's codes as bf16: 4-bit (16 bytes a block,
+// ``table``: their values), int8 or float8 e4m3 (32 bytes; ``table``: e4m3's subnormals)
+template <int KIND>
 inline __m512bh decode(const uint8_t* row, int64_t blk, const __m512i& table) {
-  if constexpr (FOUR) {
+  if constexpr (KIND == kFourBit) {
     const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + blk * 16)));
     const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
     return reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(idx, table));
-  } else {
+  } else if constexpr (KIND == kInt8Codes) {
     const __m128i* p = reinterpret_cast<const __m128i*>(row + blk * 32);
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
     return _mm512_cvtne2ps_pbh(hi, lo);  // exact: every int8 is a bf16
+  } else {
+    // e4m3 -> bf16, exactly: a normal code's exponent and mantissa shift into bf16's and its
+    // exponent gains bf16's bias less e4m3's (127 - 7 = 120); a subnormal one (exponent 0:
+    // m * 2^-9) is looked up by its mantissa; then the sign
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + blk * 32)));
+    const __m512i normal = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(v, 4), _mm512_set1_epi16(0x07F0)),
+                                            _mm512_set1_epi16(120 << 7));
+    const __mmask32 subnormal = _mm512_testn_epi16_mask(v, _mm512_set1_epi16(0x78));
+    const __m512i magnitude = _mm512_mask_permutexvar_epi16(normal, subnormal, v, table);
+    // magnitude | ((v << 8) & 0x8000)
+    const __m512i bits = _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(v, 8), _mm512_set1_epi16(0x8000),
+                                                   0xF8);
+    return reinterpret_cast<__m512bh>(bits);
   }
 }
 
@@ -95,7 +112,7 @@ inline __m512 group_scale(const float* s) {
 //                       + zero[b, g] * xsum[r, g]   (where zeros are given)
 // ``scale``, ``zero``: [B, groups] float32; ``xsum``: [R, groups], x summed over each group.
 // A group is 16 elements (SIXTEEN) or whole 32-element blocks.
-template <bool FOUR, bool SIXTEEN, int B, int R>
+template <int KIND, bool SIXTEEN, int B, int R>
 inline void dot_block(const uint16_t* x, int64_t ldx, int64_t K, const uint8_t* const* rows, const float* scale,
                       const float* zero, const float* xsum, int64_t group, const Table& t, float* result) {
   const int64_t groups = K / group, blocks_per_group = SIXTEEN ? 1 : group / 32;
@@ -121,7 +138,7 @@ inline void dot_block(const uint16_t* x, int64_t ldx, int64_t K, const uint8_t* 
         xv[r] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + r * ldx + blk * 32));
 #pragma GCC unroll 16
       for (int b = 0; b < B; ++b) {
-        const __m512bh w = decode<FOUR>(row[b], blk, t.table);
+        const __m512bh w = decode<KIND>(row[b], blk, t.table);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) part[b][r] = _mm512_dpbf16_ps(part[b][r], w, xv[r]);
       }
@@ -146,29 +163,32 @@ inline void dot_block(const uint16_t* x, int64_t ldx, int64_t K, const uint8_t* 
   for (int k = 0; k < B * R; ++k) result[k] = sums[k] + zacc[k / R][k % R];
 }
 
-template <bool FOUR, bool SIXTEEN, int B>
+template <int KIND, bool SIXTEEN, int B>
 inline void dot_rows_of(int64_t rows_x, const uint16_t* x, int64_t ldx, int64_t K, const uint8_t* const* rows,
                         const float* scale, const float* zero, const float* xsum, int64_t group, const Table& t,
                         float* result) {
   switch (rows_x) {
-    case 4: return dot_block<FOUR, SIXTEEN, B, 4>(x, ldx, K, rows, scale, zero, xsum, group, t, result);
-    case 3: return dot_block<FOUR, SIXTEEN, B, 3>(x, ldx, K, rows, scale, zero, xsum, group, t, result);
-    case 2: return dot_block<FOUR, SIXTEEN, B, 2>(x, ldx, K, rows, scale, zero, xsum, group, t, result);
-    default: return dot_block<FOUR, SIXTEEN, B, 1>(x, ldx, K, rows, scale, zero, xsum, group, t, result);
+    case 4: return dot_block<KIND, SIXTEEN, B, 4>(x, ldx, K, rows, scale, zero, xsum, group, t, result);
+    case 3: return dot_block<KIND, SIXTEEN, B, 3>(x, ldx, K, rows, scale, zero, xsum, group, t, result);
+    case 2: return dot_block<KIND, SIXTEEN, B, 2>(x, ldx, K, rows, scale, zero, xsum, group, t, result);
+    default: return dot_block<KIND, SIXTEEN, B, 1>(x, ldx, K, rows, scale, zero, xsum, group, t, result);
   }
 }
 
 // B output features (4, or 1 for the last few) against up to 4 rows of x: result[b * rows_x + r]
 template <int B>
-inline void dot_rows(bool four_bit, int64_t rows_x, const uint16_t* x, int64_t ldx, int64_t K,
+inline void dot_rows(Kind kind, int64_t rows_x, const uint16_t* x, int64_t ldx, int64_t K,
                      const uint8_t* const* rows, const float* scale, const float* zero, const float* xsum,
                      int64_t group, const Table& t, float* result) {
-  if (four_bit && group == 16)
-    return dot_rows_of<true, true, B>(rows_x, x, ldx, K, rows, scale, zero, xsum, group, t, result);
-  if (four_bit) return dot_rows_of<true, false, B>(rows_x, x, ldx, K, rows, scale, zero, xsum, group, t, result);
-  if (group == 16)
-    return dot_rows_of<false, true, B>(rows_x, x, ldx, K, rows, scale, zero, xsum, group, t, result);
-  return dot_rows_of<false, false, B>(rows_x, x, ldx, K, rows, scale, zero, xsum, group, t, result);
+#define KERVAN_BLOCK_ROWS(KIND)                                                                         \
+  if (group == 16) return dot_rows_of<KIND, true, B>(rows_x, x, ldx, K, rows, scale, zero, xsum, group, t, result); \
+  return dot_rows_of<KIND, false, B>(rows_x, x, ldx, K, rows, scale, zero, xsum, group, t, result);
+  switch (kind) {
+    case kFourBit: KERVAN_BLOCK_ROWS(kFourBit)
+    case kInt8Codes: KERVAN_BLOCK_ROWS(kInt8Codes)
+    default: KERVAN_BLOCK_ROWS(kE4m3Codes)
+  }
+#undef KERVAN_BLOCK_ROWS
 }
 
 // ---- 4-bit codes, 128 elements (four 32-element blocks, 64 bytes) at a time ----

@@ -400,18 +400,22 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   uint16_t table16[16] = {};
   bool bf16_dot = false;
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    bf16_dot = F == kInt8 || F == kUint4 || F == kLut4;
+    bf16_dot = true;
     for (int c = 0; c < 16 && (F == kUint4 || F == kLut4); ++c) {
       const float v = F == kUint4 ? static_cast<float>(c) : dec.lut[c];
       table16[c] = c10::BFloat16(v).x;
       bf16_dot = bf16_dot && static_cast<float>(c10::BFloat16(v)) == v;
     }
+    for (int m = 0; m < 8 && F == kE4m3; ++m) table16[m] = c10::BFloat16(std::ldexp(static_cast<float>(m), -9)).x;
     bf16_dot = bf16_dot && kervan::quant_bf16::available();
   }
   const kervan::quant_bf16::Table table(table16);
   const uint16_t* x16 = reinterpret_cast<const uint16_t*>(xp);
   // 4-bit codes whose groups tile 128-element chunks: the chunk kernel, x permuted for it once
-  const bool chunked = bf16_dot && F != kInt8 && kervan::quant_bf16::chunk_group(group, K);
+  const bool chunked = bf16_dot && (F == kUint4 || F == kLut4) && kervan::quant_bf16::chunk_group(group, K);
+  const auto kind = F == kInt8   ? kervan::quant_bf16::kInt8Codes
+                    : F == kE4m3 ? kervan::quant_bf16::kE4m3Codes
+                                 : kervan::quant_bf16::kFourBit;
   std::optional<kervan::quant_bf16::ChunkX> cx;
   if (chunked) cx.emplace(x16, x.stride(0), M, K);
   const kervan::quant_bf16::ChunkGroups cg(group);
@@ -464,10 +468,10 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
           if (bf16_dot) {
             const uint16_t* xb = x16 + m0 * ldx;
             if (count == kOutAtOnce)
-              kervan::quant_bf16::dot_rows<kOutAtOnce>(F != kInt8, rx, xb, ldx, K, rows, scale, zero, xs, group,
-                                                       table, result);
+              kervan::quant_bf16::dot_rows<kOutAtOnce>(kind, rx, xb, ldx, K, rows, scale, zero, xs, group, table,
+                                                       result);
             else
-              kervan::quant_bf16::dot_rows<1>(F != kInt8, rx, xb, ldx, K, rows + b, scale, zero, xs, group, table,
+              kervan::quant_bf16::dot_rows<1>(kind, rx, xb, ldx, K, rows + b, scale, zero, xs, group, table,
                                               result + b * rx);
             continue;
           }
