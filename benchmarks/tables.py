@@ -92,7 +92,60 @@ def linear_kernels() -> str:
     return "\n".join(rows) + "\n"
 
 
-TABLES = {"engine_throughput": engine_throughput, "step_profile": step_profile, "linear_kernels": linear_kernels}
+def _spread(x: dict, fmt: str = "{:,.1f}") -> str:
+    return f"{fmt.format(x['median'])} ({fmt.format(x['min'])}–{fmt.format(x['max'])})"
+
+
+QUANT_LABELS = {"bf16": "bf16", "gguf-q4_1": "GGUF Q4_1 as shipped", "int8": "int8", "fp8": "fp8",
+                "int4": "int4 (g64)", "nvfp4": "nvfp4"}
+
+
+def quantization() -> str:
+    """One row per (report, format): bytes, quality, decode speed per batch; llama.cpp."""
+    rows = []
+    for label, report in _reports("quantization"):
+        speed, quality, batches = report["speed"], report["quality"], report["args"]["batches"]
+        rows += [f"| format ({label}) | weight bytes (vs bf16) | perplexity (vs float32) | top-1 agreement | "
+                 + " | ".join(f"batch {b} tok/s (vs bf16)" for b in batches) + " |",
+                 "|---|---|---|---|" + "---|" * len(batches)]
+        base = speed["bf16"]["weight_bytes"]
+        for fmt, name in QUANT_LABELS.items():
+            s, q = speed[fmt], quality.get(fmt)
+            ppl = f"{q['perplexity']:.3f} ({q['perplexity_vs_float32']:.3f})" if q else "–"
+            agree = f"{q['top1_agreement_with_float32']:.3f}" if q else "–"
+            cells = [f"{_spread(s[f'batch_{b}_tok_s'])}" + ("" if fmt == "bf16" else
+                     f", {_range(s[f'batch_{b}_vs_bf16'])}") for b in batches]
+            rows.append(f"| {name} | {s['weight_bytes'] / 1e6:.1f} MB ({s['weight_bytes'] / base:.2f}) | {ppl} "
+                        f"| {agree} | " + " | ".join(cells) + " |")
+        if "llama_cpp" in speed:
+            one = batches[0]
+            rows.append(f"| llama.cpp, same GGUF, {speed['llama_cpp']['threads']} threads | | | | "
+                        f"{_spread(speed['llama_cpp'][f'batch_{one}_tok_s'])}; GGUF / llama.cpp per round "
+                        f"{_range(speed['gguf-q4_1'][f'batch_{one}_vs_llama_cpp'])} |" + " |" * (len(batches) - 1))
+        rows.append(f"| read bandwidth | {_spread(speed['read_bandwidth_gb_s'])} GB/s | | | "
+                    + " | ".join("" for _ in batches) + " |")
+    return "\n".join(rows) + "\n"
+
+
+KERNELS = ("kervan_int8", "torch_int8pack", "kervan_int4", "torch_int4pack")
+
+
+def quant_kernels() -> str:
+    """One row per (report, shape, rows): each kernel's speed over dense bf16's."""
+    rows = ["| report | shape (N x K) | rows | dense bf16 µs | " + " | ".join(KERNELS) + " |",
+            "|---|---|---|---|" + "---|" * len(KERNELS)]
+    for label, report in _reports("quant-kernels"):
+        for name, shape in report["results"].items():
+            for key in (k for k in shape if k.startswith("rows_")):
+                point = shape[key]
+                cells = [_range(point[k]["vs_dense_bf16"]) for k in KERNELS]
+                rows.append(f"| {label} | {name} {shape['shape'][0]} x {shape['shape'][1]} | {key[5:]} "
+                            f"| {_spread(point['dense_bf16']['us_per_call'], '{:,.0f}')} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+TABLES = {"engine_throughput": engine_throughput, "step_profile": step_profile, "linear_kernels": linear_kernels,
+          "quantization": quantization, "quant-kernels": quant_kernels}
 
 
 def render(text: str) -> str:

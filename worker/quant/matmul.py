@@ -1,9 +1,10 @@
 """``x @ w.T`` for a ``QuantizedWeight`` w, activations in the model's dtype.
 
 - Few rows (decode steps, short chunks; up to ``DIRECT_MAX_ROWS``) on the CPU: the native
-  ``quant_matmul`` decodes each row of codes in registers and dots it with every row of x
-  in float32. A step reads the codes once: 4-bit weights are a quarter of bf16's bytes,
-  and a decode step is bound by the bytes it reads.
+  ``quant_matmul`` decodes each row of codes in registers and dots it with every row of x,
+  summing in float32 (bf16 x on AVX512_BF16: bf16 values and ``vdpbf16ps``). A step reads
+  the codes once: 4-bit weights are a quarter of bf16's bytes, and a decode step is bound
+  by the bytes it reads.
 - More rows: tiles of ``TILE_ELEMENTS`` weights are dequantized to x's dtype and go
   through that dtype's own matmul (oneDNN's bf16 kernels, or cuBLAS), so a prompt chunk
   costs what it costs unquantized plus one pass over the codes; the whole matrix is never
@@ -12,8 +13,9 @@
   dequantized by the plain PyTorch reference; FP8 on a GPU with FP8 tensor cores takes
   ``torch._scaled_mm`` (``fp8_scaled_mm``).
 
-``benchmarks/quant_kernels.py`` measured the crossover and PyTorch's own int4/int8 CPU
-kernels against these (``benchmarks/README.md``)."""
+``benchmarks/quant_kernels.py`` measures PyTorch's own int8/int4 CPU kernels
+(``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) against these on the real
+model's shapes (``benchmarks/README.md``)."""
 
 from __future__ import annotations
 
