@@ -82,6 +82,23 @@ def test_greedy_is_bit_identical_across_batches_chunks_prefix_hits_and_migration
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("quantization", ["int4-g32", "fp8"])
+def test_quantized_weights_keep_the_bits_across_batches_and_chunks(llama, dtype, quantization):
+    """The quantized matmul's rows never mix below its tile threshold; the mode's plan
+    covers the calls above it (prefill chunks): the same promise with low-precision weights."""
+    _, path = llama
+    prompt = make_prompts([37], seed=40)[0]
+    reference = run_alone(path, dtype, prompt, quantization=quantization)
+    engine = det_engine(path, dtype, quantization=quantization)
+    others = make_prompts([3, 29, 70, 8], seed=41)
+    budgets = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (4, 15, 7, 30)]
+    outs = engine.generate(others[:2] + [prompt] + others[2:], budgets[:2] + [PARAMS] + budgets[2:])
+    assert answer(outs[2]) == reference
+    chunked = det_engine(path, dtype, quantization=quantization, max_num_batched_tokens=5)
+    assert answer(chunked.generate([others[1], prompt], [budgets[3], PARAMS])[1]) == reference
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_greedy_from_pushed_kv_is_bit_identical(llama, dtype):
     """Prefilled in chunks of 8 beside another prompt, decoded beside three other requests."""
     _, path = llama
