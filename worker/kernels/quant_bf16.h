@@ -50,7 +50,7 @@ __attribute__((always_inline)) inline void reduce_store(const __m512 (&acc)[N], 
     } else {
       alignas(16) float out[4];
       _mm_store_ps(out, sums);
-      for (int j = 0; k + j < N; ++j) result[k + j] = out[j];
+      for (int j = 0; j < 4 && k + j < N; ++j) result[k + j] = out[j];
     }
   }
 }

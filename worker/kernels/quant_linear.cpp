@@ -222,36 +222,49 @@ void check_weight(const at::Tensor& codes, const at::Tensor& scales, const std::
 
 // Rows [n0, n0 + count) of the scales (times the tensor scale) and zeros as float32:
 // [count, groups] each. S: the scales' dtype, fixed per call.
-template <typename S>
 struct GroupParams {
-  const S* scales;
-  const S* zeros;  // or null
-  int64_t groups;
+  const char* scales;
+  const char* zeros;  // or null
+  at::ScalarType dtype;
+  int64_t groups, itemsize;
   float mult;
   std::vector<float> scale, zero;
 
   GroupParams(const at::Tensor& s, const std::optional<at::Tensor>& z, double tensor_scale)
-      : scales(s.data_ptr<S>()), zeros(z.has_value() ? z->data_ptr<S>() : nullptr), groups(s.size(1)),
-        mult(static_cast<float>(tensor_scale)) {}
+      : scales(static_cast<const char*>(s.data_ptr())),
+        zeros(z.has_value() ? static_cast<const char*>(z->data_ptr()) : nullptr), dtype(s.scalar_type()),
+        groups(s.size(1)), itemsize(static_cast<int64_t>(s.element_size())), mult(static_cast<float>(tensor_scale)) {}
 
   // rows [n0, n0 + count) of the scales and zeros, into cache ahead of ``load``
   void prefetch(int64_t n0, int64_t count) const {
-    const int64_t bytes = count * groups * static_cast<int64_t>(sizeof(S));
+    const int64_t bytes = count * groups * itemsize, start = n0 * groups * itemsize;
     for (int64_t off = 0; off < bytes; off += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(scales + n0 * groups) + off, 0, 3);
-      if (zeros != nullptr) __builtin_prefetch(reinterpret_cast<const char*>(zeros + n0 * groups) + off, 0, 3);
+      __builtin_prefetch(scales + start + off, 0, 3);
+      if (zeros != nullptr) __builtin_prefetch(zeros + start + off, 0, 3);
     }
   }
 
   void load(int64_t n0, int64_t count) {
-    convert(scales + n0 * groups, count * groups, mult, scale);
-    if (zeros != nullptr) convert(zeros + n0 * groups, count * groups, 1.0f, zero);
+    const int64_t start = n0 * groups * itemsize;
+    convert(scales + start, count * groups, mult, scale);
+    if (zeros != nullptr) convert(zeros + start, count * groups, 1.0f, zero);
   }
 
   // n values, then 16 zeros: the chunk kernel loads 16 from a row's last group on
-  static void convert(const S* src, int64_t n, float m, std::vector<float>& out) {
+  void convert(const char* src, int64_t n, float m, std::vector<float>& out) const {
     if (static_cast<int64_t>(out.size()) < n + 16) out.resize(n + 16);
     std::fill(out.begin() + n, out.begin() + n + 16, 0.0f);
+    switch (dtype) {
+      case at::kHalf: convert_as(reinterpret_cast<const c10::Half*>(src), n, out.data()); break;
+      case at::kFloat8_e4m3fn: convert_as(reinterpret_cast<const c10::Float8_e4m3fn*>(src), n, out.data()); break;
+      default: convert_as(reinterpret_cast<const float*>(src), n, out.data());
+    }
+    if (m != 1.0f)
+      for (int64_t j = 0; j < n; ++j) out[j] *= m;
+  }
+
+  template <typename S>
+  static void convert_as(const S* src, int64_t n, float* out) {
     int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     if constexpr (std::is_same_v<S, c10::Float8_e4m3fn>) {  // a table: c10's conversion is bit by bit
@@ -265,29 +278,21 @@ struct GroupParams {
     }
     if constexpr (std::is_same_v<S, c10::Half>) {  // F16C, 8 at a time
       for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out.data() + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
     }
 #endif
     for (; i < n; ++i) out[i] = static_cast<float>(src[i]);
-    if (m != 1.0f)
-      for (int64_t j = 0; j < n; ++j) out[j] *= m;
   }
 };
 
-// the scales' dtypes
-#define KERVAN_DISPATCH_SCALES(TYPE, ...)                                                       \
-  AT_DISPATCH_SWITCH(TYPE, "quant_scales", AT_DISPATCH_CASE(at::ScalarType::Float, __VA_ARGS__) \
-                     AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__)                         \
-                     AT_DISPATCH_CASE(at::ScalarType::Float8_e4m3fn, __VA_ARGS__))
-
-template <int64_t F, typename T, typename S>
+template <int64_t F, typename T>
 void dequantize_impl(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                      const Decoder<F>& dec, double tensor_scale, at::Tensor& out) {
   const int64_t N = codes.size(0), K = dec.K, subs = K / kSub;
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    GroupParams<S> params(scales, zeros, tensor_scale);
+    GroupParams params(scales, zeros, tensor_scale);
     params.load(n0, n1 - n0);
     const int64_t groups = scales.size(1), per_group = (K / groups) / kSub;
     for (int64_t n = n0; n < n1; ++n) {
@@ -373,7 +378,7 @@ inline void dot_rows(int64_t rows_x, const float* xf, const uint8_t* const* rows
   }
 }
 
-template <int64_t F, typename T, typename S>
+template <int64_t F, typename T>
 void matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                  const std::optional<at::Tensor>& zeros, const Decoder<F>& dec, double tensor_scale,
                  const std::optional<at::Tensor>& bias, at::Tensor& out) {
@@ -423,7 +428,7 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   const int64_t row_bytes = codes.size(1), ldx = x.stride(0);
   const int64_t ahead_blocks = std::clamp<int64_t>(kPrefetchBytes / (kOutAtOnce * row_bytes), 1, kSlab - 1);
   at::parallel_for(0, blocks, 4, [&](int64_t nb0, int64_t nb1) {
-    GroupParams<S> params(scales, zeros, tensor_scale);
+    GroupParams params(scales, zeros, tensor_scale);
     float result[kOutAtOnce * kRowsAtOnce];
     // this range's outputs in float32 [M, width], plus bias, converted to T at the end
     const int64_t first = nb0 * kOutAtOnce, width = std::min(N, nb1 * kOutAtOnce) - first;
@@ -511,11 +516,8 @@ at::Tensor quant_dequantize(at::Tensor codes, at::Tensor scales, std::optional<a
   auto out = at::empty({codes.size(0), K}, codes.options().dtype(dtype));
   KERVAN_DISPATCH(dtype, "quant_dequantize", [&] {
     using T = scalar_t;
-    KERVAN_DISPATCH_SCALES(scales.scalar_type(), [&] {
-      using S = scalar_t;
-      KERVAN_DISPATCH_CODES(format, [&] {
-        dequantize_impl<F, T, S>(codes, scales, zeros, Decoder<F>(K, table_of(lut, format)), tensor_scale, out);
-      });
+    KERVAN_DISPATCH_CODES(format, [&] {
+      dequantize_impl<F, T>(codes, scales, zeros, Decoder<F>(K, table_of(lut, format)), tensor_scale, out);
     });
   });
   return out;
@@ -535,12 +537,8 @@ at::Tensor quant_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales, std::
   if (x.size(0) == 0) return out;
   KERVAN_DISPATCH(x.scalar_type(), "quant_matmul", [&] {
     using T = scalar_t;
-    KERVAN_DISPATCH_SCALES(scales.scalar_type(), [&] {
-      using S = scalar_t;
-      KERVAN_DISPATCH_CODES(format, [&] {
-        matmul_impl<F, T, S>(x, codes, scales, zeros, Decoder<F>(K, table_of(lut, format)), tensor_scale, bias,
-                             out);
-      });
+    KERVAN_DISPATCH_CODES(format, [&] {
+      matmul_impl<F, T>(x, codes, scales, zeros, Decoder<F>(K, table_of(lut, format)), tensor_scale, bias, out);
     });
   });
   return out;
