@@ -7,8 +7,10 @@ from the file only the slice a loader indexes: a rank of a worker group reads it
 shard of each matrix, never another rank's experts or another stage's layers.
 
 A directory holding one ``*.gguf`` file instead is read with llama.cpp's blocks kept as
-they ship (``worker/quant/gguf.py``); ``quantization`` quantizes a float checkpoint's
-weights once they are loaded (``worker/quant/model.py``)."""
+they ship (``worker/quant/gguf.py``), and an FP8 safetensors checkpoint (compressed-tensors'
+or ``quant_method: fp8``) with its codes and scales kept (``worker/quant/checkpoint.py``);
+``quantization`` quantizes a float checkpoint's weights once they are loaded
+(``worker/quant/model.py``)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from safetensors import safe_open
 from worker.config import ConfigError, ModelConfig
 from worker.layers.packing import pack_weights
 from worker.models.decoder import DecoderModel, load_weights
+from worker.quant.checkpoint import IGNORED_SUFFIXES, SCALE_SUFFIXES, Fp8Tensor, fp8_block
 from worker.quant.gguf import gguf_file, iter_gguf_tensors
 from worker.quant.model import quantize_model, set_quantized
 
@@ -66,13 +69,32 @@ class CheckpointTensor:
         return t if self._dtype is None else t.to(self._dtype)
 
 
-def iter_tensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
-    for path in safetensor_files(model_dir):
+def iter_tensors(model_dir: Path, dtype: torch.dtype,
+                 fp8_block: int | None = None) -> Iterator[tuple[str, CheckpointTensor | Fp8Tensor]]:
+    """Each tensor of the checkpoint; with ``fp8_block`` (an FP8 checkpoint's layout,
+    ``worker/quant/checkpoint.py``) its float8 weights as ``Fp8Tensor``s with their scales,
+    the scales themselves and the activations' not yielded."""
+    files = safetensor_files(model_dir)
+    scales: dict[str, torch.Tensor] = {}
+    if fp8_block is not None:  # small, read whole first: a scale may sit in a later file than its weight
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                scales.update({n: f.get_tensor(n) for n in f.keys() if n.endswith(SCALE_SUFFIXES)})
+    for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
+                view = f.get_slice(name)
+                if fp8_block is not None:
+                    if name.endswith(SCALE_SUFFIXES + IGNORED_SUFFIXES):
+                        continue
+                    if view.get_dtype() == "F8_E4M3":
+                        scale = scales.get(f"{name}_scale", scales.get(f"{name}_scale_inv"))
+                        if scale is None:
+                            raise ConfigError(f"{path.name}: {name} is FP8 with no {name}_scale")
+                        yield name, Fp8Tensor(name, view, scale, fp8_block)
+                        continue
                 # routing biases stay float32 (their small differences decide experts)
-                yield name, CheckpointTensor(name, f.get_slice(name),
-                                             None if name.endswith("e_score_correction_bias") else dtype)
+                yield name, CheckpointTensor(name, view, None if name.endswith("e_score_correction_bias") else dtype)
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int,
@@ -82,10 +104,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int,
     with torch.device(device):
         model = DecoderModel(cfg, dtype, max_positions)
     gguf = gguf_file(model_dir) if not any(model_dir.glob("*.safetensors")) else None
-    if gguf is not None and quantization is not None:
-        raise ConfigError(f"{gguf.name} is already quantized: serve it as it is, or a float checkpoint "
-                          f"with quantization {quantization!r}")
-    load_weights(model, iter_gguf_tensors(gguf, cfg, dtype) if gguf is not None else iter_tensors(model_dir, dtype))
+    block = fp8_block(json.loads((model_dir / "config.json").read_text())) if gguf is None else None
+    if (gguf is not None or block is not None) and quantization is not None:
+        raise ConfigError(f"{gguf.name if gguf else model_dir.name} is already quantized: serve it as it is, "
+                          f"or a float checkpoint with quantization {quantization!r}")
+    load_weights(model, iter_gguf_tensors(gguf, cfg, dtype) if gguf is not None
+                 else iter_tensors(model_dir, dtype, block))
     if quantization is not None:
         quantize_model(model, quantization)
     _place_quantized(model, device)

@@ -1,10 +1,10 @@
 // The decode-step matmul of ``quant_linear.cpp`` for bf16 activations on CPUs with
 // AVX512_BF16 (Zen 4 and later, Cooper Lake, Sapphire Rapids and later): the codes become
 // bf16 values in registers and ``vdpbf16ps`` multiplies 32 of them into 16 float32 lanes
-// per instruction, twice the float32 FMA path's elements per instruction, with a quarter
-// of its decode work for 4-bit codes (one ``vpermw`` table lookup turns 32 codes into 32
-// values). Only formats whose values are exact in bf16 take it: 4-bit codes whose table is
-// (every int4, Q4_0, Q4_1 and e2m1 table is), int8 and float8 e4m3 codes. The activations are used as they
+// per instruction, twice the float32 FMA path's elements per instruction, with a fraction
+// of its decode work (4-bit codes 128 at a time: the chunk kernel at the end). Only formats
+// whose values are exact in bf16 take it: 4-bit codes whose table is (every int4, Q4_0,
+// Q4_1 and e2m1 table is), int8 and float8 e4m3 codes. The activations are used as they
 // come, never rounded: they are bf16 already. The products are exact in float32; each
 // group's sum of products is then scaled once, in float32, as the float path does.
 //

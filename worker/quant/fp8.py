@@ -46,5 +46,5 @@ def _spread(block_scales: torch.Tensor, out: int) -> torch.Tensor:
     return block_scales.repeat_interleave(BLOCK, dim=0)[:out].repeat_interleave(BLOCK, dim=1)
 
 
-METHODS = [QuantMethod("fp8", "FP8 e4m3 weights, a float32 scale per output channel", quantize_fp8, 16),
+METHODS = [QuantMethod("fp8", "FP8 e4m3 weights, a float32 scale per output channel", quantize_fp8, 32),
            QuantMethod("fp8-block", "FP8 e4m3 weights, a float32 scale per 128x128 block", quantize_fp8_block, BLOCK)]

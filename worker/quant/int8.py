@@ -17,4 +17,4 @@ def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
                            method="int8")
 
 
-METHODS = [QuantMethod("int8", "int8 weights, a float32 scale per output channel", quantize_int8, 16)]
+METHODS = [QuantMethod("int8", "int8 weights, a float32 scale per output channel", quantize_int8, 32)]
