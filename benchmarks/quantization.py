@@ -15,6 +15,8 @@ every ``--quantization`` method are made at load.
   bf16 activations), rounds interleaving the formats; llama.cpp's ``llama-bench`` on the
   GGUF at the same thread count (``tg``: batch 1) in each round where ``--llama-bench``
   names one, and the GGUF's batch-1 rate over it per round.
+- The mixed engine workload: 32 requests at once, prompts of 32-256 tokens and outputs of
+  16-128 drawn per round (the same for every format), greedy, output tok/s.
 - Roofline: weight bytes read per batch-1 step over its time, against a read bandwidth
   measured between the rounds (a sum over a 512 MB tensor).
 
@@ -111,6 +113,27 @@ def decode_rate(engine, batch: int, new_tokens: int) -> float:
     return batch * (new_tokens - 1) / max(time.perf_counter() - start - prefill, 1e-9)
 
 
+def mixed_rate(engine, args, seed: int) -> float:
+    """Output tok/s of the mixed workload: ``--mixed-requests`` requests at once, prompt and
+    output lengths drawn uniformly (``--mixed-prompt``, ``--mixed-output``), greedy, every
+    request its full length; the same requests for every format within a round."""
+    import random
+
+    from worker import SamplingParams
+    rng = random.Random(seed)
+    lo, hi = map(int, args.mixed_prompt.split(":"))
+    olo, ohi = map(int, args.mixed_output.split(":"))
+    prompts = [[1] + [rng.randrange(100, 40000) for _ in range(rng.randint(lo, hi) - 1)]
+               for _ in range(args.mixed_requests)]
+    params = [SamplingParams(max_tokens=rng.randint(olo, ohi), temperature=0.0, ignore_eos=True) for _ in prompts]
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.token_ids) for o in outs)
+    assert produced == sum(p.max_tokens for p in params), "a request stopped short"
+    return produced / elapsed
+
+
 def read_bandwidth() -> float:
     """GB/s of a sum over 512 MB (a decode step mostly reads)."""
     x = torch.ones(128 << 20)
@@ -129,13 +152,16 @@ def speed(args, formats: list[str]) -> dict:
         engines[fmt] = Engine.from_pretrained(directory, dtype=args.dtype, max_num_seqs=64,
                                               quantization=fmt if fmt in QUANTIZED else None)
     rates = {fmt: {b: [] for b in args.batches} for fmt in formats}
+    mixed = {fmt: [] for fmt in formats}
     bandwidth, llama = [], []
     gguf = str(next(Path(args.gguf_dir).glob("*.gguf")))
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         bandwidth.append(read_bandwidth())
         for batch in args.batches:
             for fmt in formats:
                 rates[fmt][batch].append(decode_rate(engines[fmt], batch, args.new_tokens))
+        for fmt in formats if args.mixed_requests else []:
+            mixed[fmt].append(mixed_rate(engines[fmt], args, seed=round_))
         if args.llama_bench:  # the peer in the same round, batch 1, one run of its own
             llama.append(llama_cpp(args.llama_bench, gguf, torch.get_num_threads(), 1, args.new_tokens))
     from worker.quant.model import quantized_bytes
@@ -148,6 +174,9 @@ def speed(args, formats: list[str]) -> dict:
         out[fmt]["batch_1_bytes_per_s_gb"] = round(nbytes * one / 1e9, 2)
         for b in args.batches:
             out[fmt][f"batch_{b}_vs_bf16"] = spread([r / base for r, base in zip(rates[fmt][b], rates["bf16"][b])])
+        if mixed[fmt]:
+            out[fmt]["mixed_tok_s"] = spread(mixed[fmt])
+            out[fmt]["mixed_vs_bf16"] = spread([r / base for r, base in zip(mixed[fmt], mixed["bf16"])])
         engines[fmt].close()
     if llama:
         one = args.batches[0]
@@ -176,6 +205,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--text-tokens", type=int, default=4096)
+    ap.add_argument("--mixed-requests", type=int, default=32, help="the mixed workload's requests (0: none)")
+    ap.add_argument("--mixed-prompt", default="32:256", help="min:max prompt tokens of the mixed workload")
+    ap.add_argument("--mixed-output", default="16:128", help="min:max output tokens of the mixed workload")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     from kervan.tokenizer import Tokenizer

@@ -105,25 +105,28 @@ def quantization() -> str:
     rows = []
     for label, report in _reports("quantization"):
         speed, quality, batches = report["speed"], report["quality"], report["args"]["batches"]
+        mixed = "mixed_tok_s" in speed["bf16"]
         rows += [f"| format ({label}) | weight bytes (vs bf16) | perplexity (vs float32) | top-1 agreement | "
-                 + " | ".join(f"batch {b} tok/s (vs bf16)" for b in batches) + " |",
-                 "|---|---|---|---|" + "---|" * len(batches)]
+                 + " | ".join(f"batch {b} tok/s (vs bf16)" for b in batches)
+                 + (" | mixed workload tok/s (vs bf16)" if mixed else "") + " |",
+                 "|---|---|---|---|" + "---|" * (len(batches) + mixed)]
         base = speed["bf16"]["weight_bytes"]
         for fmt, name in QUANT_LABELS.items():
             s, q = speed[fmt], quality.get(fmt)
             ppl = f"{q['perplexity']:.3f} ({q['perplexity_vs_float32']:.3f})" if q else "–"
             agree = f"{q['top1_agreement_with_float32']:.3f}" if q else "–"
-            cells = [f"{_spread(s[f'batch_{b}_tok_s'])}" + ("" if fmt == "bf16" else
-                     f", {_range(s[f'batch_{b}_vs_bf16'])}") for b in batches]
+            keys = [f"batch_{b}" for b in batches] + (["mixed"] if mixed else [])
+            cells = [f"{_spread(s[f'{k}_tok_s'])}" + ("" if fmt == "bf16" else f", {_range(s[f'{k}_vs_bf16'])}")
+                     for k in keys]
             rows.append(f"| {name} | {s['weight_bytes'] / 1e6:.1f} MB ({s['weight_bytes'] / base:.2f}) | {ppl} "
                         f"| {agree} | " + " | ".join(cells) + " |")
         if "llama_cpp" in speed:
             one = batches[0]
             rows.append(f"| llama.cpp, same GGUF, {speed['llama_cpp']['threads']} threads | | | | "
                         f"{_spread(speed['llama_cpp'][f'batch_{one}_tok_s'])}; GGUF / llama.cpp per round "
-                        f"{_range(speed['gguf-q4_1'][f'batch_{one}_vs_llama_cpp'])} |" + " |" * (len(batches) - 1))
+                        f"{_range(speed['gguf-q4_1'][f'batch_{one}_vs_llama_cpp'])} |" + " |" * (len(batches) - 1 + mixed))
         rows.append(f"| read bandwidth | {_spread(speed['read_bandwidth_gb_s'])} GB/s | | | "
-                    + " | ".join("" for _ in batches) + " |")
+                    + " | ".join("" for _ in range(len(batches) + mixed)) + " |")
     return "\n".join(rows) + "\n"
 
 
