@@ -13,8 +13,9 @@ every ``--quantization`` method are made at load.
   greedy next token with float32's on the same text.
 - Speed: decode tokens/s at batch 1, 8 and 32 (prompts of 16 tokens, 48 new tokens each,
   bf16 activations), rounds interleaving the formats; llama.cpp's ``llama-bench`` on the
-  GGUF at the same thread count (``tg``: batch 1) in each round where ``--llama-bench``
-  names one, and the GGUF's batch-1 rate over it per round.
+  GGUF at the same thread count (``tg``: batch 1) in each round, right after Kervan's
+  batch-1 runs, where ``--llama-bench`` names one, and the GGUF's batch-1 rate over it per
+  round.
 - The mixed engine workload: 32 requests at once, prompts of 32-256 tokens and outputs of
   16-128 drawn per round (the same for every format), greedy, output tok/s.
 - Roofline: weight bytes read per batch-1 step over its time, against a read bandwidth
@@ -160,10 +161,10 @@ def speed(args, formats: list[str]) -> dict:
         for batch in args.batches:
             for fmt in formats:
                 rates[fmt][batch].append(decode_rate(engines[fmt], batch, args.new_tokens))
+            if args.llama_bench and batch == args.batches[0]:  # the peer right after Kervan's batch-1 runs
+                llama.append(llama_cpp(args.llama_bench, gguf, torch.get_num_threads(), 1, args.new_tokens))
         for fmt in formats if args.mixed_requests else []:
             mixed[fmt].append(mixed_rate(engines[fmt], args, seed=round_))
-        if args.llama_bench:  # the peer in the same round, batch 1, one run of its own
-            llama.append(llama_cpp(args.llama_bench, gguf, torch.get_num_threads(), 1, args.new_tokens))
     from worker.quant.model import quantized_bytes
     out = {"read_bandwidth_gb_s": spread(bandwidth)}
     for fmt in formats:
