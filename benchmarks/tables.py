@@ -122,9 +122,10 @@ def quantization() -> str:
                         f"| {agree} | " + " | ".join(cells) + " |")
         if "llama_cpp" in speed:
             one = batches[0]
+            ratio = _range(speed["gguf-q4_1"][f"batch_{one}_vs_llama_cpp"])
             rows.append(f"| llama.cpp, same GGUF, {speed['llama_cpp']['threads']} threads | | | | "
                         f"{_spread(speed['llama_cpp'][f'batch_{one}_tok_s'])}; GGUF / llama.cpp per round "
-                        f"{_range(speed['gguf-q4_1'][f'batch_{one}_vs_llama_cpp'])} |" + " |" * (len(batches) - 1 + mixed))
+                        f"{ratio} |" + " |" * (len(batches) - 1 + mixed))
         rows.append(f"| read bandwidth | {_spread(speed['read_bandwidth_gb_s'])} GB/s | | | "
                     + " | ".join("" for _ in range(len(batches) + mixed)) + " |")
     return "\n".join(rows) + "\n"
