@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import make_prompts
@@ -17,6 +18,7 @@ from tests.worker.test_model_parity import model_logits
 from tests.worker.test_quantization import _dequantize_in_place
 from worker.config import ConfigError
 from worker.loader import load_model
+from worker.quant.checkpoint import Fp8Tensor
 from worker.quant.fp8 import quantize_fp8
 from worker.quant.weight import CodeFormat
 
@@ -111,3 +113,22 @@ def test_other_quantized_checkpoints_and_requantizing_are_config_errors(hf_model
     (fp8 / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="gptq"):
         load_model(fp8, torch.float32, 512)
+
+
+def test_slices_the_kernel_cannot_take_and_pre_quantized_experts_are_config_errors(tmp_path):
+    """A rank's slice of 48 columns (a tensor-parallel split of 96), a slice across a block,
+    and an expert's weights: refused at load, never a failure inside the kernel."""
+    codes = torch.zeros(64, 96).to(torch.float8_e4m3fn)
+    save_file({"w": codes, "layers.0.mlp.experts.0.w1.weight": codes.clone()}, str(tmp_path / "t.safetensors"))
+    with safe_open(str(tmp_path / "t.safetensors"), framework="pt") as f:
+        channel = Fp8Tensor("w", f.get_slice("w"), torch.ones(64, 1), 0)
+        assert channel[:, 32:64].in_features == 32
+        with pytest.raises(ConfigError, match="multiples of 32"):
+            channel[:, 0:48]
+        blocks = Fp8Tensor("w", f.get_slice("w"), torch.ones(2, 3), 32)
+        assert blocks[:, 32:96].scales.shape == (64, 2)
+        with pytest.raises(ConfigError, match="whole 64-wide FP8 blocks"):
+            Fp8Tensor("w", f.get_slice("w"), torch.ones(1, 1), 64)[:, 0:32]
+        with pytest.raises(ConfigError, match="pre-quantized experts"):
+            Fp8Tensor("layers.0.mlp.experts.0.w1.weight", f.get_slice("layers.0.mlp.experts.0.w1.weight"),
+                      torch.ones(1), 0)

@@ -89,14 +89,10 @@ class Fp8Tensor:
         codes = self._view[rows, start:stop] if (start, stop) != (0, self.shape[1]) else self._view[rows]
         if codes.dtype != torch.float8_e4m3fn:
             raise ConfigError(f"{self.name} is {codes.dtype}; an FP8 checkpoint's weights are float8_e4m3fn")
-        scales = self._scale[rows]
+        scales, group = self._scale[rows], stop - start
         if self._block:
-            if start % self._block or (stop % self._block and stop != self.shape[1]):
-                raise ValueError(f"columns {start}:{stop} split a {self._block}-wide FP8 block")
-            scales, group = scales[:, start // self._block:-(-stop // self._block)], self._block
-            if (stop - start) % group:  # a last block narrower than the others
-                raise ConfigError(f"{self.name}: {stop - start} columns are not whole {group}-blocks")
-        else:
-            group = stop - start
+            if start % self._block or (stop - start) % self._block:
+                raise ConfigError(f"{self.name}: columns {start}:{stop} are not whole {self._block}-wide FP8 blocks")
+            scales, group = scales[:, start // self._block:stop // self._block], self._block
         return QuantizedWeight(codes.contiguous().view(torch.uint8), scales.contiguous(), None, None,
                                CodeFormat.E4M3, group, stop - start, method="fp8-checkpoint")
