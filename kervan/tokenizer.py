@@ -24,6 +24,10 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's text and id, added tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     @property
     def max_token_bytes(self) -> int:
         """The most UTF-8 bytes one token stands for (at least 1): a text of B bytes is

@@ -35,6 +35,10 @@ ARCHITECTURE_OF_MODEL_TYPE = {
 }
 
 
+# the proposers of speculative decoding (``worker/spec/``)
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
 class ConfigError(ValueError):
     """A model directory or an engine option that Kervan cannot serve."""
 
@@ -235,6 +239,17 @@ class EngineConfig:
     # weight-only low precision for a float checkpoint's linears (``worker/quant/method.py``: int8,
     # int4, fp8, nvfp4, ...); None: as the checkpoint holds them (a GGUF file stays in its blocks)
     quantization: str | None = None
+    # speculative decoding (``worker/spec/``): a proposer guesses up to ``num_speculative_tokens``
+    # tokens per running sequence and each step verifies them with the target; "ngram" (prompt
+    # lookup, ``prompt_lookup_min``..``prompt_lookup_max`` tokens matched) or "draft" (the smaller
+    # model in ``speculative_model``, same tokenizer); None: off. Off for a step whose batch holds
+    # more than ``speculative_disable_by_batch_size`` sequences (0: never off)
+    speculative: str | None = None
+    num_speculative_tokens: int = 3
+    speculative_model: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    speculative_disable_by_batch_size: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -267,6 +282,24 @@ class EngineConfig:
                                   f"{', '.join(method_names())}")
         if self.kv_disk_write not in ("back", "through"):
             raise ConfigError(f"kv_disk_write must be back or through, got {self.kv_disk_write!r}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in (None, *SPECULATIVE_METHODS):
+            raise ConfigError(f"speculative {self.speculative!r} unknown; choose one of "
+                              f"{', '.join(SPECULATIVE_METHODS)}")
+        if self.speculative is None:
+            return
+        if self.num_speculative_tokens < 1:
+            raise ConfigError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"n-gram sizes need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.speculative_disable_by_batch_size < 0:
+            raise ConfigError(f"speculative_disable_by_batch_size must be >= 0, got "
+                              f"{self.speculative_disable_by_batch_size}")
+        if (self.speculative == "draft") != (self.speculative_model is not None):
+            raise ConfigError("speculative_model names the draft model of speculative='draft', and only of it")
 
     @property
     def world_size(self) -> int:

@@ -40,7 +40,7 @@ def test_padding_rows_use_only_the_padding_block_and_never_sample():
 
 def _scheduled(tokens: list[int], computed: int, new: int, blocks: list[int]):
     return SimpleNamespace(sequence=SimpleNamespace(token_ids=tokens), num_computed=computed, num_new_tokens=new,
-                           block_ids=blocks, num_samples=1)
+                           block_ids=blocks, num_samples=1, guesses=[])
 
 
 def test_the_static_buffer_forward_is_the_eager_forward_and_padding_touches_no_real_kv(llama):
@@ -49,9 +49,9 @@ def test_the_static_buffer_forward_is_the_eager_forward_and_padding_touches_no_r
     model, bs = runner.model, 4
     prompts = make_prompts([5, 9, 6], seed=70)
     tables = [[0, 1], [2, 3, 4], [5, 6]]
-    prefill = runner._prepare([_scheduled(p, 0, len(p), t) for p, t in zip(prompts, tables)], [])
+    prefill = runner.prepare([_scheduled(p, 0, len(p), t) for p, t in zip(prompts, tables)], [])
     runner.forward(prefill)
-    decode = runner._prepare([_scheduled(p + [7], len(p), 1, t) for p, t in zip(prompts, tables)], [])
+    decode = runner.prepare([_scheduled(p + [7], len(p), 1, t) for p, t in zip(prompts, tables)], [])
     before = [cache.clone() for cache in runner.kv_caches]
 
     def eager() -> torch.Tensor:

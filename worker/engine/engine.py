@@ -30,6 +30,7 @@ from worker.parallel.group import GroupLeader
 from worker.platform import current_platform
 from worker.runner.model_runner import ModelRunner
 from worker.runner.sampler import skip_draw
+from worker.spec.proposer import make_proposer
 
 Prompt = list[int] | str
 
@@ -66,6 +67,11 @@ class Engine:
             self.close()
             raise
         self.scheduler = StepScheduler(self.config, self.kv)
+        try:
+            self.proposer = make_proposer(self.config, self.model_config, model_dir)
+        except BaseException:
+            self.close()
+            raise
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.groups: dict[str, list[Sequence]] = {}  # request id -> its sequences (n of them once forked)
         self._ids = itertools.count()
@@ -156,6 +162,8 @@ class Engine:
             if scheduled.num_computed < seq.num_prompt_tokens:
                 seq.prefill_chunks.append((scheduled.num_computed, scheduled.num_new_tokens, started, ended))
         progressed = self.scheduler.update(batch, result.samples)
+        if self.proposer is not None:
+            self._propose()
         touched: dict[str, None] = {}
         for req in progressed:
             group = self.groups[req.request_id]
@@ -163,6 +171,15 @@ class Engine:
                 group.append(req)
             touched[req.request_id] = None
         return [self._output(rid) for rid in touched]
+
+    def _propose(self) -> None:
+        """Guesses for the sequences that decode next step, unless the batch is so large that
+        verifying them costs more than it saves (``speculative_disable_by_batch_size``)."""
+        running = self.scheduler.running
+        limit = self.config.speculative_disable_by_batch_size
+        if limit and len(running) > limit:
+            return
+        self.proposer.propose([s for s in running if s.num_tokens - s.num_computed_tokens == 1])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -268,6 +285,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         running = self.scheduler.running
+        spec = self.runner.verifier.counters
         return EngineStats(num_running=len(running), num_waiting=len(self.scheduler.waiting),
                            num_free_blocks=self.kv.num_free_blocks, num_blocks=self.config.num_kv_blocks,
                            num_prefill_tokens=self.scheduler.num_prefill_tokens,
@@ -279,6 +297,9 @@ class Engine:
                            expert_tokens_per_rank=self.runner.model.routed_tokens_per_rank(),
                            kv_capacity_blocks=self.config.num_kv_blocks + sum(
                                0 if t is None else t.num_blocks for t in (self.kv.host, self.kv.disk)),
+                           spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+                           spec_num_accepted_tokens=spec.num_accepted_tokens,
+                           spec_accepted_per_position=tuple(spec.accepted_per_position),
                            **self._tier_stats())
 
     def _tier_stats(self) -> dict[str, int]:
@@ -312,6 +333,9 @@ class Engine:
     def close(self) -> None:
         """Write the cached KV to the disk tier, if any (a restart finds it there), and stop
         the disk tier's thread once its writes are made and a worker group's other ranks."""
+        proposer = getattr(self, "proposer", None)
+        if proposer is not None:
+            proposer.close()
         tiers = getattr(getattr(self, "kv", None), "tiers", None)
         if tiers is not None and tiers.disk is not None:
             try:

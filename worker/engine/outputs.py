@@ -78,3 +78,9 @@ class EngineStats:
     # every block the worker may hold a hash for: the pool's, the host tier's and the disk tier's
     # (what it registers as its capacity; 0 in stats made elsewhere: the pool's alone)
     kv_capacity_blocks: int = 0
+    # speculative decoding since the start (vLLM's spec_decode counters): sequences that ran guesses
+    # in a step, their guesses, the guesses kept, and those kept at each position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()

@@ -7,6 +7,11 @@ step moves the second towards the first under one token budget. That one rule
 gives continuous batching, chunked prefill (a long prompt takes several steps)
 and prefix reuse (cached blocks start ``num_computed_tokens`` ahead).
 
+A running sequence with speculative guesses (``Sequence.draft_tokens``) runs them after
+its next token as a small chunk, inside the same budget; the step verifies them and the
+slots of the rejected ones are freed. Guesses are cut to the budget left, and never
+preempt anyone: when blocks run out a sequence runs without them.
+
 Running sequences go first, in arrival order; when blocks run out the latest
 arrival is preempted (its blocks freed: the full ones stay cached, and with a host
 tier they are demoted when reused, so the sequence resumes by copying them back;
@@ -35,6 +40,8 @@ class ScheduledSequence:
     num_new_tokens: int
     block_ids: list[int]
     num_samples: int  # 0: a prompt chunk that does not reach the end; n: first sample of an n > 1 request
+    # speculative guesses run after the sequence's next token (counted in num_new_tokens), verified this step
+    guesses: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -83,15 +90,18 @@ class StepScheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv.allocate_slots(req, n) is None:
+            guesses = req.draft_tokens[:budget - 1] if n == 1 else []
+            if guesses and self.kv.allocate_slots(req, n + len(guesses)) is None:
+                guesses = []  # guesses never preempt anyone
+            while not guesses and self.kv.allocate_slots(req, n) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
             else:
-                scheduled.append(self._scheduled(req, req.num_computed_tokens, n))
-                budget -= n
+                scheduled.append(self._scheduled(req, req.num_computed_tokens, n, guesses))
+                budget -= n + len(guesses)
                 i += 1
         writes: list[KVWrite] = []
         taken = sum(_seats(r) for r in self.running)
@@ -143,11 +153,12 @@ class StepScheduler:
             budget -= n
         return ScheduledBatch(scheduled, self.kv.take_copies(), writes)
 
-    def _scheduled(self, req: Sequence, num_computed: int, n: int) -> ScheduledSequence:
+    def _scheduled(self, req: Sequence, num_computed: int, n: int, guesses: list[int] = ()) -> ScheduledSequence:
         reaches_end = num_computed + n == req.num_tokens
         first_of_many = req.num_output_tokens == 0 and req.params.n > 1 and req.sample_index == 0
         samples = (req.params.n if first_of_many else 1) if reaches_end else 0
-        return ScheduledSequence(req, num_computed, n, self.kv.get_block_ids(req.seq_id), samples)
+        return ScheduledSequence(req, num_computed, n + len(guesses), self.kv.get_block_ids(req.seq_id), samples,
+                                 list(guesses))
 
     def _preempt(self, req: Sequence) -> None:
         if self.kv.tiers is not None:
@@ -158,13 +169,18 @@ class StepScheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def update(self, batch: ScheduledBatch, samples: dict[str, list[tuple[int, float | None]]]) -> list[Sequence]:
-        """Apply a step's results; returns the sequences that gained a token (forked
-        samples included). Finished sequences leave the running set and free their blocks."""
+    def update(self, batch: ScheduledBatch, samples: dict[str, list[list[tuple[int, float | None]]]]
+               ) -> list[Sequence]:
+        """Apply a step's results: per sequence, one run of (token, logprob) per sample drawn
+        (a run longer than one token: guesses accepted, then the target's own token). Returns
+        the sequences that gained tokens (forked samples included). Finished sequences leave
+        the running set and free their blocks."""
         progressed = []
         for seq in batch.sequences:
             req = seq.sequence
-            req.num_computed_tokens = seq.num_computed + seq.num_new_tokens
+            req.draft_tokens, req.draft_probs = [], None  # this step verified them
+            computed = seq.num_computed + seq.num_new_tokens - len(seq.guesses)
+            req.num_computed_tokens = computed
             if seq.num_samples == 0:
                 continue
             drawn = samples[req.seq_id]
@@ -172,25 +188,35 @@ class StepScheduler:
                 child = req.fork(k)
                 self.kv.fork(req, child)
                 self.running.append(child)
-                self._append(child, *drawn[k])
+                self._append(child, drawn[k])
                 progressed.append(child)
-            self._append(req, *drawn[0])
+            # the guesses accepted (each but the run's last token) had their KV computed this step
+            req.num_computed_tokens = computed + self._append(req, drawn[0]) - 1
+            if seq.guesses and not req.is_finished:
+                self.kv.trim(req, req.num_tokens)
             progressed.append(req)
         if any(r.is_finished for r in progressed):
             self.running = [r for r in self.running if not r.is_finished]
         return progressed
 
-    def _append(self, req: Sequence, token: int, logprob: float | None) -> None:
-        req.append_output(token, logprob)
-        if token in req.stop_ids:
-            req.status = SequenceStatus.FINISHED_STOPPED
-        elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.config.max_model_len:
-            req.status = SequenceStatus.FINISHED_LENGTH
+    def _append(self, req: Sequence, run: list[tuple[int, float | None]]) -> int:
+        """Append a run of tokens up to the first that finishes the sequence; how many were."""
+        appended = 0
+        for token, logprob in run:
+            appended += 1
+            req.append_output(token, logprob)
+            if token in req.stop_ids:
+                req.status = SequenceStatus.FINISHED_STOPPED
+            elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.config.max_model_len:
+                req.status = SequenceStatus.FINISHED_LENGTH
+            if req.is_finished:
+                break
         if req.is_finished:
             if req.hold_kv:
                 self.held[req.seq_id] = req
             else:
                 self.kv.free(req)
+        return appended
 
     def release(self, request_id: str) -> bool:
         """Free the blocks of a finished request held for a KV handoff."""

@@ -69,6 +69,15 @@ class Sequence:
         self.queue_time_s: float | None = None  # arrival to first scheduled (set once, by the scheduler)
         # prompt chunks computed: (first token, tokens, step start, step end; ns since the epoch)
         self.prefill_chunks: list[tuple[int, int, int, int]] = []
+        # speculative decoding (``worker/spec/``): the proposer's guesses of the next tokens, for
+        # the next step to verify (never in ``token_ids``, so never hashed), with the draft's
+        # distributions they were drawn from ([guesses, vocab]; None: point proposals)
+        self.draft_tokens: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
+        # a seeded sample's noise drawn for positions not yet emitted (a step verifying k guesses
+        # draws k + 1 and may keep fewer tokens): the next tokens use it first, so a seed gives
+        # the same tokens with speculation as without
+        self.pending_noise: list[torch.Tensor] = []
 
     @property
     def generator(self) -> torch.Generator | None:
@@ -111,4 +120,17 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.logprobs = list(self.logprobs)
         child.block_hashes = list(self.block_hashes)
+        child.draft_tokens, child.draft_probs, child.pending_noise = [], None, []
         return child
+
+    def take_noise(self, count: int, vocab_size: int) -> list[torch.Tensor]:
+        """The exponential noise of this seeded sample's next ``count`` positions, in the
+        order its generator gives it (what ``Sampler`` draws one token at a time)."""
+        noise, self.pending_noise = self.pending_noise[:count], self.pending_noise[count:]
+        noise += [torch.empty(vocab_size).exponential_(generator=self.generator)
+                  for _ in range(count - len(noise))]
+        return noise
+
+    def keep_noise(self, unused: list[torch.Tensor]) -> None:
+        """Give back noise taken but not used (the positions after a rejected guess)."""
+        self.pending_noise = unused + self.pending_noise

@@ -147,6 +147,16 @@ class KVCacheManager:
         # tail first: a request's last blocks are the least likely to be shared, evict them first
         self.pool.free_blocks(list(reversed(table)))
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the blocks past those that cover the first ``num_tokens`` (the slots of a
+        step's rejected speculative guesses: written, never hashed, reused by anyone)."""
+        table = self.tables.get(seq.seq_id)
+        keep = -(-num_tokens // self.block_size)
+        if table is not None and len(table) > keep:
+            extra = table[keep:]
+            del table[keep:]
+            self.pool.free_blocks(list(reversed(extra)))
+
     def take_copies(self) -> list[BlockCopy]:
         copies, self._copies = self._copies, []
         return copies

@@ -5,7 +5,8 @@ block_size * head_dim] (see ``paged_attention`` for the layout inside a block).
 Sequences are laid out decodes first (one new token each), then prompt chunks,
 which is the layout ``paged_attention`` expects. Only
 rows that sample become logits: the last token of each sequence that reaches its
-end this step (repeated ``n`` times for the first sample of an ``n > 1`` request)."""
+end this step (repeated ``n`` times for the first sample of an ``n > 1`` request),
+and with speculative guesses (``worker/spec/``) the rows from its next token on."""
 
 from __future__ import annotations
 
@@ -24,13 +25,17 @@ from worker.parallel import get_parallel_state, kv_shards, pipeline
 from worker.parallel.group import GroupFailed, GroupLeader
 from worker.parallel.step_inputs import StepInputs
 from worker.runner.graphs import GRAPH_MAX_CONTEXT, CudaGraphRunner, decode_buckets
-from worker.runner.sampler import Sampler, SamplingRow
+from worker.runner.sampler import Sampler
+from worker.spec.verifier import Verifier
+
+Token = tuple[int, float | None]  # (token id, its logprob when the request asked for them)
 
 
 @dataclass
 class RunnerOutput:
-    # request id -> one (token, logprob) per sample drawn for it this step
-    samples: dict[str, list[tuple[int, float | None]]]
+    # sequence id -> per sample drawn for it this step, its run of tokens (more than one: speculative
+    # guesses the target kept, then its own next token)
+    samples: dict[str, list[list[Token]]]
 
 
 class ModelRunner:
@@ -56,8 +61,9 @@ class ModelRunner:
                 raise ConfigError("deterministic mode needs the native CPU kernels (its one attention kernel for "
                                   "prompts and decodes), and they are off here: see the warning above, or unset "
                                   "KERVAN_ATTENTION_BACKEND=torch")
-            model.make_batch_invariant(config.max_num_batched_tokens, config.max_num_seqs)
+            model.make_batch_invariant(config.max_num_batched_tokens, max_logit_rows(config))
         self.sampler = Sampler(config.seed)
+        self.verifier = Verifier(self.sampler, cfg.vocab_size)
         self.graphs = self._capture_graphs() if self._uses_graphs() else None
 
     def _uses_graphs(self) -> bool:
@@ -79,21 +85,26 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         seqs = sorted(batch.sequences, key=lambda s: s.num_new_tokens > 1)  # decodes first (stable)
         if self.group is None:
-            logits = self.forward(self._prepare(seqs, batch.block_copies), batch.kv_writes)
+            logits = self.forward(self.prepare(seqs, batch.block_copies), batch.kv_writes)
         else:  # a collective that fails: a rank died or hangs
             logits = self._in_group(self._group_forward, seqs, batch.block_copies, batch.kv_writes)
         if logits is None:
             return RunnerOutput({})
-        rows = [SamplingRow(seq.sequence.params, seq.sequence.sample_generators[seq.sequence.sample_index + k])
-                for seq in seqs for k in range(seq.num_samples)]
-        tokens, logprobs = self.sampler(logits.cpu(), rows)
-        out: dict[str, list[tuple[int, float | None]]] = {}
+        logits = logits.cpu()
+        per_seq = [self.verifier.rows(seq) for seq in seqs]
+        rows = [row for seq_rows in per_seq for row in seq_rows]
+        tokens, logprobs = self.sampler(logits, rows)
+        out: dict[str, list[list[Token]]] = {}
         i = 0
-        for seq in seqs:
-            for _ in range(seq.num_samples):
-                out.setdefault(seq.sequence.seq_id, []).append(
-                    (tokens[i], logprobs[i] if logprobs is not None and seq.sequence.params.logprobs else None))
-                i += 1
+        for seq, seq_rows in zip(seqs, per_seq):
+            span = slice(i, i + len(seq_rows))
+            i = span.stop
+            lps = logprobs[span] if logprobs is not None and seq.sequence.params.logprobs else None
+            if seq.guesses:
+                out[seq.sequence.seq_id] = [self.verifier.run(seq, logits[span], seq_rows, tokens[span], lps)]
+            else:  # one row per sample
+                out[seq.sequence.seq_id] = [[(t, None if lps is None else lps[k])]
+                                            for k, t in enumerate(tokens[span])]
         return RunnerOutput(out)
 
     def _group_forward(self, seqs: list[ScheduledSequence], block_copies,
@@ -103,11 +114,11 @@ class ModelRunner:
             self.group.write_kv(write.block_ids, write.data)
             self.write_blocks(write.block_ids, write.data)
         if ps.pp_size == 1:  # every rank runs the whole step on its shard
-            step = self._prepare(seqs, block_copies)
+            step = self.prepare(seqs, block_copies)
             self.group.send(step)
             return self.forward(step)
         parts = pipeline.split(seqs, lambda seq: seq.num_new_tokens, pipeline.MICRO_BATCHES_PER_STAGE * ps.pp_size)
-        steps = [self._prepare(part, block_copies if i == 0 else []) for i, part in enumerate(parts)]
+        steps = [self.prepare(part, block_copies if i == 0 else []) for i, part in enumerate(parts)]
         self.group.send_micro_batches(steps)
         return pipeline.run_first_stage(self.forward, steps, ps, self.model.cfg.vocab_size, self.device)
 
@@ -187,12 +198,13 @@ class ModelRunner:
         except RuntimeError as exc:
             raise self.group.fail(exc) from exc
 
-    def _prepare(self, seqs: list[ScheduledSequence], block_copies) -> StepInputs:
+    def prepare(self, seqs: list[ScheduledSequence], block_copies) -> StepInputs:
+        """One step's inputs; ``seqs`` decodes first (a sequence with guesses is a chunk)."""
         bs = self.config.block_size
         step = StepInputs(block_copies=[(c.src, c.dst) for c in block_copies])
         for seq in seqs:
             start, end = seq.num_computed, seq.num_computed + seq.num_new_tokens
-            step.token_ids += seq.sequence.token_ids[start:end]
+            step.token_ids += seq.sequence.token_ids[start:end - len(seq.guesses)] + seq.guesses
             step.positions += range(start, end)
             step.slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
             if seq.num_new_tokens == 1:
@@ -201,9 +213,17 @@ class ModelRunner:
             else:
                 step.prefills.append((len(step.token_ids) - seq.num_new_tokens, seq.num_new_tokens, start,
                                       seq.block_ids))
-            # the last row samples, once per sample drawn (n for the first sample of an n > 1 request)
-            step.logit_rows += [len(step.token_ids) - 1] * seq.num_samples
+            # the last row samples, once per sample drawn (n for the first sample of an n > 1 request);
+            # with guesses, so does each row before it from the sequence's next token on
+            last = len(step.token_ids) - 1
+            step.logit_rows += range(last - len(seq.guesses), last) if seq.guesses else ()
+            step.logit_rows += [last] * seq.num_samples
         return step
+
+
+def max_logit_rows(config: EngineConfig) -> int:
+    """The most rows a step turns into logits: one per sequence (or sample), and each guess."""
+    return config.max_num_seqs * (1 + (config.num_speculative_tokens if config.speculative else 0))
 
 
 def allocate_kv_pool(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,

@@ -22,6 +22,8 @@ from worker.kernels import has_native_kernels
 class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None
+    # a seeded row's noise drawn ahead from its generator (``Sequence.take_noise``): used as it is
+    noise: torch.Tensor | None = None
 
 
 def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
@@ -57,6 +59,27 @@ class Sampler:
         return tokens.tolist(), logprobs
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: torch.Tensor) -> torch.Tensor:
+        probs = self.probs(logits, rows)
+        noise = self.noise(probs.shape, rows)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    def noise(self, shape: torch.Size, rows: list[SamplingRow]) -> torch.Tensor:
+        """Exponential(1) noise for each row: a seeded row's from its own stream, the rest from the engine's."""
+        noise = torch.empty(shape)
+        seeded = [i for i, r in enumerate(rows) if r.generator is not None or r.noise is not None]
+        if len(seeded) < len(rows):
+            noise.exponential_(generator=self.generator)
+        for i in seeded:
+            if rows[i].noise is not None:
+                noise[i].copy_(rows[i].noise)
+            else:
+                noise[i].exponential_(generator=rows[i].generator)
+        return noise
+
+    def probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Each row's distribution after its temperature, top-k, top-p and min-p (float32
+        logits; rows cut by min-p are not renormalized)."""
         temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows])
         x = logits / temps[:, None]
         top_k = [r.params.top_k if r.params.top_k > 0 else 0 for r in rows]
@@ -77,11 +100,4 @@ class Sampler:
         min_p = torch.tensor([r.params.min_p for r in rows])
         if (min_p > 0).any():
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs)
-        seeded = [i for i, r in enumerate(rows) if r.generator is not None]
-        if len(seeded) < len(rows):
-            noise.exponential_(generator=self.generator)
-        for i in seeded:
-            noise[i].exponential_(generator=rows[i].generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        return probs
