@@ -82,6 +82,17 @@ class ClusterSpec:
     redis_persistent: bool = False  # the private Redis keeps an append-only file (survives its restart)
     deterministic: bool = False  # every worker runs batch-invariant kernels (--deterministic)
     quantization: str | None = None  # every worker's weights in this low precision (--quantization)
+    # decode and aggregated workers speculate (--speculative ngram|draft, --num-speculative-tokens,
+    # --speculative-model); prefill workers emit one token and never do
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
+    speculative_model: Path | None = None
+
+    def speculative_flags(self) -> list[str]:
+        flags = ["--speculative", self.speculative]
+        flags += ["--num-speculative-tokens", str(self.num_speculative_tokens)] if self.num_speculative_tokens else []
+        flags += ["--speculative-model", str(self.speculative_model)] if self.speculative_model else []
+        return flags
 
     def __post_init__(self) -> None:
         sizes = self.parallel_sizes()
@@ -238,6 +249,8 @@ class Cluster:
                   for arg in (f"--{name}-parallel", str(n))]
         extra += ["--deterministic"] if self.spec.deterministic else []
         extra += ["--quantization", self.spec.quantization] if self.spec.quantization else []
+        if self.spec.speculative and role != "prefill":
+            extra += self.spec.speculative_flags()
         port = free_port()
         tls = None
         if self.authority is not None:  # its own certificate, naming the one address it may register

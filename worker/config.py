@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from kervan.speculative import SPECULATIVE_METHODS
 from worker.platform import DtypeError, Platform, parse_dtype
 
 DEFAULT_MAX_POSITION = 4096  # when config.json names no max_position_embeddings
@@ -33,10 +34,6 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
 }
-
-
-# the proposers of speculative decoding (``worker/spec/``)
-SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 class ConfigError(ValueError):

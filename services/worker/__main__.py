@@ -28,7 +28,7 @@ from services.worker.kv_transfer import sweep_stale_segments
 from services.worker.membership import Membership
 from services.worker.metrics import EngineCollector
 from services.worker.servicer import CALLERS, WorkerServicer
-from worker.config import ConfigError, EngineConfig
+from worker.config import SPECULATIVE_METHODS, ConfigError, EngineConfig
 from worker.platform import DTYPE_CHOICES, dtype_name
 
 log = logging.getLogger("services.worker")
@@ -93,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quantization", default=None, metavar="METHOD",
                     help="weight-only low precision for a float checkpoint: int8, int4 (groups of 64; int4-g32, "
                          "int4-g128), fp8, fp8-block, nvfp4; a GGUF model is served in its own blocks without it")
+    add_speculative_arguments(ap)
     ap.add_argument("--max-step-failures", type=int, default=3,
                     help="engine steps failing in a row after which the worker leaves the mesh and exits (70)")
     ap.add_argument("--engine-wedge-timeout-s", type=float, default=120.0,
@@ -103,6 +104,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_metrics_argument(ap)
     add_security_arguments(ap)
     return parse_args_with_env(ap, "worker", argv)
+
+
+def add_speculative_arguments(ap: argparse.ArgumentParser) -> None:
+    spec = ap.add_argument_group("speculative decoding", "guesses of the next tokens, verified by the model in one "
+                                 "step; the output is the model's own (greedy, seeded samples: the same tokens)")
+    spec.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
+                      help="ngram: prompt lookup, no weights; draft: a smaller model with the same tokenizer "
+                           "(--speculative-model)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
+                      help="guesses per sequence and step")
+    spec.add_argument("--speculative-model", default=None, help="the draft model's directory")
+    spec.add_argument("--prompt-lookup-min", type=int, default=EngineConfig.prompt_lookup_min,
+                      help="ngram: the fewest tokens a match takes")
+    spec.add_argument("--prompt-lookup-max", type=int, default=EngineConfig.prompt_lookup_max,
+                      help="ngram: the most tokens a match takes (longest first)")
+    spec.add_argument("--speculative-disable-by-batch-size", type=int,
+                      default=EngineConfig.speculative_disable_by_batch_size,
+                      help="no guesses in a step whose batch holds more sequences than this (0: always guess)")
+
+
+def speculative_options(args: argparse.Namespace) -> dict:
+    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                speculative_model=args.speculative_model, prompt_lookup_min=args.prompt_lookup_min,
+                prompt_lookup_max=args.prompt_lookup_max,
+                speculative_disable_by_batch_size=args.speculative_disable_by_batch_size)
 
 
 async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: Path, stop: asyncio.Event) -> None:
@@ -192,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
                                         expert_parallel_size=args.expert_parallel,
                                         pipeline_parallel_size=args.pipeline_parallel,
                                         enforce_eager=args.enforce_eager, deterministic=args.deterministic,
-                                        quantization=args.quantization)
+                                        quantization=args.quantization, **speculative_options(args))
     except ConfigError as exc:
         raise SystemExit(f"worker: {exc}") from None
     log.info("engine: %s on %s, native CPU kernels %s%s", dtype_name(engine.config.dtype), engine.config.device,

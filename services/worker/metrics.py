@@ -58,6 +58,29 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("kervan_kv_disk_write_dropped_blocks", "KV blocks not written to disk because "
                                   "its writes lagged (the bound that keeps a slow disk from stalling steps)",
                                   value=stats.num_disk_write_dropped)
+        yield from _spec_decode_metrics(stats)
+
+
+def _spec_decode_metrics(stats):
+    """Speculative decoding, under vLLM's names (``spec_decode_*``), and the two ratios its
+    logger prints, since the start."""
+    yield CounterMetricFamily("kervan_spec_decode_num_drafts", "Steps a sequence ran speculative guesses in",
+                              value=stats.spec_num_drafts)
+    yield CounterMetricFamily("kervan_spec_decode_num_draft_tokens", "Speculative guesses verified",
+                              value=stats.spec_num_draft_tokens)
+    yield CounterMetricFamily("kervan_spec_decode_num_accepted_tokens", "Speculative guesses the target kept",
+                              value=stats.spec_num_accepted_tokens)
+    per_position = CounterMetricFamily("kervan_spec_decode_num_accepted_tokens_per_pos", "Speculative guesses "
+                                       "kept at each position of a draft", labels=["position"])
+    for position, count in enumerate(stats.spec_accepted_per_position):
+        per_position.add_metric([str(position)], count)
+    yield per_position
+    drafts, guesses = stats.spec_num_drafts, stats.spec_num_draft_tokens
+    yield GaugeMetricFamily("kervan_spec_decode_draft_acceptance_rate", "Guesses kept over guesses verified, since "
+                            "the start", value=stats.spec_num_accepted_tokens / guesses if guesses else 0.0)
+    yield GaugeMetricFamily("kervan_spec_decode_mean_acceptance_length", "Tokens a draft's step emitted on average "
+                            "(guesses kept, plus the target's own), since the start",
+                            value=1 + stats.spec_num_accepted_tokens / drafts if drafts else 0.0)
 
 
 def count_admission(prompt_tokens: int, cached_tokens: int, queue_time_s: float | None) -> None:

@@ -5,6 +5,7 @@ prefix cache. float32 (tiny models with far-apart top logits); bit-identical log
 deterministic mode. A verifier that keeps every guess fails these tests."""
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -35,8 +36,9 @@ WORDS = [f"w{i}" for i in range(TINY["vocab_size"])]
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory, llama):
-    """The tiny llama with a word-level tokenizer of its 128 ids."""
-    _, path = llama
+    """The tiny llama (a copy: the session's has no tokenizer) with a word-level tokenizer of its 128 ids."""
+    path = tmp_path_factory.mktemp("target")
+    shutil.copytree(llama[1], path, dirs_exist_ok=True)
     _tokenizer(path, WORDS)
     return path
 
