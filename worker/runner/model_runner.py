@@ -2,7 +2,7 @@
 
 Owns the KV cache tensors, one per layer: [2, num_blocks, num_kv_heads,
 block_size * head_dim] (see ``paged_attention`` for the layout inside a block).
-Sequences are laid out decodes first (one new token each), then prompt chunks,
+Sequences are laid out decodes first (one row per token), then prompt chunks,
 which is the layout ``paged_attention`` expects. Only
 rows that sample become logits: the last token of each sequence that reaches its
 end this step (repeated ``n`` times for the first sample of an ``n > 1`` request),
@@ -27,6 +27,9 @@ from worker.parallel.step_inputs import StepInputs
 from worker.runner.graphs import GRAPH_MAX_CONTEXT, CudaGraphRunner, decode_buckets
 from worker.runner.sampler import Sampler
 from worker.spec.verifier import Verifier
+
+# the most tokens after a context that run as decode rows rather than as a chunk (``is_chunk``)
+MAX_DECODE_ROWS = 8
 
 Token = tuple[int, float | None]  # (token id, its logprob when the request asked for them)
 
@@ -83,7 +86,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        seqs = sorted(batch.sequences, key=lambda s: s.num_new_tokens > 1)  # decodes first (stable)
+        seqs = sorted(batch.sequences, key=is_chunk)  # decodes first (stable)
         if self.group is None:
             logits = self.forward(self.prepare(seqs, batch.block_copies), batch.kv_writes)
         else:  # a collective that fails: a rank died or hangs
@@ -199,7 +202,7 @@ class ModelRunner:
             raise self.group.fail(exc) from exc
 
     def prepare(self, seqs: list[ScheduledSequence], block_copies) -> StepInputs:
-        """One step's inputs; ``seqs`` decodes first (a sequence with guesses is a chunk)."""
+        """One step's inputs; ``seqs`` decodes first (``is_chunk`` last)."""
         bs = self.config.block_size
         step = StepInputs(block_copies=[(c.src, c.dst) for c in block_copies])
         for seq in seqs:
@@ -207,9 +210,11 @@ class ModelRunner:
             step.token_ids += seq.sequence.token_ids[start:end - len(seq.guesses)] + seq.guesses
             step.positions += range(start, end)
             step.slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-            if seq.num_new_tokens == 1:
-                step.decode_tables.append(seq.block_ids)
-                step.decode_lens.append(end)
+            if not is_chunk(seq):
+                # one decode row per token, each attending to its prefix (the step writes every row's KV before
+                # attention reads it)
+                step.decode_tables += [seq.block_ids] * seq.num_new_tokens
+                step.decode_lens += range(start + 1, end + 1)
             else:
                 step.prefills.append((len(step.token_ids) - seq.num_new_tokens, seq.num_new_tokens, start,
                                       seq.block_ids))
@@ -219,6 +224,14 @@ class ModelRunner:
             step.logit_rows += range(last - len(seq.guesses), last) if seq.guesses else ()
             step.logit_rows += [last] * seq.num_samples
         return step
+
+
+def is_chunk(seq: ScheduledSequence) -> bool:
+    """Tokens that run as a chunk of their own, after the decode rows. A few tokens after a
+    context (a sequence's next token and its speculative guesses; a draft catching up; a
+    prompt's tail after a prefix hit) are decode rows instead: the decode kernel reads their
+    context in place, where a chunk's attention first gathers it."""
+    return seq.num_new_tokens > 1 and not (seq.num_computed and seq.num_new_tokens <= MAX_DECODE_ROWS)
 
 
 def max_logit_rows(config: EngineConfig) -> int:

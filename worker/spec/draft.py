@@ -25,7 +25,7 @@ from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence
 from worker.kv.kv_cache_manager import KVCacheManager
 from worker.loader import load_model
-from worker.runner.model_runner import ModelRunner
+from worker.runner.model_runner import ModelRunner, is_chunk
 from worker.runner.sampler import SamplingRow, argmax
 from worker.spec.proposer import guess_limit
 from worker.spec.verify import normalized
@@ -75,10 +75,11 @@ class DraftProposer:
             batch = [(seq, shadow) for seq, shadow, limit in plans if limit > round_]
             if not batch:
                 break
-            batch.sort(key=lambda pair: len(pair[1].token_ids) - pair[1].num_computed_tokens > 1)  # decodes first
             scheduled = [ScheduledSequence(shadow, shadow.num_computed_tokens,
                                            len(shadow.token_ids) - shadow.num_computed_tokens,
                                            self.kv.get_block_ids(shadow.seq_id), 1) for _, shadow in batch]
+            order = sorted(range(len(batch)), key=lambda i: is_chunk(scheduled[i]))  # decodes first
+            batch, scheduled = [batch[i] for i in order], [scheduled[i] for i in order]
             logits = self.runner.forward(self.runner.prepare(scheduled, self.kv.take_copies())).cpu()
             for (seq, shadow), guess in zip(batch, self._draw(logits, [seq for seq, _ in batch], probs)):
                 shadow.num_computed_tokens = len(shadow.token_ids)
