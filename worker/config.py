@@ -238,9 +238,10 @@ class EngineConfig:
     quantization: str | None = None
     # speculative decoding (``worker/spec/``): a proposer guesses up to ``num_speculative_tokens``
     # tokens per running sequence and each step verifies them with the target; "ngram" (prompt
-    # lookup, ``prompt_lookup_min``..``prompt_lookup_max`` tokens matched) or "draft" (the smaller
-    # model in ``speculative_model``, same tokenizer); None: off. Off for a step whose batch holds
-    # more than ``speculative_disable_by_batch_size`` sequences (0: never off)
+    # lookup, ``prompt_lookup_min``..``prompt_lookup_max`` tokens matched), "draft" (the smaller
+    # model in ``speculative_model``, same tokenizer) or "eagle" (the EAGLE head in
+    # ``speculative_model``; unset: the one Kervan ships for a catalog model); None: off. Off for a
+    # step whose batch holds more than ``speculative_disable_by_batch_size`` sequences (0: never off)
     speculative: str | None = None
     num_speculative_tokens: int = 3
     speculative_model: str | None = None
@@ -295,8 +296,10 @@ class EngineConfig:
         if self.speculative_disable_by_batch_size < 0:
             raise ConfigError(f"speculative_disable_by_batch_size must be >= 0, got "
                               f"{self.speculative_disable_by_batch_size}")
-        if (self.speculative == "draft") != (self.speculative_model is not None):
-            raise ConfigError("speculative_model names the draft model of speculative='draft', and only of it")
+        if self.speculative == "draft" and self.speculative_model is None:
+            raise ConfigError("speculative='draft' needs speculative_model, the draft model's directory")
+        if self.speculative == "ngram" and self.speculative_model is not None:
+            raise ConfigError("speculative='ngram' takes no speculative_model (it has no weights)")
 
     @property
     def world_size(self) -> int:

@@ -198,7 +198,7 @@ def test_deterministic_mode_keeps_logprobs_bit_identical(target, dtype):
 def test_bad_speculative_configs_are_config_errors(target, tmp_path):
     with pytest.raises(ConfigError, match="unknown"):
         make_engine(target, speculative="medusa")
-    with pytest.raises(ConfigError, match="speculative_model"):
+    with pytest.raises(ConfigError, match="needs speculative_model"):
         make_engine(target, speculative="draft")
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         make_engine(target, speculative="ngram", num_speculative_tokens=0)

@@ -68,7 +68,8 @@ class Engine:
             raise
         self.scheduler = StepScheduler(self.config, self.kv)
         try:
-            self.proposer = make_proposer(self.config, self.model_config, model_dir)
+            self.proposer = make_proposer(self.config, self.runner.model, model_dir)
+            self.runner.keep_hidden = self.proposer is not None and self.proposer.reads_hidden
         except BaseException:
             self.close()
             raise
@@ -163,6 +164,7 @@ class Engine:
                 seq.prefill_chunks.append((scheduled.num_computed, scheduled.num_new_tokens, started, ended))
         progressed = self.scheduler.update(batch, result.samples)
         if self.proposer is not None:
+            self.proposer.observe(batch.sequences, result.hidden)
             self._propose()
         touched: dict[str, None] = {}
         for req in progressed:
@@ -179,7 +181,7 @@ class Engine:
         limit = self.config.speculative_disable_by_batch_size
         if limit and len(running) > limit:
             return
-        self.proposer.propose([s for s in running if s.num_tokens - s.num_computed_tokens == 1])
+        self.proposer.propose(running)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

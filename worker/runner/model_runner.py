@@ -11,7 +11,7 @@ and with speculative guesses (``worker/spec/``) the rows from its next token on.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,9 @@ class RunnerOutput:
     # sequence id -> per sample drawn for it this step, its run of tokens (more than one: speculative
     # guesses the target kept, then its own next token)
     samples: dict[str, list[list[Token]]]
+    # with ``ModelRunner.keep_hidden``: sequence id -> the final hidden states of its rows this step, in
+    # position order (what an EAGLE head reads)
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -67,6 +70,9 @@ class ModelRunner:
             model.make_batch_invariant(config.max_num_batched_tokens, max_logit_rows(config))
         self.sampler = Sampler(config.seed)
         self.verifier = Verifier(self.sampler, cfg.vocab_size)
+        # keep the last forward's final hidden states of every row (an EAGLE head reads them); one process only
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
         self.graphs = self._capture_graphs() if self._uses_graphs() else None
 
     def _uses_graphs(self) -> bool:
@@ -91,8 +97,9 @@ class ModelRunner:
             logits = self.forward(self.prepare(seqs, batch.block_copies), batch.kv_writes)
         else:  # a collective that fails: a rank died or hangs
             logits = self._in_group(self._group_forward, seqs, batch.block_copies, batch.kv_writes)
+        hidden = self._hidden_by_sequence(seqs) if self.keep_hidden else {}
         if logits is None:
-            return RunnerOutput({})
+            return RunnerOutput({}, hidden)
         logits = logits.cpu()
         per_seq = [self.verifier.rows(seq) for seq in seqs]
         rows = [row for seq_rows in per_seq for row in seq_rows]
@@ -108,7 +115,14 @@ class ModelRunner:
             else:  # one row per sample
                 out[seq.sequence.seq_id] = [[(t, None if lps is None else lps[k])]
                                             for k, t in enumerate(tokens[span])]
-        return RunnerOutput(out)
+        return RunnerOutput(out, hidden)
+
+    def _hidden_by_sequence(self, seqs: list[ScheduledSequence]) -> dict[str, torch.Tensor]:
+        out, row = {}, 0
+        for seq in seqs:
+            out[seq.sequence.seq_id] = self.last_hidden[row:row + seq.num_new_tokens]
+            row += seq.num_new_tokens
+        return out
 
     def _group_forward(self, seqs: list[ScheduledSequence], block_copies,
                        kv_writes: Sequence[KVWrite]) -> torch.Tensor | None:
@@ -147,6 +161,8 @@ class ModelRunner:
                                 None if carried is None else carried.to(self.device))
         if not self.model.is_last_stage:
             return hidden
+        if self.keep_hidden:
+            self.last_hidden = hidden.clone() if self.graphs is not None else hidden  # graphs reuse their buffer
         if not step.logit_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(step.logit_rows, device=self.device)])

@@ -26,9 +26,7 @@ from worker.engine.sequence import Sequence
 from worker.kv.kv_cache_manager import KVCacheManager
 from worker.loader import load_model
 from worker.runner.model_runner import ModelRunner, is_chunk
-from worker.runner.sampler import SamplingRow, argmax
-from worker.spec.proposer import guess_limit
-from worker.spec.verify import normalized
+from worker.spec.proposer import decoding, draw_guesses, guess_limit
 
 
 @dataclass
@@ -44,6 +42,8 @@ class Shadow:
 
 
 class DraftProposer:
+    reads_hidden = False
+
     def __init__(self, model_dir: str | Path, config: EngineConfig, target: ModelConfig, target_dir: str | Path):
         draft = ModelConfig.from_dir(model_dir)
         _check_same_tokenizer(model_dir, draft, target_dir, target)
@@ -57,12 +57,12 @@ class DraftProposer:
         self.kv = KVCacheManager(self.config.num_kv_blocks, self.config.block_size, enable_caching=False)
         self.shadows: dict[str, Shadow] = {}
 
-    def propose(self, seqs: list[Sequence]) -> None:
-        live = {seq.seq_id for seq in seqs}
+    def propose(self, running: list[Sequence]) -> None:
+        live = {seq.seq_id for seq in running}
         for seq_id in [s for s in self.shadows if s not in live]:  # finished, aborted, preempted
             self.kv.free(self.shadows.pop(seq_id))
         plans: list[tuple[Sequence, Shadow, int]] = []
-        for seq in seqs:
+        for seq in decoding(running):
             seq.draft_tokens, seq.draft_probs = [], None
             limit = guess_limit(seq, self.k, self.max_model_len)
             shadow = self._sync(seq) if limit else None
@@ -81,7 +81,8 @@ class DraftProposer:
             order = sorted(range(len(batch)), key=lambda i: is_chunk(scheduled[i]))  # decodes first
             batch, scheduled = [batch[i] for i in order], [scheduled[i] for i in order]
             logits = self.runner.forward(self.runner.prepare(scheduled, self.kv.take_copies())).cpu()
-            for (seq, shadow), guess in zip(batch, self._draw(logits, [seq for seq, _ in batch], probs)):
+            guesses = draw_guesses(self.runner.sampler, logits, [seq for seq, _ in batch], probs)
+            for (seq, shadow), guess in zip(batch, guesses):
                 shadow.num_computed_tokens = len(shadow.token_ids)
                 shadow.token_ids.append(guess)
                 seq.draft_tokens.append(guess)
@@ -105,20 +106,8 @@ class DraftProposer:
         self.kv.trim(shadow, shadow.num_computed_tokens)
         return shadow
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], probs: dict[str, list[torch.Tensor]]) -> list[int]:
-        """Each sequence's next guess: the argmax (greedy and seeded requests), else a draw
-        from the draft's distribution under the request's parameters, which is kept."""
-        guesses = argmax(logits).tolist()
-        sampled = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy and seq.generator is None]
-        if sampled:
-            sampler = self.runner.sampler
-            rows = [SamplingRow(seqs[i].params, None) for i in sampled]
-            q = normalized(sampler.probs(logits[sampled].float(), rows))
-            drawn = (q / sampler.noise(q.shape, rows)).argmax(dim=-1).tolist()
-            for i, row_q, guess in zip(sampled, q, drawn):
-                guesses[i] = guess
-                probs.setdefault(seqs[i].seq_id, []).append(row_q)
-        return guesses
+    def observe(self, scheduled: list[ScheduledSequence], hidden: dict[str, torch.Tensor]) -> None:
+        pass
 
     def close(self) -> None:
         for shadow in self.shadows.values():

@@ -11,17 +11,54 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from worker.config import ConfigError, EngineConfig, ModelConfig
+import torch
+
+from worker.config import ConfigError, EngineConfig
+from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence
+from worker.models.decoder import DecoderModel
+from worker.runner.sampler import Sampler, SamplingRow, argmax
 from worker.spec.ngram import NgramProposer
+from worker.spec.verify import normalized
 
 
 class Proposer(Protocol):
-    def propose(self, seqs: list[Sequence]) -> None:
-        """Set the guesses of each of ``seqs`` (running, each with its next token to compute)."""
+    reads_hidden: bool  # observe() wants the target's hidden states (``ModelRunner.keep_hidden``)
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set the guesses of the running sequences that decode next (``decoding``)."""
+
+    def observe(self, scheduled: list[ScheduledSequence], hidden: dict[str, torch.Tensor]) -> None:
+        """After each step: the target's final hidden states of the rows it kept (proposers
+        that read them ask ``ModelRunner.keep_hidden``)."""
 
     def close(self) -> None:
         """Free what the proposer holds."""
+
+
+def draw_guesses(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], probs: dict[str, list[torch.Tensor]],
+                 vocab: torch.Tensor | None = None, vocab_size: int = 0) -> list[int]:
+    """Each sequence's next guess from a draft's logits: the argmax for greedy and seeded
+    requests (point guesses), else a draw from the draft's distribution under the request's
+    temperature, top-k, top-p and min-p, which is appended to ``probs`` (rejection sampling
+    needs it). ``vocab``: the target's id of each of the draft's columns (a draft vocabulary
+    smaller than the target's ``vocab_size``)."""
+    picked = argmax(logits)
+    sampled = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy and seq.generator is None]
+    if sampled:
+        rows = [SamplingRow(seqs[i].params, None) for i in sampled]
+        q = normalized(sampler.probs(logits[sampled].float(), rows))
+        picked[sampled] = (q / sampler.noise(q.shape, rows)).argmax(dim=-1)
+        if vocab is not None:
+            q = torch.zeros(len(sampled), vocab_size).index_copy_(1, vocab, q)
+        for i, row_q in zip(sampled, q):
+            probs.setdefault(seqs[i].seq_id, []).append(row_q)
+    return (picked if vocab is None else vocab[picked]).tolist()
+
+
+def decoding(running: list[Sequence]) -> list[Sequence]:
+    """The sequences whose next step computes one token of their own, which guesses may follow."""
+    return [seq for seq in running if seq.num_tokens - seq.num_computed_tokens == 1]
 
 
 def guess_limit(seq: Sequence, num_speculative_tokens: int, max_model_len: int) -> int:
@@ -33,28 +70,37 @@ def guess_limit(seq: Sequence, num_speculative_tokens: int, max_model_len: int) 
 class PromptLookup:
     """The ``ngram`` method: guesses copied from the tokens so far (``ngram.py``)."""
 
+    reads_hidden = False
+
     def __init__(self, config: EngineConfig):
         self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         self.max_model_len = config.max_model_len
 
-    def propose(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
+    def propose(self, running: list[Sequence]) -> None:
+        for seq in decoding(running):
             limit = guess_limit(seq, self.ngram.num_speculative_tokens, self.max_model_len)
             seq.draft_tokens = self.ngram.propose(seq.token_ids)[:limit] if limit else []
             seq.draft_probs = None
+
+    def observe(self, scheduled: list[ScheduledSequence], hidden: dict[str, torch.Tensor]) -> None:
+        pass
 
     def close(self) -> None:
         pass
 
 
-def make_proposer(config: EngineConfig, target: ModelConfig, target_dir: str | Path) -> Proposer | None:
+def make_proposer(config: EngineConfig, target: DecoderModel, target_dir: str | Path) -> Proposer | None:
     if config.speculative is None:
         return None
     if config.speculative == "ngram":
         return PromptLookup(config)
     if config.world_size > 1:
-        raise ConfigError("a draft model runs beside rank 0 of one process; with a worker group use "
-                          "speculative='ngram' for now")
+        raise ConfigError(f"speculative={config.speculative!r} runs its model beside the target in one process; "
+                          f"with a worker group use speculative='ngram' for now")
+    if config.speculative == "eagle":
+        from worker.spec.eagle import EagleProposer
+
+        return EagleProposer(config.speculative_model, config, target, Path(target_dir))
     from worker.spec.draft import DraftProposer
 
-    return DraftProposer(config.speculative_model, config, target, target_dir)
+    return DraftProposer(config.speculative_model, config, target.cfg, target_dir)
