@@ -2,7 +2,9 @@
 saved and loaded); trained for a tiny random target on its own answers, it guesses tokens the
 target keeps, and the engine's tokens are the target's without it — greedy and seeded.
 Training here is seconds on a tiny model: the data, the loop and the file format are the
-ones ``python -m worker.spec.train_eagle`` runs for a real model."""
+ones ``python -m worker.spec.train_eagle`` runs for a real model. Greedy tokens are compared
+in float32 with the default kernels (the tiny model's wide init keeps top logits apart), not
+deterministic mode."""
 
 from __future__ import annotations
 

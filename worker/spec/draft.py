@@ -26,7 +26,7 @@ from worker.engine.sequence import Sequence
 from worker.kv.kv_cache_manager import KVCacheManager
 from worker.loader import load_model
 from worker.runner.model_runner import ModelRunner, is_chunk
-from worker.spec.proposer import decoding, draw_guesses, guess_limit
+from worker.spec.proposer import decoding, draw_guesses, forget_finished, guess_limit
 
 
 @dataclass
@@ -58,9 +58,7 @@ class DraftProposer:
         self.shadows: dict[str, Shadow] = {}
 
     def propose(self, running: list[Sequence]) -> None:
-        live = {seq.seq_id for seq in running}
-        for seq_id in [s for s in self.shadows if s not in live]:  # finished, aborted, preempted
-            self.kv.free(self.shadows.pop(seq_id))
+        forget_finished(self.shadows, self.kv, running)
         plans: list[tuple[Sequence, Shadow, int]] = []
         for seq in decoding(running):
             seq.draft_tokens, seq.draft_probs = [], None

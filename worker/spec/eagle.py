@@ -31,7 +31,7 @@ from worker.kv.kv_cache_manager import KVCacheManager
 from worker.models.decoder import DecoderModel
 from worker.runner.model_runner import ModelRunner, is_chunk
 from worker.spec.eagle_head import load_eagle_head
-from worker.spec.proposer import decoding, draw_guesses, guess_limit
+from worker.spec.proposer import decoding, draw_guesses, forget_finished, guess_limit
 
 HEADS_DIR = Path(__file__).parent / "heads"  # the heads Kervan ships, by catalog name
 
@@ -100,9 +100,7 @@ class EagleProposer:
         return shadow
 
     def propose(self, running: list[Sequence]) -> None:
-        live = {seq.seq_id for seq in running}
-        for seq_id in [s for s in self.shadows if s not in live]:  # finished, aborted, preempted
-            self.kv.free(self.shadows.pop(seq_id))
+        forget_finished(self.shadows, self.kv, running)
         plans: list[tuple[Sequence, EagleShadow, int]] = []
         for seq in decoding(running):
             seq.draft_tokens, seq.draft_probs = [], None

@@ -61,6 +61,14 @@ def decoding(running: list[Sequence]) -> list[Sequence]:
     return [seq for seq in running if seq.num_tokens - seq.num_computed_tokens == 1]
 
 
+def forget_finished(shadows: dict, kv, running: list[Sequence]) -> None:
+    """Free the shadows (and their blocks in ``kv``) of sequences no longer running: finished,
+    aborted or preempted (a preempted one starts a new shadow when it runs again)."""
+    live = {seq.seq_id for seq in running}
+    for seq_id in [s for s in shadows if s not in live]:
+        kv.free(shadows.pop(seq_id))
+
+
 def guess_limit(seq: Sequence, num_speculative_tokens: int, max_model_len: int) -> int:
     """How many guesses are worth verifying for ``seq`` now."""
     left = seq.params.max_tokens - seq.num_output_tokens - 1
