@@ -8,18 +8,26 @@ leaves out, ``worker/spec/eagle_data.py``):
 - ``extraction``: a chat request to repeat a docstring word for word (what n-gram guesses).
 
 For each batch size and temperature (0, and 0.8 unseeded), every round runs each method once
-on the same prompts, interleaved; decode tokens/s counts the tokens after each request's first
-and the time after the last first token. Ratios are against no speculation in the same round;
-medians with their min-max. The acceptance rate and mean accepted length are the engine's
-counters over all rounds.
+on the same prompts, interleaved, in engines of this process without prefix caching (an EAGLE
+head reads the prompt's hidden states only where the target computes them); decode tokens/s
+counts the tokens after each request's first and the time after the last first token. Ratios
+are against no speculation in the same round; medians with their min-max. The acceptance rate
+and mean accepted length are the engine's counters over all rounds.
+
+``--mesh-batches``: the same through the mesh ``kervan up`` starts (a prefill and a decode
+worker, each its own process, the KV pushed between them; greedy, as ``kervan bench`` asks),
+one cluster per method, all up, taking turns; new prompts every round (no prefix hits). A
+request's decode rate is its tokens after the first over the time after its first; the
+row's, their mean.
 
     python -m benchmarks.speculative --model ~/.cache/kervan/models/smollm2-135m \\
-        --eagle ~/.cache/kervan/eagle/smollm2-135m --json-out benchmarks/results/speculative-avx512.json
+        --eagle worker/spec/heads/smollm2-135m --json-out benchmarks/results/speculative-avx512.json
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 
 from benchmarks.machine import add_dtype_argument, machine, write_report
@@ -52,6 +60,65 @@ def decode_rate(engine, texts: list[str], params) -> float:
     return counted / (time.perf_counter() - started)
 
 
+def counters(address: str) -> dict[str, float]:
+    """A service's /metrics samples without labels, by name."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if not s.labels}
+
+
+def mesh_rows(args, methods: dict[str, dict], engine, batches: list[int]) -> list[dict]:
+    """Greedy decode tokens/s through a prefill+decode mesh per method, with the decode
+    worker's acceptance counters."""
+    from benchmarks.load import run_closed_loop
+    from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
+
+    flags = {name: {"speculative": o["speculative"], "num_speculative_tokens": o["num_speculative_tokens"],
+                    "speculative_model": o.get("speculative_model")} if o else {} for name, o in methods.items()}
+    clusters = {name: Cluster(ClusterSpec(args.model, dtype=args.dtype, metrics=True, **flags[name]), new_log_dir())
+                for name in methods}
+    rows = []
+    try:
+        for cluster in clusters.values():
+            cluster.start(timeout=300)
+        for workload in args.workloads.split(","):
+            texts = prompts(args.model, workload, max(batches) * args.rounds)
+            ids = [engine.tokenizer.encode(t) for t in texts]
+            for batch in batches:
+                rates = {name: [] for name in clusters}
+                for r in range(args.rounds):
+                    work = [(p, args.max_tokens) for p in ids[r * batch:(r + 1) * batch]]
+                    for name, cluster in clusters.items():
+                        results, _ = asyncio.run(run_closed_loop(cluster.router_address, work, batch))
+                        rates[name].append(sum((t.tokens - 1) / (t.e2e - t.ttft) for t in results) / len(results))
+                row = {"workload": workload, "temperature": 0.0, "batch": batch, "through": "mesh",
+                       "tokens_per_s": {n: spread(v) for n, v in rates.items()}}
+                for name in clusters:
+                    if name != "none":
+                        row[name] = {"ratio": spread([s / b for s, b in zip(rates[name], rates["none"])])}
+                print(row, flush=True)
+                rows.append(row)
+        for name, cluster in clusters.items():  # over every mesh round
+            if name == "none":
+                continue
+            metrics = counters(cluster.addresses["decode-0-metrics"])
+            drafts = metrics.get("kervan_spec_decode_num_drafts_total", 0)
+            guesses = metrics.get("kervan_spec_decode_num_draft_tokens_total", 0)
+            kept = metrics.get("kervan_spec_decode_num_accepted_tokens_total", 0)
+            for row in rows:
+                row[name].update(acceptance_rate=kept / guesses if guesses else None,
+                                 mean_accepted_length=1 + kept / drafts if drafts else None)
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -61,17 +128,25 @@ def main() -> None:
     ap.add_argument("--workloads", default="chat,extraction")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
+    ap.add_argument("--eagle-speculative-tokens", type=int, default=None, help="the EAGLE head's k (default: the same)")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="speculative_disable_by_batch_size (default: the engine's; 0: speculate at every batch)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--mesh-batches", default="1,4", help="through kervan up's mesh too ('' for none)")
     ap.add_argument("--json-out", default=None)
     add_dtype_argument(ap)
     args = ap.parse_args()
     from worker import Engine, SamplingParams
 
     k = args.num_speculative_tokens
-    methods = {"none": {}, "ngram": dict(speculative="ngram", num_speculative_tokens=k)}
+    auto_off = {} if args.disable_by_batch_size is None else {
+        "speculative_disable_by_batch_size": args.disable_by_batch_size}
+    methods = {"none": {}, "ngram": dict(speculative="ngram", num_speculative_tokens=k, **auto_off)}
     if args.eagle:
-        methods["eagle"] = dict(speculative="eagle", speculative_model=args.eagle, num_speculative_tokens=k)
-    engines = {name: Engine.from_pretrained(args.model, dtype=args.dtype, **opts) for name, opts in methods.items()}
+        methods["eagle"] = dict(speculative="eagle", speculative_model=args.eagle,
+                                num_speculative_tokens=args.eagle_speculative_tokens or k, **auto_off)
+    engines = {name: Engine.from_pretrained(args.model, dtype=args.dtype, enable_prefix_caching=False, **opts)
+               for name, opts in methods.items()}
     batches = [int(b) for b in args.batches.split(",")]
     results = []
     for workload in args.workloads.split(","):
@@ -98,6 +173,11 @@ def main() -> None:
                                  "mean_accepted_length": 1 + kept / drafts if drafts else None}
                 print(row, flush=True)
                 results.append(row)
+    if args.mesh_batches:
+        reference = engines["none"]
+        for name in [n for n in engines if n != "none"]:
+            engines.pop(name).close()
+        results += mesh_rows(args, methods, reference, [int(b) for b in args.mesh_batches.split(",")])
     write_report({"benchmark": "speculative", "machine": machine(args.dtype), "args": vars(args),
                   "results": results}, args.json_out)
 

@@ -84,9 +84,12 @@ def make_engine(model_dir, **options):
     """float32 and the default (batch-variant) kernels: tests that compare greedy tokens across
     batching, chunking or cache hits with it rely on the tiny models' wide init keeping the
     top logits far apart, not on bit equality (that takes ``deterministic=True``:
-    tests/worker/test_deterministic.py compares logprobs with ==)."""
+    tests/worker/test_deterministic.py compares logprobs with ==). Speculation, when asked for,
+    runs at every batch size (tests batch more sequences than the default auto-off allows)."""
     from worker import Engine
     options = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 128, **options}
+    if options.get("speculative"):
+        options.setdefault("speculative_disable_by_batch_size", 0)
     return Engine.from_pretrained(model_dir, **options)
 
 

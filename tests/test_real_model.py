@@ -89,7 +89,8 @@ def test_the_served_weights_are_the_gguf_s_own_values(pulled):
 def test_greedy_text_matches_transformers_on_chat_prompts(pulled):
     """Same chat template, same tokens, same stop at <|im_end|> as transformers running
     the GGUF dequantized to float32; Kervan serves the blocks themselves (float32
-    activations: the same products, summed in another order)."""
+    activations: the same products, summed in another order). The same again with the
+    shipped EAGLE head guessing (float32: verification rows cannot flip a near-tie)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.router.chat_template import ChatTemplate
@@ -108,6 +109,14 @@ def test_greedy_text_matches_transformers_on_chat_prompts(pulled):
         outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
     finally:
         engine.close()
+    # the EAGLE head Kervan ships for this model: found by the model's name, guesses kept, the same tokens
+    speculating = Engine.from_pretrained(model_dir, dtype="float32", speculative="eagle", num_speculative_tokens=2)
+    try:
+        guessed = speculating.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+        assert speculating.stats().spec_num_accepted_tokens > 0
+    finally:
+        speculating.close()
+    assert [o.outputs[0].token_ids for o in guessed] == [o.outputs[0].token_ids for o in outs]
     for prompt, out in zip(prompts, outs):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         assert out.prompt_token_ids == ids[0].tolist()

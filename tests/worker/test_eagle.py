@@ -24,7 +24,7 @@ from worker.engine.scheduler import ScheduledSequence
 from worker.kv.kv_cache_manager import KVCacheManager
 from worker.runner.model_runner import ModelRunner
 from worker.spec.eagle import EagleShadow
-from worker.spec.eagle_data import generate_examples
+from worker.spec.eagle_data import generate_examples, reference_passages, stdlib_docstrings
 from worker.spec.eagle_head import CONFIG_FILE, WEIGHTS_FILE, load_eagle_head
 from worker.spec.train_eagle import TrainingHead, draft_vocabulary, evaluate, train
 
@@ -35,13 +35,13 @@ def _frozen(engine, vocab):
     model = engine.runner.model
     with torch.no_grad():
         embed = model.embed(torch.arange(model.cfg.vocab_size)).float()
-        lm_rows = model.compute_logits(torch.eye(model.cfg.hidden_size)).T[vocab].float()
-    return embed, lm_rows
+        lm_head = model.compute_logits(torch.eye(model.cfg.hidden_size)).T.float().contiguous()
+    return embed, lm_head, vocab
 
 
 def _save(head: TrainingHead, vocab, engine, out, intermediate):
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (v.float() if v.is_floating_point() else v) for k, v in head.kervan_tensors(vocab).items()}
+    tensors = {k: (v.float() if v.is_floating_point() else v) for k, v in head.kervan_tensors().items()}
     save_file(tensors, str(out / WEIGHTS_FILE))
     cfg = engine.model_config
     (out / CONFIG_FILE).write_text(json.dumps({"hidden_size": cfg.hidden_size, "target_vocab_size": cfg.vocab_size,
@@ -60,7 +60,7 @@ def test_the_served_head_computes_what_the_training_module_computes(llama, tmp_p
     head = load_eagle_head(_save(trained, vocab, engine, tmp_path / "head", 80), engine.runner.model,
                            torch.float32, 512, "cpu")
     # the reference runs on the weights as saved (bf16)
-    saved = {k: v.float() for k, v in trained.kervan_tensors(vocab).items() if k != "vocab"}
+    saved = {k: v.float() for k, v in trained.kervan_tensors().items() if k != "vocab"}
     trained.fc.weight.data.copy_(saved["fc.weight"])
     trained.norm.weight.data.copy_(saved["norm.weight"])
     trained.layer.load_state_dict({k.removeprefix("layers.0."): v for k, v in saved.items() if k != "fc.weight"
@@ -93,7 +93,7 @@ class Trained:
 
 
 def _as_saved(module: TrainingHead, vocab) -> TrainingHead:
-    saved = {k: v.float() for k, v in module.kervan_tensors(vocab).items() if k != "vocab"}
+    saved = {k: v.float() for k, v in module.kervan_tensors().items() if k != "vocab"}
     module.fc.weight.data.copy_(saved.pop("fc.weight"))
     module.norm.weight.data.copy_(saved.pop("norm.weight"))
     module.layer.load_state_dict({k.removeprefix("layers.0."): v for k, v in saved.items()})
@@ -107,13 +107,11 @@ def trained_head(llama, tmp_path_factory) -> Trained:
     engine = make_engine(path, enable_prefix_caching=False, num_kv_blocks=1024)
     examples = generate_examples(engine, make_prompts([12, 20, 7, 30] * 50, seed=40), max_tokens=48)
     vocab = draft_vocabulary(examples, 128)
-    column = torch.full((128,), -1, dtype=torch.long)
-    column[vocab] = torch.arange(len(vocab))
     torch.manual_seed(0)
     head = TrainingHead(path, 96, *_frozen(engine, vocab))
-    before = evaluate(head, examples[:8], column)
-    train(head, examples[8:], column, epochs=12, lr=3e-3, batch_tokens=1024, seed=0, say=lambda _: None)
-    after = evaluate(head, examples[:8], column)
+    before = evaluate(head, examples[:8])
+    train(head, examples[8:], epochs=12, lr=3e-3, batch_tokens=1024, seed=0, say=lambda _: None)
+    after = evaluate(head, examples[:8])
     out = _save(head, vocab, engine, tmp_path_factory.mktemp("eagle"), 96)
     return Trained(out, _as_saved(head, vocab), vocab, before, after)
 
@@ -192,3 +190,13 @@ def test_a_head_for_another_model_or_none_is_a_config_error(llama, trained_head,
     (wrong / CONFIG_FILE).write_text(json.dumps({**meta, "hidden_size": 576}))
     with pytest.raises(ConfigError, match="trained for a model"):
         make_engine(path, speculative="eagle", speculative_model=str(wrong))
+
+
+def test_the_training_texts_keep_their_held_out_files_and_topics_apart():
+    """What ``train_eagle`` learns from never includes what the benchmark measures on."""
+    docs, held_docs = stdlib_docstrings(held_out=False), stdlib_docstrings(held_out=True)
+    assert len(held_docs) > 100 and len(docs) > 10 * len(held_docs) // 2
+    assert not set(docs) & set(held_docs) and all(len(d) >= 200 for d in docs + held_docs)
+    passages, held_passages = reference_passages(held_out=False), reference_passages(held_out=True)
+    assert passages and held_passages and not set(passages) & set(held_passages)
+    assert all(len(p) <= 2000 for p in passages + held_passages)
