@@ -16,7 +16,7 @@ and mean accepted length are the engine's counters over all rounds.
 
 ``--mesh-batches``: the same through the mesh ``kervan up`` starts (a prefill and a decode
 worker, each its own process, the KV pushed between them; greedy, as ``kervan bench`` asks),
-one cluster per method, all up, taking turns; new prompts every round (no prefix hits). A
+one cluster per method with the same flags, all up, taking turns; new prompts every round (no prefix hits). A
 request's decode rate is its tokens after the first over the time after its first; the
 row's, their mean.
 
@@ -78,8 +78,8 @@ def mesh_rows(args, methods: dict[str, dict], engine, batches: list[int]) -> lis
     from benchmarks.load import run_closed_loop
     from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
 
-    flags = {name: {"speculative": o["speculative"], "num_speculative_tokens": o["num_speculative_tokens"],
-                    "speculative_model": o.get("speculative_model")} if o else {} for name, o in methods.items()}
+    keys = ("speculative", "num_speculative_tokens", "speculative_model", "speculative_disable_by_batch_size")
+    flags = {name: {key: o[key] for key in keys if key in o} for name, o in methods.items()}
     clusters = {name: Cluster(ClusterSpec(args.model, dtype=args.dtype, metrics=True, **flags[name]), new_log_dir())
                 for name in methods}
     rows = []

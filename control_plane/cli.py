@@ -28,7 +28,8 @@ DTYPE_HELP = ("auto (bfloat16 where the hardware computes it natively, else floa
 DETERMINISTIC_HELP = ("batch-invariant kernels: greedy tokens and logprobs bit-identical whatever else is batched, "
                       "however the prompt is chunked, wherever its prefix KV came from (CPU only)")
 SPECULATIVE_HELP = ("decode and aggregated workers guess the next tokens and verify them in one step: ngram (prompt "
-                    "lookup) or draft (--speculative-model); the output stays the model's own")
+                    "lookup), draft (--speculative-model) or eagle (the head Kervan ships for the model, or "
+                    "--speculative-model); the output stays the model's own")
 QUANTIZATION_HELP = ("weight-only low precision for a float checkpoint: int8, int4 (int4-g32, int4-g128), fp8, "
                      "fp8-block, nvfp4 (a GGUF model keeps its own blocks)")
 
@@ -220,11 +221,15 @@ def generate(prompt, addr, token_ids, chat, model_dir, max_tokens, temperature, 
 @click.option("--speculative", type=click.Choice(SPECULATIVE_METHODS), default=None, help=SPECULATIVE_HELP)
 @click.option("--num-speculative-tokens", type=int, default=None, help="guesses per sequence and step (default 3)")
 @click.option("--speculative-model", default=None, type=click.Path(exists=True, file_okay=False),
-              help="the draft model of --speculative draft (a directory with the model's tokenizer)")
+              help="the draft model of --speculative draft (a directory with the model's tokenizer), "
+                   "or the EAGLE head of --speculative eagle")
+@click.option("--speculative-disable-by-batch-size", type=int, default=None,
+              help="no guesses in a step whose batch holds more sequences than this (default 2; 0: always guess)")
 def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens, chat,
        http_port, metrics, num_routers, num_schedulers, redis_persistent, tls, api_key_file, pin_cores, tensor_parallel,
        expert_parallel, pipeline_parallel, kv_host_bytes, kv_disk_dir, kv_disk_bytes, deterministic,
-       quantization, speculative, num_speculative_tokens, speculative_model) -> None:
+       quantization, speculative, num_speculative_tokens, speculative_model,
+       speculative_disable_by_batch_size) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C."""
     import asyncio
     from pathlib import Path
@@ -248,7 +253,8 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
                            kv_host_bytes=kv_host_bytes, kv_disk_dir=Path(kv_disk_dir) if kv_disk_dir else None,
                            kv_disk_bytes=kv_disk_bytes, quantization=quantization, speculative=speculative,
                            num_speculative_tokens=num_speculative_tokens,
-                           speculative_model=Path(speculative_model) if speculative_model else None)
+                           speculative_model=Path(speculative_model) if speculative_model else None,
+                           speculative_disable_by_batch_size=speculative_disable_by_batch_size)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     cluster = Cluster(spec, new_log_dir())

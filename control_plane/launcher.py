@@ -82,16 +82,19 @@ class ClusterSpec:
     redis_persistent: bool = False  # the private Redis keeps an append-only file (survives its restart)
     deterministic: bool = False  # every worker runs batch-invariant kernels (--deterministic)
     quantization: str | None = None  # every worker's weights in this low precision (--quantization)
-    # decode and aggregated workers speculate (--speculative ngram|draft, --num-speculative-tokens,
-    # --speculative-model); prefill workers emit one token and never do
+    # decode and aggregated workers speculate (--speculative ngram|draft|eagle, --num-speculative-tokens,
+    # --speculative-model, --speculative-disable-by-batch-size); prefill workers emit one token and never do
     speculative: str | None = None
     num_speculative_tokens: int | None = None
     speculative_model: Path | None = None
+    speculative_disable_by_batch_size: int | None = None
 
     def speculative_flags(self) -> list[str]:
         flags = ["--speculative", self.speculative]
         flags += ["--num-speculative-tokens", str(self.num_speculative_tokens)] if self.num_speculative_tokens else []
         flags += ["--speculative-model", str(self.speculative_model)] if self.speculative_model else []
+        if self.speculative_disable_by_batch_size is not None:
+            flags += ["--speculative-disable-by-batch-size", str(self.speculative_disable_by_batch_size)]
         return flags
 
     def __post_init__(self) -> None:
@@ -101,6 +104,9 @@ class ClusterSpec:
         if self.kv_disk_bytes and not (self.kv_disk_dir and self.kv_host_bytes):
             raise ValueError("--kv-disk-bytes needs --kv-disk-dir and --kv-host-bytes (the disk tier sits behind "
                              "the host tier)")
+        if (self.speculative_disable_by_batch_size or 0) < 0:
+            raise ValueError(f"--speculative-disable-by-batch-size must be >= 0, got "
+                             f"{self.speculative_disable_by_batch_size}")
         if self.group_size == 1:
             return
         from worker.config import ConfigError, ModelConfig, check_parallel

@@ -200,3 +200,16 @@ def test_up_refuses_a_disk_tier_without_its_directory_or_a_host_tier_in_front(ll
                  ["--kv-disk-bytes", "1048576", "--kv-disk-dir", str(tmp_path)]):
         res = CliRunner().invoke(main, ["up", "--model", str(llama[1]), *args])
         assert res.exit_code == 2 and "--kv-disk-bytes needs --kv-disk-dir and --kv-host-bytes" in res.output, args
+
+
+def test_up_passes_the_speculation_cutoff_to_the_workers_that_speculate_and_refuses_a_negative_one(llama):
+    from click.testing import CliRunner
+
+    from control_plane.cli import main
+    from control_plane.launcher import ClusterSpec
+    spec = ClusterSpec(llama[1], speculative="ngram", speculative_disable_by_batch_size=0)
+    assert spec.speculative_flags() == ["--speculative", "ngram", "--speculative-disable-by-batch-size", "0"]
+    assert ClusterSpec(llama[1], speculative="ngram").speculative_flags() == ["--speculative", "ngram"]
+    res = CliRunner().invoke(main, ["up", "--model", str(llama[1]), "--speculative", "ngram",
+                                    "--speculative-disable-by-batch-size", "-1"])
+    assert res.exit_code == 2 and "--speculative-disable-by-batch-size must be >= 0, got -1" in res.output

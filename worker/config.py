@@ -241,13 +241,15 @@ class EngineConfig:
     # lookup, ``prompt_lookup_min``..``prompt_lookup_max`` tokens matched), "draft" (the smaller
     # model in ``speculative_model``, same tokenizer) or "eagle" (the EAGLE head in
     # ``speculative_model``; unset: the one Kervan ships for a catalog model); None: off. Off for a
-    # step whose batch holds more than ``speculative_disable_by_batch_size`` sequences (0: never off)
+    # step whose batch holds more than ``speculative_disable_by_batch_size`` sequences (0: never off;
+    # 2: on SmolLM2-135M in bf16 both proposers gain at batch 2 and lose from batch 4 on chat
+    # answers, ``benchmarks/speculative.py``)
     speculative: str | None = None
     num_speculative_tokens: int = 3
     speculative_model: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    speculative_disable_by_batch_size: int = 0
+    speculative_disable_by_batch_size: int = 2
 
     def __post_init__(self) -> None:
         try:

@@ -121,7 +121,8 @@ def add_speculative_arguments(ap: argparse.ArgumentParser) -> None:
                       help="ngram: the most tokens a match takes (longest first)")
     spec.add_argument("--speculative-disable-by-batch-size", type=int,
                       default=EngineConfig.speculative_disable_by_batch_size,
-                      help="no guesses in a step whose batch holds more sequences than this (0: always guess)")
+                      help="no guesses in a step whose batch holds more sequences than this "
+                           "(default %(default)s; 0: always guess)")
 
 
 def speculative_options(args: argparse.Namespace) -> dict:

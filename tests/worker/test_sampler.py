@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from worker import SamplingParams
-from worker.runner.sampler import Sampler, SamplingRow, argmax
+from worker.runner.sampler import Sampler, SamplingRow, argmax, exponential
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
 
@@ -80,3 +80,12 @@ def test_greedy_argmax_is_torchs_on_logits_in_the_model_dtype(dtype):
     tokens, logprobs = Sampler(seed=0)(logits[[0, 1, 6]], [SamplingRow(greedy, None)] * 3)
     want = torch.log_softmax(logits[[0, 1, 6]].float(), dim=-1)
     assert logprobs == [want[i, t].item() for i, t in enumerate(tokens)]
+
+
+def test_the_race_noise_is_exponential_never_zero_and_follows_its_generator():
+    g = torch.Generator().manual_seed(5)
+    e = exponential((1_000_000,), g).double()
+    assert (e > 0).all() and abs(e.mean() - 1) < 0.005 and abs(e.var() - 1) < 0.02
+    assert abs((e > 2).double().mean() - math.exp(-2)) < 0.002  # the tail: P(E > 2) = e^-2
+    again = exponential((1_000_000,), torch.Generator().manual_seed(5)).double()
+    assert torch.equal(e, again)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from worker import SamplingParams
-from worker.runner.sampler import Sampler, SamplingRow
+from worker.runner.sampler import Sampler, SamplingRow, exponential
 from worker.spec.verify import accept_matching, normalized, rejection_sample
 
 VOCAB = 8
@@ -42,7 +42,7 @@ def models():
 
 
 def _race(probs: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    return (probs / torch.empty_like(probs).exponential_(generator=g)).argmax(dim=-1)
+    return (probs / exponential(probs.shape, g)).argmax(dim=-1)
 
 
 def _two_tokens(target, kept, after, guesses, g):
@@ -85,7 +85,7 @@ def _rejection_p_value(models, accept_all: bool) -> float:
     uniforms = torch.rand(DRAWS, 2, generator=g)
     if accept_all:  # the broken verifier: every guess kept
         uniforms = torch.zeros_like(uniforms)
-    noise = torch.empty(DRAWS, 3, VOCAB).exponential_(generator=g)
+    noise = exponential((DRAWS, VOCAB), g)
     kept, after = rejection_sample(_target_rows(target, guesses), q, guesses, uniforms, noise)
     if not accept_all:  # every outcome occurred: none, one or both guesses kept
         assert (torch.bincount(kept, minlength=3) > DRAWS // 20).all()

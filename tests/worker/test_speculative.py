@@ -110,14 +110,17 @@ def test_a_seeded_sample_gets_the_same_tokens_as_without_speculation(target, dra
 def test_a_draft_that_is_the_target_has_every_sampled_guess_accepted(target):
     """Unseeded samples take guesses drawn from the draft's distribution and rejection
     sampling: with the target as its own draft p = q, so nothing may be rejected (a
-    misaligned row or a mismatched temperature would reject)."""
-    params = SamplingParams(max_tokens=30, temperature=0.7, top_k=40, top_p=0.95, min_p=0.01, ignore_eos=True)
+    misaligned row or a mismatched temperature would reject); the logprobs are the target's
+    of the tokens rejection sampling drew."""
+    params = SamplingParams(max_tokens=30, temperature=0.7, top_k=40, top_p=0.95, min_p=0.01, ignore_eos=True,
+                            logprobs=True)
     engine, outs = _run(target, PROMPTS, params, speculative="draft", speculative_model=str(target),
                         num_speculative_tokens=3)
     stats = engine.stats()
     assert stats.spec_num_draft_tokens > 50
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
     assert all(len(o.token_ids) == 30 for o in outs)
+    assert all(len(o.logprobs) == 30 and all(-30 < lp <= 0 for lp in o.logprobs) for o in outs)
     assert_idle(engine)
 
 

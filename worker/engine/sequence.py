@@ -17,6 +17,7 @@ import torch
 
 from kervan.block_hash import ROOT_HASH, BlockHash, hash_blocks
 from kervan.sampling import SamplingParams
+from worker.runner.sampler import exponential
 
 
 class SequenceStatus(enum.IntEnum):
@@ -127,8 +128,7 @@ class Sequence:
         """The exponential noise of this seeded sample's next ``count`` positions, in the
         order its generator gives it (what ``Sampler`` draws one token at a time)."""
         noise, self.pending_noise = self.pending_noise[:count], self.pending_noise[count:]
-        noise += [torch.empty(vocab_size).exponential_(generator=self.generator)
-                  for _ in range(count - len(noise))]
+        noise += [exponential((vocab_size,), self.generator) for _ in range(count - len(noise))]
         return noise
 
     def keep_noise(self, unused: list[torch.Tensor]) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kervan.sampling import SamplingParams
 from worker.config import ConfigError, EngineConfig
 from worker.engine.scheduler import KVWrite, ScheduledBatch, ScheduledSequence
 from worker.kernels import has_native_kernels
@@ -25,11 +26,12 @@ from worker.parallel import get_parallel_state, kv_shards, pipeline
 from worker.parallel.group import GroupFailed, GroupLeader
 from worker.parallel.step_inputs import StepInputs
 from worker.runner.graphs import GRAPH_MAX_CONTEXT, CudaGraphRunner, decode_buckets
-from worker.runner.sampler import Sampler
+from worker.runner.sampler import Sampler, SamplingRow
 from worker.spec.verifier import Verifier
 
 # the most tokens after a context that run as decode rows rather than as a chunk (``is_chunk``)
 MAX_DECODE_ROWS = 8
+ARGMAX = SamplingParams(temperature=0.0)  # a row whose token the sampler need not draw
 
 Token = tuple[int, float | None]  # (token id, its logprob when the request asked for them)
 
@@ -102,7 +104,9 @@ class ModelRunner:
             return RunnerOutput({}, hidden)
         logits = logits.cpu()
         per_seq = [self.verifier.rows(seq) for seq in seqs]
-        rows = [row for seq_rows in per_seq for row in seq_rows]
+        # rows that rejection sampling draws from itself take the argmax here (no noise, no filters)
+        rows = [SamplingRow(ARGMAX, None) if self.verifier.rejection_samples(seq) else row
+                for seq, seq_rows in zip(seqs, per_seq) for row in seq_rows]
         tokens, logprobs = self.sampler(logits, rows)
         out: dict[str, list[list[Token]]] = {}
         i = 0

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.engine.scheduler import ScheduledSequence
-from worker.runner.sampler import Sampler, SamplingRow
+from worker.runner.sampler import Sampler, SamplingRow, exponential
 from worker.spec.verify import accept_matching, normalized, rejection_sample
 
 Token = tuple[int, float | None]
@@ -55,6 +55,13 @@ class Verifier:
             return [SamplingRow(s.params, s.generator)] * count
         return [SamplingRow(s.params, s.sample_generators[s.sample_index + k]) for k in range(count)]
 
+    @staticmethod
+    def rejection_samples(seq: ScheduledSequence) -> bool:
+        """The sequence's guesses came with the draft's distributions and are verified by
+        rejection sampling, which draws its own tokens (the sampler's would go unused)."""
+        s = seq.sequence
+        return bool(seq.guesses) and s.draft_probs is not None and not s.params.is_greedy
+
     def run(self, seq: ScheduledSequence, logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int],
             logprobs: list[float] | None) -> list[Token]:
         """The tokens a sequence keeps from a step that verified its guesses: the guesses
@@ -62,7 +69,7 @@ class Verifier:
         target's rows, ``tokens`` what the sampler drew from them."""
         s = seq.sequence
         guesses = torch.tensor(seq.guesses)[None]
-        if s.draft_probs is None or s.params.is_greedy:
+        if not self.rejection_samples(seq):
             kept, _ = accept_matching(torch.tensor(tokens)[None], guesses)
             kept = int(kept)
             if rows[0].noise is not None:
@@ -70,7 +77,7 @@ class Verifier:
             emitted = tokens[:kept + 1]
         else:
             kept, emitted = self._rejection_sample(seq, logits, rows)
-            if logprobs is not None:
+            if s.params.logprobs:  # the sampler took these rows' argmax and left their logprobs
                 logprobs = torch.log_softmax(logits.float(), dim=-1).gather(
                     1, torch.tensor(emitted)[:, None]).squeeze(1).tolist()
         self.counters.count(len(seq.guesses), kept)
@@ -83,7 +90,7 @@ class Verifier:
         q = seq.sequence.draft_probs[:num_guesses]
         generator = self.sampler.generator
         uniforms = torch.rand(1, num_guesses, generator=generator)
-        noise = torch.empty(1, num_guesses + 1, self.vocab_size).exponential_(generator=generator)
-        kept, after = rejection_sample(p[None], q[None], torch.tensor(seq.guesses)[None], uniforms, noise)
+        kept, after = rejection_sample(p[None], q[None], torch.tensor(seq.guesses)[None], uniforms,
+                                       lambda kept: exponential((1, self.vocab_size), generator))
         kept = int(kept)
         return kept, seq.guesses[:kept] + [int(after)]

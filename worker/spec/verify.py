@@ -36,7 +36,8 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, guesses: torch.Tensor, un
                      noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft distributions: ``p`` [B, k + 1, V] the target's, ``q`` [B, k, V] the draft's,
     both normalized; ``guesses`` [B, k] drawn from ``q``; ``uniforms`` [B, k] in [0, 1);
-    ``noise`` [B, k + 1, V] Exponential(1). Returns (guesses kept [B], the token after them [B])."""
+    ``noise``: Exponential(1), [B, V] for the one draw after the guesses kept, or a callable
+    ``kept -> [B, V]`` that draws it then. Returns (guesses kept [B], the token after them [B])."""
     batch, k = guesses.shape
     index = guesses[..., None].long()
     p_guess = p[:, :k].gather(2, index).squeeze(2)
@@ -48,7 +49,7 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, guesses: torch.Tensor, un
     # after the last guess q is zero: the residual is p itself, the bonus token's distribution
     q_next = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, kept]
     residual = (p_next - q_next).clamp_min(0)
-    return kept, (residual / noise[rows, kept]).argmax(dim=-1)
+    return kept, (residual / (noise(kept) if callable(noise) else noise)).argmax(dim=-1)
 
 
 def normalized(probs: torch.Tensor) -> torch.Tensor:
