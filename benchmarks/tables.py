@@ -150,23 +150,24 @@ def quant_kernels() -> str:
 
 def _kept(cell: dict) -> str:
     rate, length = cell.get("acceptance_rate"), cell.get("mean_accepted_length")
-    return "–" if rate is None else f"{rate:.0%} kept, {length:.2f} tokens/step"
+    return "no guesses" if rate is None else f"{rate:.0%} kept, {length:.2f} tokens/step"
 
 
 def speculative() -> str:
     """One row per (report, workload, temperature, batch, engine or mesh): decode tok/s without
     speculation, and each proposer's speed over it with how many of its guesses were kept."""
-    rows = []
+    tables = []
     for label, report in _reports("speculative"):
         methods = [m for m in report["results"][0]["tokens_per_s"] if m != "none"]
-        rows += [f"| {label}: workload | temperature | batch | through | no speculation tok/s | "
-                 + " | ".join(f"{m} (vs none; guesses kept)" for m in methods) + " |",
-                 "|---|---|---|---|---|" + "---|" * len(methods)]
+        rows = [f"| {label}: workload | temperature | batch | through | no speculation tok/s | "
+                + " | ".join(f"{m} (vs none; guesses kept)" for m in methods) + " |",
+                "|---|---|---|---|---|" + "---|" * len(methods)]
         for r in report["results"]:
             cells = [f"{_range(r[m]['ratio'])}; {_kept(r[m])}" for m in methods]
             rows.append(f"| {r['workload']} | {r['temperature']:g} | {r['batch']} | {r.get('through', 'engine')} "
                         f"| {_spread(r['tokens_per_s']['none'])} | " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n"
+        tables.append("\n".join(rows) + "\n")
+    return "\n".join(tables)
 
 
 TABLES = {"engine_throughput": engine_throughput, "step_profile": step_profile, "linear_kernels": linear_kernels,
