@@ -41,12 +41,12 @@ from pathlib import Path
 from benchmarks import plots
 from benchmarks.machine import add_dtype_argument, machine
 from benchmarks.stats import spread
+from control_plane.bench import workload
+from control_plane.bench.backends import KervanBackend
+from control_plane.bench.command import one_line
+from control_plane.bench.load import run_open_loop
+from control_plane.bench.report import meets, summarize
 from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
-from kervan.bench import workload
-from kervan.bench.backends import KervanBackend
-from kervan.bench.command import one_line
-from kervan.bench.load import run_open_loop
-from kervan.bench.report import meets, summarize
 from worker.default_model import ensure_default_model
 from worker.platform import usable_cores
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from benchmarks.machine import machine, write_report
 from benchmarks.stats import spread
+from control_plane.bench.backends import KervanBackend
+from control_plane.bench.workload import BenchRequest
 from control_plane.launcher import Cluster, ClusterSpec
-from kervan.bench.backends import KervanBackend
-from kervan.bench.workload import BenchRequest
 from services.router.__main__ import model_limits
 from worker.default_model import ensure_default_model
 from worker.pull import resolve_model

@@ -1,11 +1,11 @@
-"""The benchmarks' client side, on ``kervan bench``'s load generator (``kervan/bench``):
+"""The benchmarks' client side, on ``kervan bench``'s load generator (``control_plane/bench``):
 a bounded list of (prompt token ids, output tokens) through a router, timed per token."""
 
 from __future__ import annotations
 
-from kervan.bench import load
-from kervan.bench.backends import KervanBackend, Timed
-from kervan.bench.workload import BenchRequest
+from control_plane.bench import load
+from control_plane.bench.backends import KervanBackend, Timed
+from control_plane.bench.workload import BenchRequest
 from services.common.security import PLAINTEXT, MeshSecurity
 
 __all__ = ["Timed", "pct_ms", "run_closed_loop"]

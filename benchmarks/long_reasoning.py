@@ -23,10 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.machine import add_dtype_argument, machine, write_report
 from benchmarks.stats import spread
+from control_plane.bench import workload
+from control_plane.bench.backends import KervanBackend
+from control_plane.bench.command import one_line, sweep
 from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
-from kervan.bench import workload
-from kervan.bench.backends import KervanBackend
-from kervan.bench.command import one_line, sweep
 from worker.default_model import ensure_default_model
 from worker.pull import resolve_model
 

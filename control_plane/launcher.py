@@ -39,6 +39,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.redis_server import redis_argv, wait_listening
+from kervan.block_hash import DEFAULT_BLOCK_SIZE
 from services.common.lifeline import ENV as ENV_LIFELINE
 from services.common.security import MESH_SECRET_ENV, PLAINTEXT, MeshSecurity
 from worker.platform import usable_cores
@@ -57,7 +58,7 @@ class ClusterSpec:
     num_both: int = 0
     router_port: int = 0  # 0: a free port
     redis_url: str | None = None  # None: start a private redis-server
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     dtype: str = "auto"
     num_kv_blocks: int | None = None
     kv_host_bytes: int = 0  # host memory behind each worker's KV pool (--kv-host-bytes)
@@ -227,7 +228,7 @@ class Cluster:
                     self.addresses[f"{name}-http"] = f"127.0.0.1:{port}"
                     http = ["--http-port", str(port)]
                 self._start(name, "services.router", "--scheduler", ",".join(self.addresses[s] for s in schedulers),
-                            "--model", str(self.spec.model_dir), "--block-size", str(self.spec.block_size),
+                            "--model", str(self.spec.model_dir),
                             *http, *keys, *self.spec.router_args,
                             port=self.spec.router_port if name == "router" else 0)
             self._wait_serving(routers, timeout)

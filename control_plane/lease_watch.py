@@ -3,7 +3,7 @@
 Workers hold leases in Redis (``kervan:w:{id}``, renewed by their heartbeats). This
 process declares a worker dead the moment its lease expires — Redis keyspace
 notifications (``notify-keyspace-events Ex``, set here) say so at once — and has the
-kv-registry purge it through its API (``ListWorkers`` purges every expired worker
+kv-registry purge it through its API (``PurgeExpired`` drops every expired worker
 and its KV ownership), so that the scheduler, which reads the live set for every
 placement, stops choosing it at once. A reconciliation loop every ``--interval``
 seconds does the same whether or not a notification arrived: notifications are a
@@ -26,7 +26,7 @@ from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
 from services.common.security import MeshSecurity, add_security_arguments
 from services.common.tracing import configure_tracing
-from services.kv_registry.index import LEASE_PREFIX
+from services.kv_registry.index import leased_worker
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -88,8 +88,8 @@ class LeaseWatcher:
             if msg is not None:
                 heard = now
                 key = msg.get("data") if msg.get("type") == "pmessage" else None
-                if isinstance(key, bytes) and key.startswith(LEASE_PREFIX.encode()):
-                    worker_id = key[len(LEASE_PREFIX):].decode()
+                worker_id = leased_worker(key) if isinstance(key, bytes) else None
+                if worker_id is not None:
                     log.warning("worker %s declared dead: its lease expired", worker_id)
                     LEASE_EXPIRIES.inc()
                     self.declared_dead.append(worker_id)
@@ -107,7 +107,7 @@ class LeaseWatcher:
 
     async def _purge(self) -> None:
         try:
-            await self.registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), timeout=5)
+            await self.registry.PurgeExpired(kv_registry_pb2.PurgeExpiredRequest(), timeout=5)
         except grpc.aio.AioRpcError as err:
             log.warning("kv-registry unreachable: %s", err.code().name)
 

@@ -14,6 +14,9 @@ import struct
 from collections.abc import Sequence
 
 HASH_NAME = "sha256"  # advertised to the mesh so every member hashes alike
+# tokens per block unless a mesh is started with another size (the kv-registry's --block-size,
+# which every worker must match and the router asks for)
+DEFAULT_BLOCK_SIZE = 16
 ROOT_HASH = hashlib.sha256(b"kervan.block_hash.v1").digest()
 
 BlockHash = bytes

@@ -75,3 +75,14 @@ KERVAN_LOG_LEVEL = "KERVAN_LOG_LEVEL"
 
 def log_level() -> str:
     return os.environ.get(KERVAN_LOG_LEVEL, "INFO").upper()
+
+# set by the launcher, read by the services: the file descriptor of a pipe whose write end the
+# launcher holds; a child sees it close when the launcher dies, and exits (services/common/lifeline.py)
+KERVAN_LIFELINE_FD = "KERVAN_LIFELINE_FD"
+# the shared secret of a plaintext mesh, in the environment, never on a command line
+# (services/common/security.py); ``kervan up`` makes one when the public API has keys
+KERVAN_MESH_SECRET = "KERVAN_MESH_SECRET"
+# the client side of the command line (``kervan generate``, ``kervan bench``): the router's CA
+# (connect with TLS) and an API key for a router that requires one
+KERVAN_TLS_CA = "KERVAN_TLS_CA"
+KERVAN_API_KEY = "KERVAN_API_KEY"

@@ -16,11 +16,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from kervan.bench import workload
-from kervan.bench.backends import Timed
-from kervan.bench.load import arrival_offsets, run_closed_loop, run_open_loop
-from kervan.bench.report import parse_goodput, summarize
-from kervan.bench.workload import BenchRequest, Lengths, SharedPrefix
+from control_plane.bench import workload
+from control_plane.bench.backends import Timed
+from control_plane.bench.load import arrival_offsets, run_closed_loop, run_open_loop
+from control_plane.bench.report import parse_goodput, summarize
+from control_plane.bench.workload import BenchRequest, Lengths, SharedPrefix
 
 
 def test_length_distributions_parse_draw_and_refuse():

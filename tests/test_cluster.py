@@ -104,6 +104,15 @@ async def test_a_shared_prefix_is_placed_on_the_decode_worker_that_caches_it(clu
     await wait_idle(cluster)
 
 
+def test_the_services_that_run_no_model_never_load_torch(cluster):
+    """Running, after serving requests: no torch library mapped into the router, the
+    scheduler, the kv-registry or the lease watch (``test_torch_free.py`` checks imports)."""
+    from tests.test_torch_free import torch_mapped
+    names = ["router", "scheduler", "kv-registry", "control-plane"]
+    assert {name: torch_mapped(cluster.procs[name].pid) for name in names} == {name: [] for name in names}
+    assert torch_mapped(cluster.procs["prefill-0"].pid)  # a worker does: the check sees torch where it is
+
+
 def test_generic_reflection_client_sees_every_service_serving(cluster):
     from grpc_requests import Client
     for name, service in SERVICES.items():

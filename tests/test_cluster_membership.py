@@ -71,9 +71,8 @@ def test_workers_join_and_leave_while_requests_flow(llama, tmp_path):
 
 
 def test_a_block_size_other_than_16_reaches_every_process(llama, tmp_path):
-    """The router hashes, the registry checks and the workers cache blocks of one size: the
-    launcher's ``block_size`` (before, workers always used 16 and any other size had every
-    worker refused)."""
+    """The registry checks and the workers cache blocks of the launcher's ``block_size``, and
+    the router, given none, hashes with the size the registry answers (through the scheduler)."""
     cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, dtype="float32",
                                   num_kv_blocks=256, block_size=8), tmp_path)
     cluster.start(timeout=240)

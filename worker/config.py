@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from kervan.block_hash import DEFAULT_BLOCK_SIZE
 from kervan.speculative import SPECULATIVE_METHODS
 from worker.platform import DtypeError, Platform, parse_dtype
 
@@ -201,7 +202,7 @@ class EngineConfig:
 
     dtype: torch.dtype | str = "auto"
     device: str = "auto"  # "auto" (CUDA when present), "cpu", "cuda", "cuda:N"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
     # tier 1 behind the pool (``worker/kv/host_tier.py``): host memory for blocks that leave it

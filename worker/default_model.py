@@ -19,9 +19,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kervan.envs import cache_dir
+from kervan.default_model import NAME, default_model_dir
 
-NAME = "kervan-tiny-llama-v1"
 SEED = 1234
 
 CONFIG = {
@@ -66,10 +65,6 @@ In the beginning was the token, and the token was hashed, sixteen to a block,
 each block chained to the one before it, so that two travellers who began their
 journey with the same words could share the same memories of it.
 """
-
-
-def default_model_dir() -> Path:
-    return cache_dir() / NAME
 
 
 def ensure_default_model() -> Path:
@@ -136,3 +131,7 @@ def random_weights(cfg: dict, seed: int, std: float = 0.02) -> dict[str, torch.T
             p + "mlp.down_proj.weight": normal(h, inter),
         })
     return out
+
+
+if __name__ == "__main__":  # what ``kervan.default_model.default_model_written`` runs
+    print(ensure_default_model())

@@ -15,7 +15,9 @@ import signal
 import threading
 import time
 
-ENV = "KERVAN_LIFELINE_FD"
+from kervan.envs import KERVAN_LIFELINE_FD
+
+ENV = KERVAN_LIFELINE_FD
 
 
 def watch_lifeline(grace_s: float = 30.0) -> bool:

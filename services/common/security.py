@@ -27,13 +27,15 @@ from pathlib import Path
 
 import grpc
 
+from kervan.envs import KERVAN_MESH_SECRET
+
 log = logging.getLogger(__name__)
 
 ROLES = ("router", "scheduler", "worker", "kv-registry", "control-plane", "admin")
 MESH_NAME = "kervan-mesh"  # a mesh certificate is valid for <role>.kervan-mesh (or <role>.<--tls-server-name>)
 PUBLIC_ROUTER_CN = "router-public"  # the router's public certificate: no mesh role
 WORKER_ADDRESS_SCHEME = "kervan-worker://"  # a worker certificate's URI SAN: an address it may register
-MESH_SECRET_ENV = "KERVAN_MESH_SECRET"
+MESH_SECRET_ENV = KERVAN_MESH_SECRET
 MESH_SECRET_METADATA = "kervan-mesh-secret"
 LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kervan.block_hash import HASH_NAME
+from kervan.block_hash import DEFAULT_BLOCK_SIZE, HASH_NAME
 from services.common import redis_url
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
@@ -30,7 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "partitioned Redis must not hang handlers)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block across the mesh")
+    ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                    help="tokens per KV block across the mesh: workers must match it, the router asks for it")
     ap.add_argument("--ttl", type=int, default=5, help="seconds a worker stays registered without a heartbeat")
     ap.add_argument("--redis-max-connections", type=int, default=16,
                     help="Redis connections at most (more concurrent calls wait for one); bounds the open sockets, "

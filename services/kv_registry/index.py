@@ -56,6 +56,13 @@ PURGING = f"{P}purging:"
 LEASE_PREFIX = f"{P}w:"  # a worker's lease key is LEASE_PREFIX + its id (the lease watch listens for their expiry)
 
 
+def leased_worker(key: bytes) -> str | None:
+    """The worker whose lease ``key`` is, or None: the lease watch reads expiry notifications
+    with this rather than with the key layout, which only this module knows."""
+    prefix = LEASE_PREFIX.encode()
+    return key[len(prefix):].decode() if key.startswith(prefix) else None
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerRecord:
     worker_id: str
@@ -185,6 +192,12 @@ class PrefixIndex:
         self.sweep_soon()
         return purged
 
+    async def purge_expired(self) -> list[str]:
+        """Drops every registered worker whose lease expired, with its KV ownership; their ids."""
+        reply = await self._live(keys=[f"{P}workers"], args=[LEASE_PREFIX])
+        expired = sorted(wid.decode() for wid, flat in zip(reply[::2], reply[1::2]) if not flat)
+        return [wid for wid in expired if await self.purge(wid)]
+
     def sweep_soon(self) -> None:
         """Clear retired slots' block bits in the background, a batch per script call."""
         if self._sweeping is None or self._sweeping.done():
@@ -250,12 +263,12 @@ class PrefixIndex:
         return int(answer[0]), bool(answer[1]), bool(answer[2])
 
     async def live_workers(self) -> list[tuple[WorkerRecord, Load]]:
-        """Registered workers whose registration has not expired; expired ones are purged."""
+        """Registered workers whose registration has not expired (a read: expired ones are
+        left out, not purged; ``purge_expired`` drops them)."""
         reply = await self._live(keys=[f"{P}workers"], args=[LEASE_PREFIX])
         live = []
-        for wid, flat in sorted(zip(reply[::2], reply[1::2])):
+        for _, flat in sorted(zip(reply[::2], reply[1::2])):
             if not flat:
-                await self.purge(wid.decode())
                 continue
             f = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
             worker = WorkerRecord.from_hash(f)

@@ -16,11 +16,12 @@ from services.common.errors import FailedPrecondition, Overloaded
 from services.kv_registry.generation import Generations
 from services.kv_registry.identity import registration_identity
 from services.kv_registry.index import PrefixIndex, WorkerRecord
-from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
+from services.proto import common_pb2, kv_registry_pb2, kv_registry_pb2_grpc
 
 # which mesh roles may call what (services/common/auth.py): only workers write
 CALLERS = {"ListWorkers": ("scheduler", "control-plane", "worker", "admin"), "Match": ("scheduler", "admin"),
-           "*": ("worker",)}
+           "GetMeshConfig": ("scheduler", "control-plane", "worker", "admin"),
+           "PurgeExpired": ("control-plane", "admin"), "*": ("worker",)}
 MAX_ID_CHARS = 256
 MAX_HASH_BYTES = 64
 MAX_EVENTS = 4096  # per PublishEvents
@@ -95,6 +96,13 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
         matched, unknown, host, disk = await self.index.match_tiers(list(request.block_hashes))
         return kv_registry_pb2.MatchResponse(matched_blocks=matched, unknown_workers=unknown, host_blocks=host,
                                              disk_blocks=disk)
+
+    async def GetMeshConfig(self, request, context) -> kv_registry_pb2.GetMeshConfigResponse:
+        return kv_registry_pb2.GetMeshConfigResponse(
+            config=common_pb2.MeshConfig(block_size=self.block_size, hash_name=self.hash_name))
+
+    async def PurgeExpired(self, request, context) -> kv_registry_pb2.PurgeExpiredResponse:
+        return kv_registry_pb2.PurgeExpiredResponse(worker_ids=await self.index.purge_expired())
 
     async def ListWorkers(self, request, context) -> kv_registry_pb2.ListWorkersResponse:
         await self.generations.check()

@@ -87,3 +87,11 @@ class WorkerLoad(_message.Message):
     num_aborted: int
     expert_tokens_per_rank: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., max_requests: _Optional[int] = ..., num_aborted: _Optional[int] = ..., expert_tokens_per_rank: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MeshConfig(_message.Message):
+    __slots__ = ("block_size", "hash_name")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_NAME_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    hash_name: str
+    def __init__(self, block_size: _Optional[int] = ..., hash_name: _Optional[str] = ...) -> None: ...

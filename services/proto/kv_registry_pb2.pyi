@@ -221,3 +221,23 @@ class LiveWorker(_message.Message):
     info: WorkerInfo
     load: _common_pb2.WorkerLoad
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
+
+class GetMeshConfigRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetMeshConfigResponse(_message.Message):
+    __slots__ = ("config",)
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    config: _common_pb2.MeshConfig
+    def __init__(self, config: _Optional[_Union[_common_pb2.MeshConfig, _Mapping]] = ...) -> None: ...
+
+class PurgeExpiredRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PurgeExpiredResponse(_message.Message):
+    __slots__ = ("worker_ids",)
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...

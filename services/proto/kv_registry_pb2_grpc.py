@@ -71,6 +71,16 @@ class KvRegistryServiceStub:
                 request_serializer=kervan_dot_v1_dot_kv__registry__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=kervan_dot_v1_dot_kv__registry__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.PurgeExpired = channel.unary_unary(
+                '/kervan.v1.KvRegistryService/PurgeExpired',
+                request_serializer=kervan_dot_v1_dot_kv__registry__pb2.PurgeExpiredRequest.SerializeToString,
+                response_deserializer=kervan_dot_v1_dot_kv__registry__pb2.PurgeExpiredResponse.FromString,
+                _registered_method=True)
+        self.GetMeshConfig = channel.unary_unary(
+                '/kervan.v1.KvRegistryService/GetMeshConfig',
+                request_serializer=kervan_dot_v1_dot_kv__registry__pb2.GetMeshConfigRequest.SerializeToString,
+                response_deserializer=kervan_dot_v1_dot_kv__registry__pb2.GetMeshConfigResponse.FromString,
+                _registered_method=True)
 
 
 class KvRegistryServiceServicer:
@@ -122,7 +132,24 @@ class KvRegistryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListWorkers(self, request, context):
-        """Live workers with their latest load.
+        """Live workers with their latest load. Only reads: a worker whose lease expired is
+        left out, and stays in Redis until PurgeExpired.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PurgeExpired(self, request, context):
+        """Drop every worker whose lease expired, with its KV ownership (the lease watch calls it
+        when a lease expires, and every reconciliation interval).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetMeshConfig(self, request, context):
+        """How this mesh hashes KV blocks: every worker registers with it, and the router
+        hashes prompts with it (through the scheduler), so prefix hits cannot silently vanish.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -165,6 +192,16 @@ def add_KvRegistryServiceServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=kervan_dot_v1_dot_kv__registry__pb2.ListWorkersRequest.FromString,
                     response_serializer=kervan_dot_v1_dot_kv__registry__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'PurgeExpired': grpc.unary_unary_rpc_method_handler(
+                    servicer.PurgeExpired,
+                    request_deserializer=kervan_dot_v1_dot_kv__registry__pb2.PurgeExpiredRequest.FromString,
+                    response_serializer=kervan_dot_v1_dot_kv__registry__pb2.PurgeExpiredResponse.SerializeToString,
+            ),
+            'GetMeshConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMeshConfig,
+                    request_deserializer=kervan_dot_v1_dot_kv__registry__pb2.GetMeshConfigRequest.FromString,
+                    response_serializer=kervan_dot_v1_dot_kv__registry__pb2.GetMeshConfigResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +395,60 @@ class KvRegistryService:
             '/kervan.v1.KvRegistryService/ListWorkers',
             kervan_dot_v1_dot_kv__registry__pb2.ListWorkersRequest.SerializeToString,
             kervan_dot_v1_dot_kv__registry__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PurgeExpired(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kervan.v1.KvRegistryService/PurgeExpired',
+            kervan_dot_v1_dot_kv__registry__pb2.PurgeExpiredRequest.SerializeToString,
+            kervan_dot_v1_dot_kv__registry__pb2.PurgeExpiredResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMeshConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kervan.v1.KvRegistryService/GetMeshConfig',
+            kervan_dot_v1_dot_kv__registry__pb2.GetMeshConfigRequest.SerializeToString,
+            kervan_dot_v1_dot_kv__registry__pb2.GetMeshConfigResponse.FromString,
             options,
             channel_credentials,
             insecure,

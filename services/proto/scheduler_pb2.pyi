@@ -1,8 +1,9 @@
+from services.proto import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -84,3 +85,13 @@ class GetStatsResponse(_message.Message):
     by_worker: _containers.ScalarMap[str, int]
     refused: int
     def __init__(self, placements: _Optional[int] = ..., by_prefill_reason: _Optional[_Mapping[str, int]] = ..., by_worker: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ...) -> None: ...
+
+class SchedulerServiceGetMeshConfigRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SchedulerServiceGetMeshConfigResponse(_message.Message):
+    __slots__ = ("config",)
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    config: _common_pb2.MeshConfig
+    def __init__(self, config: _Optional[_Union[_common_pb2.MeshConfig, _Mapping]] = ...) -> None: ...

@@ -45,6 +45,11 @@ class SchedulerServiceStub:
                 request_serializer=kervan_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kervan_dot_v1_dot_scheduler__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.GetMeshConfig = channel.unary_unary(
+                '/kervan.v1.SchedulerService/GetMeshConfig',
+                request_serializer=kervan_dot_v1_dot_scheduler__pb2.SchedulerServiceGetMeshConfigRequest.SerializeToString,
+                response_deserializer=kervan_dot_v1_dot_scheduler__pb2.SchedulerServiceGetMeshConfigResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -66,6 +71,14 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMeshConfig(self, request, context):
+        """The kv-registry's block size and hash function, as it answers them: what the
+        router hashes prompts with.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +91,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kervan_dot_v1_dot_scheduler__pb2.GetStatsRequest.FromString,
                     response_serializer=kervan_dot_v1_dot_scheduler__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'GetMeshConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMeshConfig,
+                    request_deserializer=kervan_dot_v1_dot_scheduler__pb2.SchedulerServiceGetMeshConfigRequest.FromString,
+                    response_serializer=kervan_dot_v1_dot_scheduler__pb2.SchedulerServiceGetMeshConfigResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +153,33 @@ class SchedulerService:
             '/kervan.v1.SchedulerService/GetStats',
             kervan_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
             kervan_dot_v1_dot_scheduler__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMeshConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kervan.v1.SchedulerService/GetMeshConfig',
+            kervan_dot_v1_dot_scheduler__pb2.SchedulerServiceGetMeshConfigRequest.SerializeToString,
+            kervan_dot_v1_dot_scheduler__pb2.SchedulerServiceGetMeshConfigResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,6 +12,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from kervan.default_model import default_model_written
 from kervan.tokenizer import Tokenizer
 from services.common import replicas
 from services.common.auth import ApiKeys
@@ -36,7 +37,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--scheduler", default=None,
                     help="HOST:PORT of the scheduler (KV-aware placement); several, comma-separated: replicas, "
                          "balanced, a call to one that is down retried on another")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block across the mesh")
     ap.add_argument("--worker", default=None, help="HOST:PORT of an aggregated worker (no scheduler)")
     ap.add_argument("--prefill", default=None, help="HOST:PORT of a prefill worker (with --decode)")
     ap.add_argument("--decode", default=None, help="HOST:PORT of a decode worker (with --prefill)")
@@ -81,20 +81,18 @@ def model_limits(model_dir: Path) -> ModelLimits:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from worker.default_model import ensure_default_model
-
     security = MeshSecurity.from_args(args)
     try:
         api_keys = ApiKeys.from_file(args.api_key_file) if args.api_key_file else None
     except (OSError, ValueError) as exc:
         raise SystemExit(f"--api-key-file: {exc}") from None
-    model_dir = Path(args.model) if args.model else ensure_default_model()
+    model_dir = Path(args.model) if args.model else default_model_written()
     channels = Channels(security)
     scheduler_channel = None
     if args.scheduler:
         scheduler_channel = security.channel(replicas.target(args.scheduler),
                                              KEEPALIVE + replicas.options(SCHEDULER_SERVICE), role="scheduler")
-        routes = ScheduledRoutes(scheduler_pb2_grpc.SchedulerServiceStub(scheduler_channel), args.block_size, channels)
+        routes = ScheduledRoutes(scheduler_pb2_grpc.SchedulerServiceStub(scheduler_channel), channels)
     elif args.worker:
         routes = StaticRoutes(Placement(worker=channels.stub(args.worker), worker_address=args.worker))
     elif args.prefill and args.decode:

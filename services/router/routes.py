@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from kervan.block_hash import hash_blocks
+from kervan.block_hash import HASH_NAME, hash_blocks
+from services.common.errors import FailedPrecondition
 from services.common.security import PLAINTEXT, MeshSecurity
 from services.common.server import KEEPALIVE
 from services.proto import scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
@@ -62,10 +63,23 @@ class StaticRoutes:
 class ScheduledRoutes:
     alternatives = True  # the scheduler can place a refused request elsewhere
 
-    def __init__(self, scheduler: scheduler_pb2_grpc.SchedulerServiceStub, block_size: int, channels: Channels):
+    def __init__(self, scheduler: scheduler_pb2_grpc.SchedulerServiceStub, channels: Channels):
         self.scheduler = scheduler
-        self.block_size = block_size
         self.channels = channels
+        self.block_size: int | None = None  # the mesh's, from the registry through the scheduler
+
+    async def mesh_block_size(self, timeout: float | None) -> int:
+        """The block size the workers and the registry use, asked on first need (the router
+        may start before them) and kept; a mesh that hashes otherwise is refused, not
+        served with prefix hits that silently never match."""
+        if self.block_size is None:
+            answer = await self.scheduler.GetMeshConfig(scheduler_pb2.SchedulerServiceGetMeshConfigRequest(),
+                                                        timeout=timeout)
+            if answer.config.hash_name != HASH_NAME or not answer.config.block_size:
+                raise FailedPrecondition(f"the mesh hashes blocks of {answer.config.block_size} tokens with "
+                                         f"{answer.config.hash_name!r}; this router hashes with {HASH_NAME!r}")
+            self.block_size = answer.config.block_size
+        return self.block_size
 
     async def route(self, request_id: str, prompt: list[int], max_tokens: int, n: int, timeout: float | None,
                     model: str = "", exclude: list[str] = (), avoid: list[str] = (), cache_salt: str = ""
@@ -74,8 +88,9 @@ class ScheduledRoutes:
         not know yet); ``avoid``: those other requests did lately, most recent first
         (the scheduler avoids some of them, see PlaceRequest.avoid_addresses). A
         request no worker's limits hold is refused by the scheduler (INVALID_ARGUMENT)."""
+        block_size = await self.mesh_block_size(timeout)
         placed = await self.scheduler.Place(scheduler_pb2.PlaceRequest(
-            request_id=request_id, block_hashes=hash_blocks(prompt, self.block_size, cache_salt.encode()),
+            request_id=request_id, block_hashes=hash_blocks(prompt, block_size, cache_salt.encode()),
             num_prompt_tokens=len(prompt),
             max_tokens=max_tokens, n=n, model=model, exclude_addresses=exclude, avoid_addresses=avoid),
             timeout=timeout)

@@ -51,6 +51,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.by_reason: Counter[str] = Counter()
         self.by_worker: Counter[str] = Counter()
         self.trees = ApproxTrees()  # the approx_tree policy's memory of what went where
+        self._mesh_config = None  # the registry's block size and hash function (GetMeshConfig)
 
     async def Place(self, request: scheduler_pb2.PlaceRequest, context) -> scheduler_pb2.PlaceResponse:
         workers, match = await self._registry_view(request, context.time_remaining())
@@ -165,6 +166,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self._listing = None
         if not future.cancelled():
             future.exception()  # retrieved: the callers that awaited it have it
+
+    async def GetMeshConfig(self, request, context) -> scheduler_pb2.SchedulerServiceGetMeshConfigResponse:
+        """The registry's answer, asked once: it never changes while the registry runs
+        (a registry restarted with another block size refuses every worker registered
+        with the old one, and the mesh is restarted with it)."""
+        if self._mesh_config is None:
+            try:
+                answer = await self.registry.GetMeshConfig(kv_registry_pb2.GetMeshConfigRequest(),
+                                                           timeout=self.registry_timeout_s)
+            except grpc.aio.AioRpcError as err:
+                raise Unavailable(f"kv-registry unavailable: {err.details()}") from None
+            self._mesh_config = answer.config
+        return scheduler_pb2.SchedulerServiceGetMeshConfigResponse(config=self._mesh_config)
 
     async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context) -> scheduler_pb2.GetStatsResponse:
         return scheduler_pb2.GetStatsResponse(placements=self.placements, by_prefill_reason=dict(self.by_reason),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
+from kervan.block_hash import DEFAULT_BLOCK_SIZE
 from services.common import replicas
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
@@ -55,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="auto: bfloat16 where the hardware computes it natively, else float32 (float16 on GPUs "
                          "without bf16); `kervan info` shows the choice")
     ap.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    ap.add_argument("--block-size", type=int, default=16,
+    ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                     help="tokens per KV block; every process of a mesh takes the same (the kv-registry refuses others)")
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--kv-host-bytes", type=int, default=0,

@@ -174,9 +174,11 @@ async def wait_baseline(cluster, workers: list[str], redis_url: str | None = Non
         for w in workers:
             async with grpc.aio.insecure_channel(cluster.addresses[w]) as ch:
                 loads.append((await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())).load)
-        async with grpc.aio.insecure_channel(cluster.addresses["kv-registry"]) as ch:  # also purges the expired
-            listed = await kv_registry_pb2_grpc.KvRegistryServiceStub(ch).ListWorkers(
-                kv_registry_pb2.ListWorkersRequest())
+        async with grpc.aio.insecure_channel(cluster.addresses["kv-registry"]) as ch:
+            registry = kv_registry_pb2_grpc.KvRegistryServiceStub(ch)
+            # what the lease watch does every second, for the moments a test has it dead or starved
+            await registry.PurgeExpired(kv_registry_pb2.PurgeExpiredRequest())
+            listed = await registry.ListWorkers(kv_registry_pb2.ListWorkersRequest())
         leftovers = []
         if redis_url:
             r = redis.Redis.from_url(redis_url)

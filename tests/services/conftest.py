@@ -132,13 +132,13 @@ async def mesh(llama, redis_client, request):
         await m.stop()
 
 
-async def start_registry(index, block_size: int = 16):
+async def start_registry(index, block_size: int = 16, hash_name: str | None = None):
     """A kv-registry server over ``index`` (a ``PrefixIndex``) on 127.0.0.1:0."""
     from kervan.block_hash import HASH_NAME
     from services.kv_registry.__main__ import SERVICE_NAME as REGISTRY_NAME
     from services.kv_registry.servicer import KvRegistryServicer
     from services.proto import kv_registry_pb2_grpc
-    servicer = KvRegistryServicer(index, block_size, HASH_NAME)
+    servicer = KvRegistryServicer(index, block_size, hash_name or HASH_NAME)
     return await start_server([Service(REGISTRY_NAME, lambda s: (
         kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(servicer, s)))])
 

@@ -80,7 +80,7 @@ class ScheduledMesh:
         for _ in range(num_workers):
             await self.add_worker()
         self.router_servicer = RouterServicer(
-            ScheduledRoutes(self.scheduler_stub, BLOCK_SIZE, self._routes), None, model_limits(self.model_dir),
+            ScheduledRoutes(self.scheduler_stub, self._routes), None, model_limits(self.model_dir),
             max_in_flight, policy)
         self.router_server = await start_server([Service(ROUTER_NAME, lambda s: (
             router_pb2_grpc.add_RouterServiceServicer_to_server(self.router_servicer, s)))])

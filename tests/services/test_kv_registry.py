@@ -63,7 +63,7 @@ async def test_stale_incarnation_is_fenced_and_a_new_registration_starts_empty(r
 
 
 async def test_a_purge_of_what_a_reader_saw_spares_a_worker_that_re_registered_since(redis_client):
-    """ListWorkers saw a's lease expired; before its purge ran, a registered again. The
+    """A purge saw a's lease expired; before it ran, a registered again. The
     purge (one script, conditioned on what was seen) leaves the new registration whole:
     the five separate awaits it replaced freed the new registration's slot."""
     index = PrefixIndex(redis_client)
@@ -95,8 +95,11 @@ async def test_expired_worker_is_dead_and_purged(redis_client):
             break
         await asyncio.sleep(0.05)
     assert live == ["b"]
+    assert (await index.match(H[:2]))[0] == {"a": 2}  # listing only reads: a is left out, not purged
+    assert await index.purge_expired() == ["a"]
     assert (await index.match(H[:2]))[0] == {}
     assert await redis_client.exists("kervan:own:a") == 0
+    assert await index.purge_expired() == []  # b's lease is live
 
 
 async def test_the_registry_keeps_a_loads_counts_and_the_wire_carries_the_expert_balance(redis_client):
