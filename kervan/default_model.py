@@ -17,10 +17,15 @@ def default_model_dir() -> Path:
     return cache_dir() / NAME
 
 
+def is_written(target: Path) -> bool:
+    """Whether the model directory is complete (it is written elsewhere and renamed into place)."""
+    return (target / "model.safetensors").is_file()
+
+
 def default_model_written() -> Path:
     """The default model's directory, written first (by a child process, which loads
     torch so that this one does not) when it is not there yet."""
     target = default_model_dir()
-    if not (target / "model.safetensors").is_file():
+    if not is_written(target):
         subprocess.run([sys.executable, "-m", "worker.default_model"], check=True)
     return target

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kervan.default_model import NAME, default_model_dir
+from kervan.default_model import NAME, default_model_dir, is_written
 
 SEED = 1234
 
@@ -70,7 +70,7 @@ journey with the same words could share the same memories of it.
 def ensure_default_model() -> Path:
     """The default model's directory, written on first use (atomically)."""
     target = default_model_dir()
-    if (target / "model.safetensors").is_file():
+    if is_written(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{NAME}-"))
@@ -78,7 +78,7 @@ def ensure_default_model() -> Path:
         write_model(tmp)
         os.rename(tmp, target)
     except OSError:
-        if not (target / "model.safetensors").is_file():  # not just another process winning the race
+        if not is_written(target):  # not just another process winning the race
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -194,9 +194,13 @@ class PrefixIndex:
 
     async def purge_expired(self) -> list[str]:
         """Drops every registered worker whose lease expired, with its KV ownership; their ids."""
-        reply = await self._live(keys=[f"{P}workers"], args=[LEASE_PREFIX])
-        expired = sorted(wid.decode() for wid, flat in zip(reply[::2], reply[1::2]) if not flat)
+        expired = [wid for wid, flat in await self._registered() if not flat]
         return [wid for wid in expired if await self.purge(wid)]
+
+    async def _registered(self) -> list[tuple[str, list]]:
+        """Every registered worker id, by id, with its lease hash flattened (empty: expired)."""
+        reply = await self._live(keys=[f"{P}workers"], args=[LEASE_PREFIX])
+        return sorted((wid.decode(), flat) for wid, flat in zip(reply[::2], reply[1::2]))
 
     def sweep_soon(self) -> None:
         """Clear retired slots' block bits in the background, a batch per script call."""
@@ -265,9 +269,8 @@ class PrefixIndex:
     async def live_workers(self) -> list[tuple[WorkerRecord, Load]]:
         """Registered workers whose registration has not expired (a read: expired ones are
         left out, not purged; ``purge_expired`` drops them)."""
-        reply = await self._live(keys=[f"{P}workers"], args=[LEASE_PREFIX])
         live = []
-        for _, flat in sorted(zip(reply[::2], reply[1::2])):
+        for _, flat in await self._registered():
             if not flat:
                 continue
             f = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
