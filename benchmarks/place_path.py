@@ -46,9 +46,11 @@ from benchmarks.machine import machine
 from control_plane.redis_server import running_redis
 from kervan.block_hash import HASH_NAME
 from kervan.kv_events import BlockRemoved, BlockStored
+from kervan.sampling import RequestLimits
+from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common.convert import event_to_proto
 from services.common.load import Load
-from services.kv_registry.index import PrefixIndex, WorkerRecord
+from services.kv_registry.index import PrefixIndex
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 CONCURRENCY = 16
@@ -70,9 +72,9 @@ async def populate(index: PrefixIndex, rng: random.Random, num_workers: int, cha
     workers = []
     for w in range(num_workers):
         wid = f"decode@10.{w // 250}.{w % 250}.1:50051"
-        token = await index.register(WorkerRecord(worker_id=wid, address=wid.split("@")[1], role="decode", model="",
-                                                  incarnation="", block_size=16, hash_name=HASH_NAME,
-                                                  max_model_len=4096, max_n=16))
+        token = await index.register(WorkerInfo(
+            worker_id=wid, address=wid.split("@")[1], role=WorkerRole.DECODE, model="", block_size=16,
+            hash_name=HASH_NAME, limits=RequestLimits(max_model_len=4096, max_n=16)))
         held = [h for chain in rng.sample(chains, 8) for h in chain[:rng.randint(0, len(chain))]]
         await index.apply(wid, token, [BlockStored(1, held, None, [], 16)])
         await index.heartbeat(wid, token, Load(num_running=rng.randint(0, 8), num_free_blocks=rng.randint(0, 4096),

@@ -37,9 +37,11 @@ from benchmarks.machine import machine
 from control_plane.redis_server import running_redis
 from kervan.block_hash import HASH_NAME
 from kervan.kv_events import BlockStored
+from kervan.sampling import RequestLimits
+from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common.server import Service, start_server
 from services.kv_registry.__main__ import SERVICE_NAME
-from services.kv_registry.index import PrefixIndex, WorkerRecord
+from services.kv_registry.index import PrefixIndex
 from services.kv_registry.servicer import KvRegistryServicer
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 
@@ -52,9 +54,9 @@ async def populate(index: PrefixIndex, rng: random.Random, num_workers: int, tot
     registered = 0
     for w in range(num_workers):
         wid = f"decode@10.0.0.{w}:50051"
-        token = await index.register(WorkerRecord(worker_id=wid, address=wid.split("@")[1], role="decode", model="m",
-                                                  incarnation="", block_size=16, hash_name=HASH_NAME,
-                                                  max_model_len=4096, max_n=16))
+        token = await index.register(WorkerInfo(
+            worker_id=wid, address=wid.split("@")[1], role=WorkerRole.DECODE, model="m", block_size=16,
+            hash_name=HASH_NAME, limits=RequestLimits(max_model_len=4096, max_n=16)))
         held = [h for chain in chains for h in chain[:rng.randint(0, len(chain))]]
         held += [rng.randbytes(32) for _ in range(per_worker - len(held))]
         seq = 0

@@ -50,7 +50,8 @@ KEYLESS = [  # (service, stub, method, request)
     ("kv-registry", kv_registry_pb2_grpc.KvRegistryServiceStub, "ListWorkers", kv_registry_pb2.ListWorkersRequest()),
     ("kv-registry", kv_registry_pb2_grpc.KvRegistryServiceStub, "Register",
      kv_registry_pb2.RegisterRequest(worker=kv_registry_pb2.WorkerInfo(worker_id="decode@127.0.0.1:1",
-                                                                       address="127.0.0.1:1", role="decode"))),
+                                                                       address="127.0.0.1:1",
+                                                                       role=kv_registry_pb2.WORKER_ROLE_DECODE))),
 ]
 
 

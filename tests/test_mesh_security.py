@@ -36,6 +36,7 @@ EXPIRED_KEY = "k-expired-0123456789abcdef"
 UNAUTHENTICATED, DENIED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
 INVALID, EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 PROMPT = [5, 6, 7, 8] * 6
+LIMITS = kv_registry_pb2.RequestLimits(max_model_len=64, max_n=1)
 
 
 @pytest.fixture(scope="module")
@@ -213,15 +214,16 @@ async def test_the_registry_bounds_what_workers_send_and_keeps_fencing_tokens_pr
         stub = kv_registry_pb2_grpc.KvRegistryServiceStub(ch)
         info = kv_registry_pb2.WorkerInfo(worker_id=live.worker_id, address=live.address, role=live.role,
                                           model=live.model, block_size=16, hash_name=live.hash_name,
-                                          max_model_len=live.max_model_len, max_n=live.max_n)
+                                          limits=live.limits)
         await expect(lambda: stub.Register(kv_registry_pb2.RegisterRequest(worker=info), timeout=10),
                       grpc.StatusCode.ALREADY_EXISTS, "live process")
         for guess in ("", "1", "1.0", "2." + "9" * 10):  # forged heartbeats: full load would stop placements
             await expect(lambda guess=guess: stub.Heartbeat(kv_registry_pb2.HeartbeatRequest(
                 worker_id=live.worker_id, incarnation=guess), timeout=10), grpc.StatusCode.FAILED_PRECONDITION,
                 "re-register")
-        long_id = kv_registry_pb2.WorkerInfo(worker_id="w" * 300, address="127.0.0.1:1", role="decode", model="m",
-                                             block_size=16, hash_name=live.hash_name, max_model_len=64, max_n=1)
+        long_id = kv_registry_pb2.WorkerInfo(worker_id="w" * 300, address="127.0.0.1:1",
+                                             role=kv_registry_pb2.WORKER_ROLE_DECODE, model="m", block_size=16,
+                                             hash_name=live.hash_name, limits=LIMITS)
         await expect(lambda: stub.Register(kv_registry_pb2.RegisterRequest(worker=long_id), timeout=10), INVALID,
                       "at most 256")
         events = [kv_registry_pb2.KvEvent(seq=i + 1, cleared=kv_registry_pb2.AllBlocksCleared()) for i in range(5000)]
@@ -310,20 +312,22 @@ async def test_a_worker_certificate_registers_only_its_own_address_and_one_worke
     worker can neither advertise another address (and receive another worker's requests) nor
     hold another worker's id, nor register a second worker beside its own."""
     live = {w.info.role: w.info for w in (await list_workers(tls_cluster)).workers}
-    decode, prefill = live["decode"], live["prefill"]
+    decode, prefill = live[kv_registry_pb2.WORKER_ROLE_DECODE], live[kv_registry_pb2.WORKER_ROLE_PREFILL]
     d = tls_cluster.tls_dir  # decode-0's own certificate, as the launcher issued it
     stolen = MeshSecurity.from_files(str(d / "decode-0.pem"), str(d / "decode-0-key.pem"), str(d / "ca.pem"))
     async with stolen.channel(tls_cluster.addresses["kv-registry"], role="kv-registry") as ch:
         stub = kv_registry_pb2_grpc.KvRegistryServiceStub(ch)
 
-        def register(worker_id: str, address: str, role: str = "decode"):
+        def register(worker_id: str, address: str, role: int = kv_registry_pb2.WORKER_ROLE_DECODE):
             info = kv_registry_pb2.WorkerInfo(worker_id=worker_id, address=address, role=role, model=decode.model,
-                                              block_size=16, hash_name=decode.hash_name, max_model_len=64, max_n=1)
+                                              block_size=16, hash_name=decode.hash_name, limits=LIMITS)
             return stub.Register(kv_registry_pb2.RegisterRequest(worker=info), timeout=10)
         await expect(lambda: register("decode@evil", prefill.address), DENIED, "may register")
-        await expect(lambda: register(prefill.worker_id, prefill.address, "prefill"), DENIED, "may register")
+        await expect(lambda: register(prefill.worker_id, prefill.address, kv_registry_pb2.WORKER_ROLE_PREFILL), DENIED,
+                     "may register")
         await expect(lambda: register("decode@other", decode.address), DENIED, "ROLE@ADDRESS")
-        await expect(lambda: register(f"both@{decode.address}", decode.address, "both"), DENIED,
+        both = kv_registry_pb2.WORKER_ROLE_BOTH
+        await expect(lambda: register(f"both@{decode.address}", decode.address, both), DENIED,
                      "holds the live registration")
     after = {w.info.worker_id for w in (await list_workers(tls_cluster)).workers}
     assert after == {decode.worker_id, prefill.worker_id}

@@ -1,5 +1,5 @@
 """The only module that turns protobuf messages into domain objects and back
-(sampling parameters, finish reasons, worker load, KV events).
+(sampling parameters, finish reasons, worker load and records, KV events).
 
 Unset optional fields take ``SamplingParams``' defaults (as ``protos/kervan/v1/common.proto`` documents);
 everything else is validated by the domain constructors, whose errors name the field."""
@@ -7,7 +7,8 @@ everything else is validated by the domain constructors, whose errors name the f
 from __future__ import annotations
 
 from kervan.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kervan.sampling import InvalidRequest, SamplingParams
+from kervan.sampling import InvalidRequest, RequestLimits, SamplingParams
+from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common.load import SCALARS, Load
 from services.proto import common_pb2, kv_registry_pb2
 
@@ -37,6 +38,18 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     )
 
 
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """Every field set (a worker reads the same values, not its own defaults); no stop
+    strings, which the router matches itself."""
+    msg = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        min_p=params.min_p, n=params.n, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs)
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
 def finish_to_proto(reason: str | None) -> int:
     return _FINISH.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED)
 
@@ -48,6 +61,40 @@ def load_to_proto(load: Load) -> common_pb2.WorkerLoad:
 def load_from_proto(msg: common_pb2.WorkerLoad) -> Load:
     return Load(**{name: getattr(msg, name) for name in SCALARS},
                 expert_tokens_per_rank=tuple(msg.expert_tokens_per_rank))
+
+
+_ROLES = {WorkerRole.BOTH: kv_registry_pb2.WORKER_ROLE_BOTH, WorkerRole.PREFILL: kv_registry_pb2.WORKER_ROLE_PREFILL,
+          WorkerRole.DECODE: kv_registry_pb2.WORKER_ROLE_DECODE}
+_ROLE_NAMES = {v: k for k, v in _ROLES.items()}
+
+
+def role_to_proto(role: WorkerRole) -> int:
+    return _ROLES[role]
+
+
+def role_from_proto(role: int) -> WorkerRole:
+    if role not in _ROLE_NAMES:
+        raise InvalidRequest(f"role must be WORKER_ROLE_BOTH, WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE, got {role}")
+    return _ROLE_NAMES[role]
+
+
+def worker_info_to_proto(info: WorkerInfo) -> kv_registry_pb2.WorkerInfo:
+    return kv_registry_pb2.WorkerInfo(
+        worker_id=info.worker_id, address=info.address, role=_ROLES[info.role], model=info.model,
+        incarnation=info.incarnation, block_size=info.block_size, hash_name=info.hash_name,
+        limits=kv_registry_pb2.RequestLimits(max_model_len=info.limits.max_model_len, max_n=info.limits.max_n),
+        kv_capacity_blocks=info.kv_capacity_blocks, registration_nonce=info.registration_nonce)
+
+
+def worker_info_from_proto(msg: kv_registry_pb2.WorkerInfo) -> WorkerInfo:
+    """Raises InvalidRequest for a role that is not set or not known, and for missing limits."""
+    if not (msg.limits.max_model_len and msg.limits.max_n):
+        raise InvalidRequest("limits.max_model_len and limits.max_n are required")
+    return WorkerInfo(worker_id=msg.worker_id, address=msg.address, role=role_from_proto(msg.role), model=msg.model,
+                      block_size=msg.block_size, hash_name=msg.hash_name,
+                      limits=RequestLimits(max_model_len=msg.limits.max_model_len, max_n=msg.limits.max_n),
+                      kv_capacity_blocks=msg.kv_capacity_blocks, registration_nonce=msg.registration_nonce,
+                      incarnation=msg.incarnation)
 
 
 _TIERS = {"device": kv_registry_pb2.KV_TIER_DEVICE, "host": kv_registry_pb2.KV_TIER_HOST,

@@ -73,7 +73,7 @@ class FailedPrecondition(Exception):
     """The call does not fit this server's state or role (e.g. Decode on a prefill worker)."""
 
 
-_UNSERVED = re.compile(r"(?:^|caused error: \(')(?:BUSY|MISCONF|OOM|READONLY|MASTERDOWN|TRYAGAIN|LOADING) ")
+_UNSERVED = re.compile(r"(?:^|caused error: (?:\(')?)(?:BUSY|MISCONF|OOM|READONLY|MASTERDOWN|TRYAGAIN|LOADING) ")
 
 
 def redis_unavailable(exc: BaseException) -> bool:
@@ -83,7 +83,8 @@ def redis_unavailable(exc: BaseException) -> bool:
     if isinstance(exc, (OutOfMemoryError, ReadOnlyError, MasterDownError, TryAgainError)):
         return True
     # as Redis words it, or wrapped by redis-py's pipeline ("Command # 1 (MGET ...) of pipeline
-    # caused error: ('BUSY Redis is busy running a script...',)")
+    # caused error: ('BUSY Redis is busy running a script...',)", or without the tuple from
+    # redis-py 8: "... caused error: BUSY Redis is busy ...")
     return isinstance(exc, ResponseError) and _UNSERVED.search(str(exc)) is not None
 
 

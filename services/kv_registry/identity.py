@@ -17,12 +17,12 @@ import hashlib
 
 import grpc
 
+from kervan.worker_info import WorkerInfo
 from services.common.errors import PermissionDenied
 from services.common.security import WORKER_ADDRESS_SCHEME
-from services.proto import kv_registry_pb2
 
 
-def registration_identity(context: grpc.aio.ServicerContext, worker: kv_registry_pb2.WorkerInfo,
+def registration_identity(context: grpc.aio.ServicerContext, worker: WorkerInfo,
                           require_addresses: bool = False) -> str | None:
     """The caller certificate's identity (its SHA-256), after checking that it may
     register ``worker``; None without TLS. Raises ``PermissionDenied``."""
@@ -36,7 +36,7 @@ def registration_identity(context: grpc.aio.ServicerContext, worker: kv_registry
         if worker.address not in addresses:
             raise PermissionDenied(f"this certificate may register {', '.join(addresses) or 'no address'}, not "
                                    f"{worker.address!r} (its {WORKER_ADDRESS_SCHEME}HOST:PORT names)")
-        if worker.worker_id != f"{worker.role}@{worker.address}":
+        if worker.worker_id != WorkerInfo.id_of(worker.role, worker.address):
             raise PermissionDenied(f"a worker registers as ROLE@ADDRESS ({worker.role}@{worker.address}), "
                                    f"not {worker.worker_id!r}")
     return hashlib.sha256(pem).hexdigest()

@@ -33,12 +33,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from dataclasses import asdict, dataclass, fields
 
 import redis.asyncio as redis
 
 from kervan.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, KVEvent
-from kervan.sampling import InvalidRequest
+from kervan.sampling import InvalidRequest, RequestLimits
+from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common.errors import AlreadyExists, FailedPrecondition, PermissionDenied
 from services.common.load import SCALARS, Load
 from services.kv_registry import scripts
@@ -63,24 +63,20 @@ def leased_worker(key: bytes) -> str | None:
     return key[len(prefix):].decode() if key.startswith(prefix) else None
 
 
-@dataclass(frozen=True, kw_only=True)
-class WorkerRecord:
-    worker_id: str
-    address: str
-    role: str
-    model: str
-    incarnation: str
-    block_size: int
-    hash_name: str
-    max_model_len: int  # the longest request it serves (prompt + max_tokens)
-    max_n: int  # the most samples per request it serves
-    kv_capacity_blocks: int = 0  # the most blocks it holds (0: not said; the registry's bound)
-    registration_nonce: str = ""  # its process's: a retried Register gets the same registration
+def record_fields(worker: WorkerInfo) -> dict[str, str]:
+    """The worker's Redis hash (its load fields apart): every value a string, limits flat."""
+    return {"worker_id": worker.worker_id, "address": worker.address, "role": worker.role.value,
+            "model": worker.model, "block_size": str(worker.block_size), "hash_name": worker.hash_name,
+            "max_model_len": str(worker.limits.max_model_len), "max_n": str(worker.limits.max_n),
+            "kv_capacity_blocks": str(worker.kv_capacity_blocks), "registration_nonce": worker.registration_nonce}
 
-    @classmethod
-    def from_hash(cls, f: dict[str, str]) -> WorkerRecord:
-        """The record a registration stored in the worker's Redis hash (every value a string)."""
-        return cls(**{k.name: int(f[k.name]) if k.type == "int" else f[k.name] for k in fields(cls)})
+
+def record_of(f: dict[str, str]) -> WorkerInfo:
+    """The record ``record_fields`` stored (its incarnation is never listed)."""
+    return WorkerInfo(worker_id=f["worker_id"], address=f["address"], role=WorkerRole(f["role"]), model=f["model"],
+                      block_size=int(f["block_size"]), hash_name=f["hash_name"],
+                      limits=RequestLimits(max_model_len=int(f["max_model_len"]), max_n=int(f["max_n"])),
+                      kv_capacity_blocks=int(f["kv_capacity_blocks"]), registration_nonce=f["registration_nonce"])
 
 
 def _chunks(events: list[tuple[str, int, str, list[str]]]) -> list[list]:
@@ -157,10 +153,10 @@ class PrefixIndex:
         if workers:
             await self.r.sadd(f"{P}unknown", *workers)
 
-    async def register(self, worker: WorkerRecord) -> str:
+    async def register(self, worker: WorkerInfo) -> str:
         """Registers a worker under a new fencing token (its incarnation), returned;
         refuses an id whose lease is live (another process holds it)."""
-        fields = {k: str(v) for k, v in {**asdict(worker), **{k: 0 for k in SCALARS}}.items() if k != "incarnation"}
+        fields = {**record_fields(worker), **{k: "0" for k in SCALARS}}
         answer = await self._register(keys=self._keys(worker.worker_id) + [f"{P}fence"],
                                       args=[worker.worker_id, self.owners.block_prefix, PURGING, self.ttl_s,
                                             secrets.token_hex(8), worker.registration_nonce,
@@ -266,7 +262,7 @@ class PrefixIndex:
                                  f"(kv_capacity_blocks, at most {self.max_blocks_per_worker})")
         return int(answer[0]), bool(answer[1]), bool(answer[2])
 
-    async def live_workers(self) -> list[tuple[WorkerRecord, Load]]:
+    async def live_workers(self) -> list[tuple[WorkerInfo, Load]]:
         """Registered workers whose registration has not expired (a read: expired ones are
         left out, not purged; ``purge_expired`` drops them)."""
         live = []
@@ -274,7 +270,7 @@ class PrefixIndex:
             if not flat:
                 continue
             f = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
-            worker = WorkerRecord.from_hash(f)
+            worker = record_of(f)
             live.append((worker, Load(**{k: int(f.get(k, 0)) for k in SCALARS})))
         return live
 

@@ -8,14 +8,19 @@ and the fencing tokens stay private: ``ListWorkers`` never lists them."""
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 from kervan.sampling import InvalidRequest
-from services.common.convert import event_from_proto, load_from_proto, load_to_proto, tier_from_proto
+from services.common.convert import (
+    event_from_proto,
+    load_from_proto,
+    load_to_proto,
+    tier_from_proto,
+    worker_info_from_proto,
+    worker_info_to_proto,
+)
 from services.common.errors import FailedPrecondition, Overloaded
 from services.kv_registry.generation import Generations
 from services.kv_registry.identity import registration_identity
-from services.kv_registry.index import PrefixIndex, WorkerRecord
+from services.kv_registry.index import PrefixIndex
 from services.proto import common_pb2, kv_registry_pb2, kv_registry_pb2_grpc
 
 # which mesh roles may call what (services/common/auth.py): only workers write
@@ -46,24 +51,22 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
         self.hash_name = hash_name
 
     async def Register(self, request, context) -> kv_registry_pb2.RegisterResponse:
-        w = request.worker
+        w = worker_info_from_proto(request.worker)
         if (w.block_size, w.hash_name) != (self.block_size, self.hash_name):
             raise FailedPrecondition(
                 f"worker {w.worker_id!r} hashes blocks of {w.block_size} tokens with {w.hash_name!r}; this mesh uses "
                 f"{self.block_size} tokens with {self.hash_name!r}")
-        if not (w.worker_id and w.address and w.max_model_len and w.max_n) or \
-                w.role not in ("prefill", "decode", "both"):
-            raise InvalidRequest("worker_id, address, max_model_len, max_n and a role of prefill, decode or both "
-                                 "are required")
+        if not (w.worker_id and w.address):
+            raise InvalidRequest("worker_id and address are required")
         if max(len(w.worker_id), len(w.address), len(w.model)) > MAX_ID_CHARS:
             raise InvalidRequest(f"worker_id, address and model are at most {MAX_ID_CHARS} characters")
-        for name in ("worker_id", "address", "model", "role"):  # they reach logs and metrics labels
+        for name in ("worker_id", "address", "model"):  # they reach logs and metrics labels
             if not getattr(w, name).isprintable():
                 raise InvalidRequest(f"{name} must be printable text, without control characters")
         identity = registration_identity(context, w, self.require_worker_addresses)
         if identity is not None:
             await self.index.claim_identity(identity, w.worker_id)
-        token = await self.index.register(WorkerRecord(**{f.name: getattr(w, f.name) for f in fields(WorkerRecord)}))
+        token = await self.index.register(w)
         return kv_registry_pb2.RegisterResponse(ttl_s=self.index.ttl_s, incarnation=token)
 
     async def Deregister(self, request, context) -> kv_registry_pb2.DeregisterResponse:
@@ -109,7 +112,7 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
         out = kv_registry_pb2.ListWorkersResponse()
         for record, load in await self.index.live_workers():
             out.workers.add(
-                info=kv_registry_pb2.WorkerInfo(**{**vars(record), "incarnation": ""}),
+                info=worker_info_to_proto(record),
                 load=load_to_proto(load))
         back = {w.info.worker_id for w in out.workers}
         if not self.generations.rebuilding and any(w.info.worker_id not in back for w in self._last_live):

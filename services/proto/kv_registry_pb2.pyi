@@ -8,19 +8,38 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
+    WORKER_ROLE_BOTH: _ClassVar[WorkerRole]
+    WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
+    WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
+
 class KvTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     KV_TIER_UNSPECIFIED: _ClassVar[KvTier]
     KV_TIER_DEVICE: _ClassVar[KvTier]
     KV_TIER_HOST: _ClassVar[KvTier]
     KV_TIER_DISK: _ClassVar[KvTier]
+WORKER_ROLE_UNSPECIFIED: WorkerRole
+WORKER_ROLE_BOTH: WorkerRole
+WORKER_ROLE_PREFILL: WorkerRole
+WORKER_ROLE_DECODE: WorkerRole
 KV_TIER_UNSPECIFIED: KvTier
 KV_TIER_DEVICE: KvTier
 KV_TIER_HOST: KvTier
 KV_TIER_DISK: KvTier
 
+class RequestLimits(_message.Message):
+    __slots__ = ("max_model_len", "max_n")
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_N_FIELD_NUMBER: _ClassVar[int]
+    max_model_len: int
+    max_n: int
+    def __init__(self, max_model_len: _Optional[int] = ..., max_n: _Optional[int] = ...) -> None: ...
+
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "model", "incarnation", "block_size", "hash_name", "max_model_len", "max_n", "kv_capacity_blocks", "registration_nonce")
+    __slots__ = ("worker_id", "address", "role", "model", "incarnation", "block_size", "hash_name", "limits", "kv_capacity_blocks", "registration_nonce")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -28,22 +47,20 @@ class WorkerInfo(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_NAME_FIELD_NUMBER: _ClassVar[int]
-    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
-    MAX_N_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_NONCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
-    role: str
+    role: WorkerRole
     model: str
     incarnation: str
     block_size: int
     hash_name: str
-    max_model_len: int
-    max_n: int
+    limits: RequestLimits
     kv_capacity_blocks: int
     registration_nonce: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., incarnation: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_n: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., registration_nonce: _Optional[str] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., incarnation: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_name: _Optional[str] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ..., kv_capacity_blocks: _Optional[int] = ..., registration_nonce: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker",)

@@ -30,6 +30,7 @@ MAX_PLACEMENTS, the client gets the refusal with its RetryInfo."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -38,8 +39,8 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
-from kervan.sampling import FORKED_SAMPLES
-from services.common.convert import max_tokens_of
+from kervan.sampling import FORKED_SAMPLES, SamplingParams
+from services.common.convert import sampling_to_proto
 from services.common.errors import Overloaded, Unavailable, retry_after_s
 from services.proto import common_pb2, worker_pb2
 from services.router import metrics
@@ -83,11 +84,10 @@ def worker_error(address: str, err: grpc.aio.AioRpcError) -> Exception:
     return err
 
 
-def not_migratable(sampling: common_pb2.SamplingParams, n: int) -> str | None:
-    if n > 1:
+def not_migratable(params: SamplingParams) -> str | None:
+    if params.n > 1:
         return f"{FORKED_SAMPLES}; it is not migrated"
-    sampled = not sampling.HasField("temperature") or sampling.temperature != 0  # unset: the default, 1.0
-    if sampling.HasField("seed") and sampled:
+    if params.seed is not None and params.temperature != 0:
         return "seeded sampling is not migrated (the continuation would differ from an unbroken run)"
     return None
 
@@ -129,21 +129,18 @@ class RequestRunner:
         self.suspects = Suspects(policy.suspect_s)
         self._background: set[asyncio.Task] = set()
 
-    async def run(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams, n: int,
-                  deadline, cache_salt: str = "") -> AsyncIterator[tuple[int, worker_pb2.TokenUpdate]]:
+    async def run(self, rid: str, prompt: list[int], params: SamplingParams, deadline,
+                  cache_salt: str = "") -> AsyncIterator[tuple[int, worker_pb2.TokenUpdate]]:
         """(attempt, update) pairs; updates of later attempts carry indices continuing
         the earlier ones and no cached-prompt count (theirs covers delivered tokens)."""
         state = _Progress()
-        max_tokens = max_tokens_of(sampling)
         while True:
             produced = False
             base = len(state.delivered)  # tokens this attempt's worker counts as prompt
-            resumed = common_pb2.SamplingParams()
-            resumed.CopyFrom(sampling)
-            resumed.max_tokens = max_tokens - base
+            resumed = dataclasses.replace(params, max_tokens=params.max_tokens - base)
             worker_rid = rid if state.attempt == 0 else f"{rid}~m{state.attempt}"  # "~": never in a client's id
             try:
-                async for update in self._attempt(worker_rid, prompt + state.delivered, resumed, n, deadline,
+                async for update in self._attempt(worker_rid, prompt + state.delivered, resumed, deadline,
                                                   state.excluded, cache_salt):
                     produced = True
                     if state.attempt:
@@ -160,7 +157,7 @@ class RequestRunner:
                     raise Overloaded(str(state.busy), state.busy.retry_after_s) from None  # no other worker to try
                 raise
             except WorkerLost as lost:
-                await self._lost(rid, state, lost, produced, sampling, n)
+                await self._lost(rid, state, lost, produced, params)
 
     def _refused(self, rid: str, state: _Progress, refused: WorkerBusy, produced: bool) -> None:
         """Place a refused request elsewhere, or raise the refusal as the client's answer."""
@@ -172,7 +169,7 @@ class RequestRunner:
         log.debug("request %s: %s refused it; placing again", rid, refused.address)
 
     async def _lost(self, rid: str, state: _Progress, lost: WorkerLost, produced: bool,
-                    sampling: common_pb2.SamplingParams, n: int) -> None:
+                    params: SamplingParams) -> None:
         """Place again (nothing delivered yet) or migrate (tokens delivered) a request whose
         worker was lost, or raise UNAVAILABLE saying why it cannot go on."""
         state.excluded.add(lost.address)
@@ -184,7 +181,7 @@ class RequestRunner:
             log.info("request %s: %s before its first token; placing again", rid, lost)
             await asyncio.sleep(0.05 * state.placements)
             return
-        reason = not_migratable(sampling, n)
+        reason = not_migratable(params)
         if reason or state.attempt >= self.policy.max_migrations:
             why = reason or f"migration limit ({self.policy.max_migrations}) reached"
             raise Unavailable(f"{lost} after {len(state.delivered)} tokens; {why}") from None
@@ -196,10 +193,11 @@ class RequestRunner:
         log.info("request %s: %s after %d tokens; migrating (attempt %d)", rid, lost, len(state.delivered),
                  state.attempt)
 
-    async def _attempt(self, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams, n: int, deadline,
-                       exclude: set[str], salt: str) -> AsyncIterator[worker_pb2.TokenUpdate]:
-        place = await self.routes.route(rid, prompt, sampling.max_tokens, n, deadline.remaining(), self.model,
+    async def _attempt(self, rid: str, prompt: list[int], params: SamplingParams, deadline, exclude: set[str],
+                       salt: str) -> AsyncIterator[worker_pb2.TokenUpdate]:
+        place = await self.routes.route(rid, prompt, params.max_tokens, params.n, deadline.remaining(), self.model,
                                         sorted(exclude), self.suspects.current(), salt)
+        sampling = sampling_to_proto(params)
         ids = common_pb2.TokenIds(ids=prompt)
         if place.worker is not None:
             call = place.worker.Execute(worker_pb2.ExecuteRequest(request_id=rid, prompt=ids, sampling=sampling,
@@ -220,7 +218,7 @@ class RequestRunner:
                 raise WorkerLost(place.decode_address, err.details() or "KV push failed") from None
             raise worker_error(place.prefill_address, err) from None
         yield worker_pb2.TokenUpdate(index=0, token_ids=[first.first_token],
-                                     logprobs=[first.first_logprob] if sampling.logprobs else [],
+                                     logprobs=[first.first_logprob] if params.logprobs else [],
                                      finish_reason=first.finish_reason, cached_prompt_tokens=first.cached_prompt_tokens)
         if first.finish_reason:
             return

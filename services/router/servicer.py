@@ -86,7 +86,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         try:
             streams: dict[int, SampleStream] = {}
             cached = 0  # prompt tokens served from a cache, as the first attempt's worker said
-            updates = self.runner.run(internal, prompt, request.sampling, params.n, _Deadline(context),
+            updates = self.runner.run(internal, prompt, params, _Deadline(context),
                                       self._cache_salt(request.cache_salt, context))
             try:
                 async for attempt, update in updates:

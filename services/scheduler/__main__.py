@@ -12,7 +12,8 @@ from services.common.security import MeshSecurity, add_security_arguments
 from services.common.server import KEEPALIVE, Service, run, serve_until_signal, start_server
 from services.common.tracing import configure_tracing
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from services.scheduler.placement import NEW_PREFIX, POLICIES, PlacementConfig
+from services.scheduler.placement import NEW_PREFIX, PlacementConfig
+from services.scheduler.policies import POLICIES
 from services.scheduler.recent import RecentPlacements
 from services.scheduler.servicer import SchedulerServicer
 
@@ -25,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--registry", required=True, help="HOST:PORT of the kv-registry")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--policy", choices=POLICIES, default=PlacementConfig.policy,
+    ap.add_argument("--policy", choices=sorted(POLICIES), default=PlacementConfig.policy,
                     help="kv: KV-overlap and load cost; round_robin, random, prefix_hash (consistent hashing on the "
                          "prefix) and approx_tree (SGLang's cache-aware router, no KV events) are baselines")
     ap.add_argument("--hash-prefix-blocks", type=int, default=PlacementConfig.hash_prefix_blocks,

@@ -19,10 +19,10 @@ limits hold it, and none at all is the client's mistake, ``InvalidRequest``;
 admission: a worker at its request limit gets no more; room for the prompt's
 blocks: when no worker has room the request queues on the cheapest rather than
 fail here), then the lowest cost wins (or a softmax draw when a temperature is
-set). The ``round_robin``, ``random``, ``prefix_hash`` (consistent hashing on the
-prefix) and ``approx_tree`` (SGLang's cache-aware router, no KV events) policies
-ignore the cost: they are the baselines the placement benchmark measures KV-aware
-placement against (``services/scheduler/baselines.py``). The decode worker is chosen first; a separate
+set) — that is the ``kv`` policy; the choice among the filtered workers is a
+``PlacementPolicy`` (``services/scheduler/policies/``, one file each), and the others
+(``round_robin``, ``random``, ``prefix_hash``, ``approx_tree``) ignore the cost: they are
+the baselines the placement benchmark measures it against. The decode worker is chosen first; a separate
 prefill worker only when the uncached part of the prompt is long enough to be
 worth a KV handoff, the request has one sample (n > 1 forks from the prompt's
 KV on one worker) and a prefill worker exists — otherwise the decode worker
@@ -39,19 +39,23 @@ sees it (Dynamo's busy threshold)."""
 
 from __future__ import annotations
 
-import math
-import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 from kervan.sampling import InvalidRequest, RequestLimits
-from services.scheduler.baselines import ring_pick
+from kervan.worker_info import WorkerInfo, WorkerRole
+from services.common.load import Load
+
+if TYPE_CHECKING:
+    from services.scheduler.policies import PlacementPolicy  # they import this module
 
 
 @dataclass(frozen=True, kw_only=True)
 class Candidate:
     worker_id: str
     address: str
-    role: str  # "prefill" | "decode" | "both"
+    role: WorkerRole
     matched_blocks: int  # leading prompt blocks it already caches
     host_blocks: int = 0  # of those, the ones in its host tier (copied back into its pool, not computed)
     disk_blocks: int = 0  # of those, the ones only on its disk tier (read back into its pool, not computed)
@@ -62,9 +66,19 @@ class Candidate:
     model: str = ""
     full: bool = False  # at its request limit: admits nothing more for now
     num_requests: int = 0  # requests it runs or queues (approx_tree's load)
-    tree_blocks: int = 0  # blocks the scheduler's approximate tree holds for it (approx_tree)
     sent_blocks: int = 0  # distinct prompt blocks recently placed on it (new_prefix="content")
     limits: RequestLimits = RequestLimits(max_model_len=1 << 30, max_n=1 << 30)  # as it registered them
+
+    @classmethod
+    def reported(cls, info: WorkerInfo, load: Load) -> Candidate:
+        """The worker as its own registration and load report show it (no match, nothing pending).
+        Its report alone says whether it is full: adding recent placements would count twice the
+        ones it already reported and refuse below its limit in a burst."""
+        return cls(worker_id=info.worker_id, address=info.address, role=info.role, model=info.model,
+                   matched_blocks=0, active_blocks=load.num_blocks - load.num_free_blocks,
+                   prefill_tokens=load.num_prefill_tokens, free_blocks=load.num_free_blocks,
+                   evictable_blocks=load.num_evictable_blocks, full=load.full, num_requests=load.num_requests,
+                   limits=info.limits)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,13 +93,26 @@ class Size:
         return c.limits.allows(self.num_prompt_tokens, self.max_tokens, self.n)
 
 
-POLICIES = ("kv", "round_robin", "random", "prefix_hash", "approx_tree")
+@dataclass(frozen=True)
+class Ask:
+    """What a policy chooses for."""
+
+    num_prompt_blocks: int
+    block_hashes: Sequence[bytes] = ()  # the prompt's chained block hashes (empty where the caller has none)
+    turn: int = 0  # placements made so far (round robin)
+
+
+class Choice(NamedTuple):
+    worker: Candidate
+    scores: dict[str, float]  # worker id -> its cost, for each worker the policy priced (logs, traces)
+
+
 NEW_PREFIX = ("cost", "content")
 
 
 @dataclass(frozen=True, kw_only=True)
 class PlacementConfig:
-    policy: str = "kv"  # "kv": the cost above; the others are baselines
+    policy: str = "kv"  # a name in services/scheduler/policies: "kv", the cost above; the others are baselines
     overlap_weight: float = 2.0  # Dynamo's default is 1.0; 2.0 measured better here (benchmarks/README.md)
     eviction_weight: float = 1.0  # per cached block the request would evict from the worker
     temperature: float = 0.0  # 0: argmin; > 0: softmax over -cost / temperature
@@ -163,7 +190,7 @@ def pull_from(candidates: list[Candidate], decode: Candidate, num_prompt_blocks:
     if cfg.pull_block_cost <= 0:
         return None
     prefill_size = Size(num_prompt_tokens=size.num_prompt_tokens, max_tokens=1)
-    holders = [c for c in candidates if c.worker_id != decode.worker_id and c.role in ("prefill", "both")
+    holders = [c for c in candidates if c.worker_id != decode.worker_id and c.role.can_prefill
                and not c.full and prefill_size.fits(c)]
     holder = max(holders, key=lambda c: c.matched_blocks, default=None)
     if holder is None:
@@ -172,69 +199,35 @@ def pull_from(candidates: list[Candidate], decode: Candidate, num_prompt_blocks:
     return holder if saved > cfg.pull_block_cost * num_prompt_blocks else None
 
 
-def held_blocks(c: Candidate) -> int:
-    """What the worker holds or will: blocks in use, cached ones, prompts sent lately."""
-    return c.active_blocks + c.evictable_blocks + c.sent_blocks
-
-
 def has_room(c: Candidate, num_prompt_blocks: int) -> bool:
     # the uncached blocks, those copied back from host memory or disk, and one to decode into
     return c.free_blocks > num_prompt_blocks - c.matched_blocks + min(c.host_blocks + c.disk_blocks, c.matched_blocks)
 
 
-def choose(pool: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig,
-           rng: random.Random | None = None, turn: int = 0, prefix_key: bytes = b"") -> tuple[Candidate, dict]:
-    if cfg.policy in ("prefix_hash", "approx_tree"):  # they know nothing of room: no filter on it
-        return baseline_choice(pool, num_prompt_blocks, cfg, prefix_key), {}
-    pool = [c for c in pool if has_room(c, num_prompt_blocks)] or pool
-    scores = {c.worker_id: cost(c, num_prompt_blocks, cfg) for c in pool}
-    if cfg.policy == "round_robin":
-        return sorted(pool, key=lambda c: c.worker_id)[turn % len(pool)], scores
-    if cfg.policy == "random":
-        return (rng or random).choice(pool), scores
-    if cfg.temperature <= 0:
-        if cfg.new_prefix == "content" and not any(c.matched_blocks for c in pool):
-            return min(pool, key=lambda c: (held_blocks(c), c.worker_id)), scores
-        return min(pool, key=lambda c: (scores[c.worker_id], c.worker_id)), scores
-    best = min(scores.values())
-    weights = [math.exp(-(scores[c.worker_id] - best) / cfg.temperature) for c in pool]
-    return (rng or random).choices(pool, weights)[0], scores
+def choose(pool: list[Candidate], ask: Ask, policy: PlacementPolicy) -> Choice:
+    if policy.needs_room:
+        pool = [c for c in pool if has_room(c, ask.num_prompt_blocks)] or pool
+    return policy.choose(pool, ask)
 
 
-def baseline_choice(pool: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig,
-                    prefix_key: bytes) -> Candidate:
-    if cfg.policy == "prefix_hash":
-        chosen = ring_pick([c.worker_id for c in pool], prefix_key)
-        return next(c for c in pool if c.worker_id == chosen)
-    idlest = min(pool, key=lambda c: (c.num_requests, c.worker_id))
-    busiest = max(c.num_requests for c in pool)
-    if busiest - idlest.num_requests > cfg.balance_abs_threshold and \
-            busiest > idlest.num_requests * cfg.balance_rel_threshold:
-        return idlest
-    best = max(pool, key=lambda c: (c.matched_blocks, -c.num_requests))
-    if num_prompt_blocks and best.matched_blocks / num_prompt_blocks > cfg.cache_threshold:
-        return best
-    return min(pool, key=lambda c: (c.tree_blocks, c.worker_id))
-
-
-def place(candidates: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig,
-          rng: random.Random | None = None, turn: int = 0, model: str = "", size: Size = Size(),
-          prefix_key: bytes = b"") -> Decision | None:
-    """``turn``: a counter the caller advances per request (round robin); ``model``:
-    only workers serving it (empty: any); ``prefix_key``: what ``prefix_hash`` hashes.
-    A request the decode worker would prefill itself is prefilled where its prefix is
-    instead when that pays (``pull_from``)."""
+def place(candidates: list[Candidate], num_prompt_blocks: int, policy: PlacementPolicy, *, model: str = "",
+          size: Size = Size(), block_hashes: Sequence[bytes] = (), turn: int = 0) -> Decision | None:
+    """``model``: only workers serving it (empty: any); ``block_hashes``: the prompt's, for
+    the policies that hash them; ``turn``: a counter the caller advances per request (round
+    robin). A request the decode worker would prefill itself is prefilled where its prefix
+    is instead when that pays (``pull_from``)."""
     candidates = [c for c in candidates if not model or c.model == model]
-    decision = _place(candidates, num_prompt_blocks, cfg, rng, turn, size, prefix_key)
+    ask = Ask(num_prompt_blocks, block_hashes, turn)
+    decision = _place(candidates, ask, policy, size)
     if decision is None or decision.prefill is not None or size.n > 1:
         return decision
-    holder = pull_from(candidates, decision.decode, num_prompt_blocks, cfg, size)
+    holder = pull_from(candidates, decision.decode, num_prompt_blocks, policy.config, size)
     return decision if holder is None else Decision(decision.decode, holder, decision.scores, PULL)
 
 
-def _place(candidates: list[Candidate], num_prompt_blocks: int, cfg: PlacementConfig, rng: random.Random | None,
-           turn: int, size: Size, prefix_key: bytes) -> Decision | None:
-    decoders = [c for c in candidates if c.role in ("decode", "both")]
+def _place(candidates: list[Candidate], ask: Ask, policy: PlacementPolicy, size: Size) -> Decision | None:
+    cfg = policy.config
+    decoders = [c for c in candidates if c.role.can_decode]
     if not decoders:
         return None
     fitting = [c for c in decoders if size.fits(c)]
@@ -246,22 +239,22 @@ def _place(candidates: list[Candidate], num_prompt_blocks: int, cfg: PlacementCo
                              f"max_tokens ({size.max_tokens}) at once")  # each alone fits some worker
     if all(c.full for c in fitting):
         raise AllBusy(len(fitting))
-    decode, scores = choose([c for c in fitting if not c.full], num_prompt_blocks, cfg, rng, turn, prefix_key)
-    uncached = num_prompt_blocks - decode.matched_blocks
-    if decode.role == "both":
+    decode, scores = choose([c for c in fitting if not c.full], ask, policy)
+    uncached = ask.num_prompt_blocks - decode.matched_blocks
+    if decode.role is WorkerRole.BOTH:
         return Decision(decode, None, scores, AGGREGATED)
     if size.n > 1:
         return Decision(decode, None, scores, FORKED)
     if uncached < cfg.min_remote_prefill_blocks:
         return Decision(decode, None, scores, SHORT)
     prefill_size = Size(num_prompt_tokens=size.num_prompt_tokens, max_tokens=1)  # it computes the first token
-    prefillers = [c for c in candidates if c.role == "prefill" and prefill_size.fits(c)]
+    prefillers = [c for c in candidates if c.role is WorkerRole.PREFILL and prefill_size.fits(c)]
     if not prefillers:
         return Decision(decode, None, scores, NO_PREFILL_WORKER)
     prefillers = [c for c in prefillers if not c.full]
     if not prefillers:
         return Decision(decode, None, scores, PREFILL_QUEUE_FULL)
-    prefill, prefill_scores = choose(prefillers, num_prompt_blocks, cfg, rng, turn, prefix_key)
+    prefill, prefill_scores = choose(prefillers, ask, policy)
     scores = {**scores, **prefill_scores}
     if 0 < cfg.max_prefill_queue_tokens < prefill.prefill_tokens and decode.prefill_tokens < prefill.prefill_tokens:
         return Decision(decode, None, scores, PREFILL_QUEUE_FULL)

@@ -15,12 +15,12 @@ from dataclasses import replace
 import grpc
 from opentelemetry import trace
 
-from kervan.sampling import RequestLimits
+from services.common.convert import load_from_proto, worker_info_from_proto
 from services.common.errors import Overloaded, Unavailable
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler import metrics
-from services.scheduler.baselines import ApproxTrees, prefix_key
 from services.scheduler.placement import AllBusy, Candidate, PlacementConfig, Size, place
+from services.scheduler.policies import make_policy
 from services.scheduler.recent import RecentPlacements
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.registry = registry
         self.config = config
         self.recent = recent or RecentPlacements()
-        self.rng = random.Random(seed)
+        self.policy = make_policy(config, random.Random(seed))
         self.stale_workers_s = 30.0
         self.registry_timeout_s = 2.0  # a slow registry (a slow Redis behind it) is taken for a down one
         self.max_ejection_share = max_ejection_share
@@ -50,7 +50,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.refused = 0  # requests refused because every decode worker was at its limit
         self.by_reason: Counter[str] = Counter()
         self.by_worker: Counter[str] = Counter()
-        self.trees = ApproxTrees()  # the approx_tree policy's memory of what went where
         self._mesh_config = None  # the registry's block size and hash function (GetMeshConfig)
 
     async def Place(self, request: scheduler_pb2.PlaceRequest, context) -> scheduler_pb2.PlaceResponse:
@@ -59,19 +58,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         excluded = set(request.exclude_addresses)
         pool = [c for c in self._reported(workers) if c.address not in excluded]
         pool = self._avoiding(pool, list(request.avoid_addresses))
-        if self.config.policy == "approx_tree":  # what it sent where, never what workers report
-            candidates = [self._candidate(c, self.trees.matched(c.worker_id, hashes)) for c in pool]
-        else:
-            matched, host, disk = dict(match.matched_blocks), dict(match.host_blocks), dict(match.disk_blocks)
-            candidates = [self._candidate(c, max(matched.get(c.worker_id, 0),
-                                                 self.recent.predicted_blocks(c.worker_id, hashes)),
-                                          host.get(c.worker_id, 0), disk.get(c.worker_id, 0))
-                          for c in pool]
+        candidates = self._candidates(pool, hashes, match)
         num_blocks = len(hashes)
         try:
-            decision = place(candidates, num_blocks, self.config, self.rng, self.placements, request.model,
-                             Size(num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens,
-                                  n=request.n or 1), prefix_key(hashes, self.config.hash_prefix_blocks))
+            decision = place(candidates, num_blocks, self.policy, model=request.model,
+                             size=Size(num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens,
+                                       n=request.n or 1), block_hashes=hashes, turn=self.placements)
         except AllBusy as busy:
             self.refused += not request.dry_run
             metrics.REFUSALS.inc(not request.dry_run)
@@ -93,9 +85,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 self.recent.add(decision.prefill.worker_id, prefill_tokens=prefill_tokens, block_hashes=hashes)
             self.recent.add(decision.decode.worker_id, prefill_tokens=0 if decision.prefill else prefill_tokens,
                             blocks=num_blocks - decision.decode.matched_blocks + 1, block_hashes=hashes)
-            if self.config.policy == "approx_tree":
-                self.trees.forget_except({c.worker_id for c in self._reported(workers)})
-                self.trees.insert(decision.decode.worker_id, hashes)
+            self.policy.placed(decision.decode.worker_id, hashes, (c.worker_id for c in self._reported(workers)))
             self.placements += 1
             self.by_reason[decision.reason] += 1
             metrics.PLACEMENTS.labels(decision.reason).inc()
@@ -113,6 +103,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             decode_worker_id=decision.decode.worker_id,
             prefill_worker_id=decision.prefill.worker_id if decision.prefill else "",
             unknown_workers=match.unknown_workers)
+
+    def _candidates(self, pool: list[Candidate], hashes: list[bytes], match: kv_registry_pb2.MatchResponse
+                    ) -> list[Candidate]:
+        remembered = [self.policy.remembered_blocks(c.worker_id, hashes) for c in pool]
+        if all(r is not None for r in remembered):  # the policy's own memory, never what workers report
+            return [self._candidate(c, r) for c, r in zip(pool, remembered)]
+        matched, host, disk = dict(match.matched_blocks), dict(match.host_blocks), dict(match.disk_blocks)
+        return [self._candidate(c, max(matched.get(c.worker_id, 0), self.recent.predicted_blocks(c.worker_id, hashes)),
+                                host.get(c.worker_id, 0), disk.get(c.worker_id, 0))
+                for c in pool]
 
     def _avoiding(self, pool: list[Candidate], avoid: list[str]) -> list[Candidate]:
         """``pool`` without the suspects the caller asked to avoid: at most
@@ -188,31 +188,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         """Every listed worker as its own report shows it (no match, nothing pending): made
         once per listing, which placements share (protobuf reads cost ~8 us a worker)."""
         if self._reported_for[0] is not workers:
-            self._reported_for = (workers, [self._as_reported(w) for w in workers.workers])
+            self._reported_for = (workers, [Candidate.reported(worker_info_from_proto(w.info), load_from_proto(w.load))
+                                            for w in workers.workers])
         return self._reported_for[1]
-
-    @staticmethod
-    def _as_reported(w: kv_registry_pb2.LiveWorker) -> Candidate:
-        # its own report alone says whether it is full: adding recent placements would count twice
-        # the ones it already reported and refuse below its limit in a burst (its admission
-        # refuses what this lets through too many)
-        load, info = w.load, w.info
-        return Candidate(worker_id=info.worker_id, address=info.address, role=info.role, model=info.model,
-                         matched_blocks=0, active_blocks=load.num_blocks - load.num_free_blocks,
-                         prefill_tokens=load.num_prefill_tokens, free_blocks=load.num_free_blocks,
-                         evictable_blocks=load.num_evictable_blocks, full=0 < load.max_requests <= load.num_requests,
-                         num_requests=load.num_requests,
-                         limits=RequestLimits(max_model_len=info.max_model_len, max_n=info.max_n))
 
     def _candidate(self, reported: Candidate, matched_blocks: int, host_blocks: int = 0,
                    disk_blocks: int = 0) -> Candidate:
         # placements since its last report count as its load until the report shows them
         prefill_tokens, blocks = self.recent.pending(reported.worker_id)
-        tree_blocks = self.trees.size(reported.worker_id)
         sent = self.recent.sent_blocks(reported.worker_id) if self.config.new_prefix == "content" else 0
-        if not (matched_blocks or prefill_tokens or blocks or tree_blocks or sent):
+        if not (matched_blocks or prefill_tokens or blocks or sent):
             return reported
         return replace(reported, matched_blocks=matched_blocks, host_blocks=host_blocks, disk_blocks=disk_blocks,
                        active_blocks=reported.active_blocks + blocks,
                        prefill_tokens=reported.prefill_tokens + prefill_tokens,
-                       free_blocks=reported.free_blocks - blocks, tree_blocks=tree_blocks, sent_blocks=sent)
+                       free_blocks=reported.free_blocks - blocks, sent_blocks=sent)

@@ -16,6 +16,7 @@ from pathlib import Path
 from prometheus_client import REGISTRY
 
 from kervan.block_hash import DEFAULT_BLOCK_SIZE
+from kervan.worker_info import WorkerRole
 from services.common import replicas
 from services.common.config import parse_args as parse_args_with_env
 from services.common.metrics import add_metrics_argument, serve_metrics
@@ -42,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="Hugging Face model directory (default: embedded model)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
-    ap.add_argument("--role", choices=["both", "prefill", "decode"], default="both")
+    ap.add_argument("--role", type=WorkerRole, choices=list(WorkerRole), default=WorkerRole.BOTH)
     ap.add_argument("--kv-transport", choices=["auto", "shm", "grpc"], default="auto",
                     help="how a prefill worker pushes KV: shared memory (same host), gRPC stream, or auto")
     ap.add_argument("--kv-lease", type=float, default=30.0,

@@ -15,12 +15,12 @@ from collections import OrderedDict
 
 import grpc
 
+from services.common.convert import role_from_proto
 from services.common.errors import Aborted, Unavailable
 from services.common.security import PLAINTEXT, MeshSecurity
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, worker_pb2_grpc
 from worker import InvalidRequest
 
-DECODE_ROLES = ("decode", "both")
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 
 
@@ -62,7 +62,7 @@ class DecodePeers:
                 return
             raise Unavailable(f"cannot check decode_address: kv-registry {err.code().name}") from None
         self._read_at = time.monotonic()
-        self._live = {w.info.address for w in reply.workers if w.info.role in DECODE_ROLES}
+        self._live = {w.info.address for w in reply.workers if role_from_proto(w.info.role).can_decode}
         for address in [a for a in self._channels if a not in self._live]:
             channel, _ = self._channels.pop(address)
             await channel.close()

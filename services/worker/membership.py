@@ -28,7 +28,8 @@ import grpc
 
 from kervan.block_hash import HASH_NAME
 from kervan.kv_events import MEDIUM_DEVICE, KVEvent
-from services.common.convert import event_to_proto, load_to_proto, tier_to_proto
+from kervan.worker_info import WorkerInfo, WorkerRole
+from services.common.convert import event_to_proto, load_to_proto, tier_to_proto, worker_info_to_proto
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from services.worker.async_engine import AsyncEngine
 
@@ -40,16 +41,16 @@ RETRIED = {grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNAVAILABLE, grpc.Sta
 
 class Membership:
     def __init__(self, registry: kv_registry_pb2_grpc.KvRegistryServiceStub, engine: AsyncEngine, address: str,
-                 role: str, model: str, heartbeat_s: float = 1.0, event_interval_s: float = 0.02,
+                 role: WorkerRole, model: str, heartbeat_s: float = 1.0, event_interval_s: float = 0.02,
                  load_interval_s: float = 0.1, register_timeout_s: float = 30.0,
                  on_unhealthy: Callable[[str], None] | None = None):
         self.registry = registry
         self.engine = engine
-        self.info = kv_registry_pb2.WorkerInfo(
-            worker_id=f"{role}@{address}", address=address, role=role, model=model,
-            block_size=engine.block_size, hash_name=HASH_NAME, max_model_len=engine.limits.max_model_len,
-            max_n=engine.limits.max_n, kv_capacity_blocks=_capacity(engine.stats()),
-            registration_nonce=secrets.token_hex(16))
+        role = WorkerRole(role)
+        self.info = worker_info_to_proto(WorkerInfo(
+            worker_id=WorkerInfo.id_of(role, address), address=address, role=role, model=model,
+            block_size=engine.block_size, hash_name=HASH_NAME, limits=engine.limits,
+            kv_capacity_blocks=_capacity(engine.stats()), registration_nonce=secrets.token_hex(16)))
         self.heartbeat_s = heartbeat_s
         self.event_interval_s = event_interval_s
         self.load_interval_s = load_interval_s

@@ -19,6 +19,7 @@ import grpc
 from opentelemetry import trace
 
 from kervan.sampling import FORKED_SAMPLES
+from kervan.worker_info import WorkerRole
 from services.common.convert import finish_to_proto, load_to_proto, sampling_from_proto
 from services.common.errors import Aborted, FailedPrecondition, Overloaded, Unavailable
 from services.proto import worker_pb2, worker_pb2_grpc
@@ -35,11 +36,11 @@ CALLERS = {"PushKv": ("worker",), "GetLoad": ("router", "scheduler", "admin"), "
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, engine: AsyncEngine, role: str = "both", kv_transport: str = "auto", lease_s: float = 30.0,
-                 peers: DecodePeers | None = None, max_concurrent_pushes: int = 16,
+    def __init__(self, engine: AsyncEngine, role: WorkerRole = WorkerRole.BOTH, kv_transport: str = "auto",
+                 lease_s: float = 30.0, peers: DecodePeers | None = None, max_concurrent_pushes: int = 16,
                  staging_bytes: int = 2 << 30):
         self.engine = engine
-        self.role = role
+        self.role = WorkerRole(role)  # a name ("decode") or the role
         self.kv_transport = kv_transport
         self.lease_s = lease_s  # the longest a push may take, and its KV wait for Decode
         self.staging = kv_transfer.KvStaging(staging_bytes, max_lease_s=lease_s)
@@ -47,19 +48,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.max_concurrent_pushes = max_concurrent_pushes
         self.num_pushes = 0
 
-    def _require(self, *roles: str) -> None:
-        if self.role not in roles:
-            raise FailedPrecondition(f"this worker's role is {self.role!r}; the call needs {' or '.join(roles)}")
+    def _require(self, allowed: bool, needs: str) -> None:
+        if not allowed:
+            raise FailedPrecondition(f"this worker's role is {self.role}; the call needs a {needs} worker")
 
     async def Execute(self, request: worker_pb2.ExecuteRequest, context: grpc.aio.ServicerContext):
-        self._require("decode", "both")  # a decode worker prefills short uncached prompts itself
+        self._require(self.role.can_decode, "decode or both")  # a decode worker prefills short prompts itself
         params = sampling_from_proto(request.sampling)
         async for update in _updates(self.engine.generate(request.request_id, list(request.prompt.ids), params,
                                                           cache_salt=request.cache_salt.encode())):
             yield worker_pb2.ExecuteResponse(update=update)
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
-        self._require("prefill", "both")
+        self._require(self.role.can_prefill, "prefill or both")
         params = sampling_from_proto(request.sampling)
         rid, prompt = request.request_id, list(request.prompt.ids)
         if params.n != 1:
@@ -126,7 +127,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return self.kv_transport == "shm" or request.decode_address.rsplit(":", 1)[0] in LOCAL_HOSTS
 
     async def PushKv(self, request_iterator, context) -> worker_pb2.PushKvResponse:
-        self._require("decode", "both")
+        self._require(self.role.can_decode, "decode or both")
         if self.num_pushes >= self.max_concurrent_pushes:
             raise Overloaded(f"{self.num_pushes} KV pushes in progress, this worker's limit; retry later")
         self.num_pushes += 1
@@ -141,7 +142,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.PushKvResponse(handle=handle, num_bytes=head.num_bytes)
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
-        self._require("decode", "both")
+        self._require(self.role.can_decode, "decode or both")
         params = sampling_from_proto(request.sampling)
         data = self.staging.take(request.kv_handle, request.request_id, request.prompt.ids)
         imported = ImportedKV(request.first_token, request.first_logprob, data)

@@ -11,10 +11,12 @@ import asyncio
 import grpc
 import pytest
 
+from kervan.sampling import RequestLimits, SamplingParams
+from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common.errors import Overloaded, retry_after_s
 from services.common.load import Load
 from services.common.server import Service, start_server
-from services.kv_registry.index import PrefixIndex, WorkerRecord
+from services.kv_registry.index import PrefixIndex
 from services.proto import common_pb2, kv_registry_pb2_grpc, router_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.router.routes import Placement
 from services.router.runner import MigrationPolicy, RequestRunner
@@ -71,9 +73,9 @@ async def test_the_scheduler_skips_full_workers_and_refuses_when_all_are_full(re
     to_scheduler = grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}")
     stub = scheduler_pb2_grpc.SchedulerServiceStub(to_scheduler)
     try:
-        tokens = {wid: await index.register(WorkerRecord(
-            worker_id=wid, address=f"127.0.0.1:{ord(wid)}", role="both", model="m", incarnation="", block_size=16,
-            hash_name="sha256", max_model_len=4096, max_n=16)) for wid in ("a", "b")}
+        tokens = {wid: await index.register(WorkerInfo(
+            worker_id=wid, address=f"127.0.0.1:{ord(wid)}", role=WorkerRole.BOTH, model="m", block_size=16,
+            hash_name="sha256", limits=RequestLimits(max_model_len=4096, max_n=16))) for wid in ("a", "b")}
 
         async def report(wid, requests):
             await index.heartbeat(wid, tokens[wid], Load(num_free_blocks=100, num_blocks=100, num_requests=requests,
@@ -138,8 +140,8 @@ async def test_a_request_a_worker_refuses_goes_to_another_and_is_refused_when_no
 
         async def run(k):
             tokens = []
-            async for _, update in runner.run(f"r{k}", prompts[k], common_pb2.SamplingParams(
-                    max_tokens=8, temperature=0.0, ignore_eos=True), 1, NoDeadline()):
+            async for _, update in runner.run(f"r{k}", prompts[k], SamplingParams(
+                    max_tokens=8, temperature=0.0, ignore_eos=True), NoDeadline()):
                 tokens += update.token_ids
             return tokens
 
@@ -169,9 +171,9 @@ async def test_suspects_are_avoided_within_the_ejection_cap_and_all_of_them_is_p
     addresses = [f"127.0.0.1:{100 + k}" for k in range(4)]
     try:
         for k, address in enumerate(addresses):
-            token = await index.register(WorkerRecord(
-                worker_id=f"w{k}", address=address, role="both", model="m", incarnation="", block_size=16,
-                hash_name="sha256", max_model_len=4096, max_n=16))
+            token = await index.register(WorkerInfo(
+                worker_id=f"w{k}", address=address, role=WorkerRole.BOTH, model="m", block_size=16,
+                hash_name="sha256", limits=RequestLimits(max_model_len=4096, max_n=16)))
             await index.heartbeat(f"w{k}", token, Load(num_free_blocks=100, num_blocks=100))
 
         async def placed(avoid, exclude=()):
@@ -199,7 +201,6 @@ async def test_admission_counts_a_requests_samples_not_the_request(llama):
     """max_num_seqs 3 + max_waiting 1 is 4 sequences: a request of n = 3 and one of n = 2
     do not both fit (before, they counted as 2 requests of 4)."""
     from services.worker.async_engine import AsyncEngine
-    from worker import SamplingParams
     engine = AsyncEngine(make_engine(llama[1], max_num_seqs=3), max_waiting=1)  # not started: nothing finishes
     params = SamplingParams(max_tokens=4, temperature=1.0, n=3, ignore_eos=True)
     first = engine.generate("a", [5, 6, 7], params)
@@ -220,7 +221,8 @@ async def test_a_registry_that_does_not_answer_in_time_is_taken_for_a_down_one()
     from services.proto import kv_registry_pb2
 
     worker = kv_registry_pb2.LiveWorker(info=kv_registry_pb2.WorkerInfo(
-        worker_id="w", address="127.0.0.1:7", role="both", model="m", max_model_len=4096, max_n=4))
+        worker_id="w", address="127.0.0.1:7", role=kv_registry_pb2.WORKER_ROLE_BOTH, model="m",
+        limits=kv_registry_pb2.RequestLimits(max_model_len=4096, max_n=4)))
     calls = []
 
     class SlowRegistry:
@@ -247,7 +249,8 @@ async def test_concurrent_placements_share_one_listing_of_the_workers_and_reuse_
     from services.proto import kv_registry_pb2
 
     worker = kv_registry_pb2.LiveWorker(info=kv_registry_pb2.WorkerInfo(
-        worker_id="w", address="127.0.0.1:7", role="both", model="m", max_model_len=4096, max_n=4))
+        worker_id="w", address="127.0.0.1:7", role=kv_registry_pb2.WORKER_ROLE_BOTH, model="m",
+        limits=kv_registry_pb2.RequestLimits(max_model_len=4096, max_n=4)))
     calls = []
 
     class Registry:

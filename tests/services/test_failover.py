@@ -15,9 +15,11 @@ import pytest
 from control_plane.client import build_request
 from kervan.block_hash import HASH_NAME, hash_blocks
 from kervan.kv_events import BlockStored
+from kervan.sampling import RequestLimits, SamplingParams
+from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common.errors import retry_after_s
 from services.common.load import Load
-from services.kv_registry.index import PrefixIndex, WorkerRecord
+from services.kv_registry.index import PrefixIndex
 from services.proto import kv_registry_pb2, router_pb2_grpc
 from tests.chaos.checker import check, stream
 from tests.conftest import greedy_tokens, make_prompts
@@ -114,9 +116,9 @@ async def register_ghosts(mesh: ScheduledMesh, prompt: list[int], num: int) -> l
     for k in range(num):
         sock_port = 1 + k  # privileged, never bound by a test: connection refused
         wid = f"both@127.0.0.1:{sock_port}"
-        token = await index.register(WorkerRecord(
-            worker_id=wid, address=f"127.0.0.1:{sock_port}", role="both", model=mesh.model_dir.name, incarnation="",
-            block_size=BLOCK_SIZE, hash_name=HASH_NAME, max_model_len=4096, max_n=16))
+        token = await index.register(WorkerInfo(
+            worker_id=wid, address=f"127.0.0.1:{sock_port}", role=WorkerRole.BOTH, model=mesh.model_dir.name,
+            block_size=BLOCK_SIZE, hash_name=HASH_NAME, limits=RequestLimits(max_model_len=4096, max_n=16)))
         await index.heartbeat(wid, token, Load(num_free_blocks=256, num_blocks=256))
         await index.apply(wid, token, [BlockStored(1, hashes, None, [], BLOCK_SIZE)])
         ghosts.append(f"127.0.0.1:{sock_port}")
@@ -204,7 +206,7 @@ async def test_a_failed_kv_push_blames_the_decode_worker_and_an_internal_error_p
             return Placement(worker=Answering(), worker_address="A")
 
     runner = RequestRunner(Routes(), "", MigrationPolicy())
-    updates = [u async for _, u in runner.run("r", [5, 6], common_pb2.SamplingParams(max_tokens=1), 1,
+    updates = [u async for _, u in runner.run("r", [5, 6], SamplingParams(max_tokens=1),
                                               type("NoDeadline", (), {"remaining": lambda self: None})())]
     assert [list(u.token_ids) for u in updates] == [[7]]
     assert excluded == [[], ["D"], ["D", "S"]]

@@ -5,9 +5,11 @@ import asyncio
 import pytest
 
 from kervan.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kervan.sampling import RequestLimits
+from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common.errors import AlreadyExists
 from services.common.load import Load
-from services.kv_registry.index import PrefixIndex, StaleIncarnation, WorkerRecord
+from services.kv_registry.index import PrefixIndex, StaleIncarnation
 
 
 def Stored(hashes, seq):
@@ -21,8 +23,8 @@ H = [bytes([i]) * 32 for i in range(6)]
 
 
 def record(wid):
-    return WorkerRecord(worker_id=wid, address=f"127.0.0.1:{1000 + len(wid)}", role="decode", model="m",
-                        incarnation="", block_size=16, hash_name="sha256", max_model_len=4096, max_n=16)
+    return WorkerInfo(worker_id=wid, address=f"127.0.0.1:{1000 + len(wid)}", role=WorkerRole.DECODE, model="m",
+                      block_size=16, hash_name="sha256", limits=RequestLimits(max_model_len=4096, max_n=16))
 
 
 async def test_prefix_match_counts_leading_blocks_per_worker(redis_client):

@@ -11,16 +11,17 @@ import asyncio
 import pytest
 
 from kervan.kv_events import AllBlocksCleared, BlockStored
-from kervan.sampling import InvalidRequest
+from kervan.sampling import InvalidRequest, RequestLimits
+from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common.errors import AlreadyExists
 from services.kv_registry import index as index_module
-from services.kv_registry.index import PrefixIndex, WorkerRecord
+from services.kv_registry.index import PrefixIndex
 
 
-def record(wid: str, capacity: int = 0, nonce: str = "") -> WorkerRecord:
-    return WorkerRecord(worker_id=wid, address="127.0.0.1:1", role="decode", model="m", incarnation="", block_size=16,
-                        hash_name="sha256", max_model_len=4096, max_n=16, kv_capacity_blocks=capacity,
-                        registration_nonce=nonce)
+def record(wid: str, capacity: int = 0, nonce: str = "") -> WorkerInfo:
+    return WorkerInfo(worker_id=wid, address="127.0.0.1:1", role=WorkerRole.DECODE, model="m", block_size=16,
+                      hash_name="sha256", limits=RequestLimits(max_model_len=4096, max_n=16),
+                      kv_capacity_blocks=capacity, registration_nonce=nonce)
 
 
 def hashes(n: int, start: int = 0) -> list[bytes]:

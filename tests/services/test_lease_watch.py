@@ -11,13 +11,15 @@ import grpc
 from control_plane.lease_watch import LeaseWatcher
 from kervan.block_hash import HASH_NAME
 from kervan.kv_events import BlockStored
-from services.kv_registry.index import PrefixIndex, WorkerRecord
+from kervan.sampling import RequestLimits
+from kervan.worker_info import WorkerInfo, WorkerRole
+from services.kv_registry.index import PrefixIndex
 from services.proto import kv_registry_pb2_grpc
 from tests.chaos.fault_proxy import FaultProxy
 from tests.services.conftest import start_registry
 
-WORKER = WorkerRecord(worker_id="w", address="127.0.0.1:1", role="decode", model="m", incarnation="", block_size=16,
-                      hash_name=HASH_NAME, max_model_len=4096, max_n=16)
+WORKER = WorkerInfo(worker_id="w", address="127.0.0.1:1", role=WorkerRole.DECODE, model="m", block_size=16,
+                      hash_name=HASH_NAME, limits=RequestLimits(max_model_len=4096, max_n=16))
 
 
 async def until(predicate, what: str, timeout: float = 10.0) -> None:
@@ -49,9 +51,9 @@ async def watching(index: PrefixIndex, redis_client, interval_s: float, watch_cl
 async def test_an_expired_lease_is_purged_at_once(redis_client):
     index = PrefixIndex(redis_client, ttl_s=1)
     async with watching(index, redis_client, interval_s=3600) as watcher:  # reconciles once, then notifications
-        token = await index.register(WorkerRecord(worker_id="w", address="127.0.0.1:1", role="decode", model="m",
-                                                  incarnation="", block_size=16, hash_name=HASH_NAME,
-                                                  max_model_len=4096, max_n=16))
+        token = await index.register(WorkerInfo(worker_id="w", address="127.0.0.1:1", role=WorkerRole.DECODE, model="m",
+                                                  block_size=16, hash_name=HASH_NAME,
+                                                  limits=RequestLimits(max_model_len=4096, max_n=16)))
         await index.apply("w", token, [BlockStored(1, [b"\x01" * 32, b"\x02" * 32], None, [], 16)])
         assert await redis_client.hlen("kervan:own:w") == 2
         for _ in range(100):  # the lease (1 s) expires; nobody heartbeats, nobody lists workers
@@ -70,9 +72,9 @@ async def test_the_reconciliation_loop_purges_an_expired_worker_without_any_noti
         # restart). Waits are generous (a loaded CI machine): they bound the test, not the watcher
         await until(lambda: redis_client.execute_command("PUBSUB", "NUMPAT"), "subscribed", timeout=30)
         await redis_client.config_set("notify-keyspace-events", "")
-        token = await index.register(WorkerRecord(worker_id="w", address="127.0.0.1:1", role="decode", model="m",
-                                                  incarnation="", block_size=16, hash_name=HASH_NAME,
-                                                  max_model_len=4096, max_n=16))
+        token = await index.register(WorkerInfo(worker_id="w", address="127.0.0.1:1", role=WorkerRole.DECODE, model="m",
+                                                  block_size=16, hash_name=HASH_NAME,
+                                                  limits=RequestLimits(max_model_len=4096, max_n=16)))
         await index.apply("w", token, [BlockStored(1, [b"\x01" * 32], None, [], 16)])
         # the lease (1 s) expires; only the loop (every 0.2 s) can notice
         await until(lambda: _false(redis_client.sismember("kervan:workers", "w")), "purged", timeout=30)

@@ -50,7 +50,7 @@ async def test_blocks_reach_the_index_and_gaps_and_restarts_are_healed_by_dumps(
 
         await until(lambda: index.live_workers())
         [(record, _)] = await index.live_workers()  # registered with the engine's own limits
-        assert (record.max_model_len, record.max_n) == (engine.limits.max_model_len, engine.limits.max_n) != (0, 0)
+        assert record.limits == engine.limits and engine.limits.max_model_len and engine.limits.max_n
         await run("r1", make_prompts([12], seed=40)[0])  # 3 full blocks of 4 tokens
         await until(lambda: index_has(3))
         hashes = await engine.call(lambda e: list(e.kv.pool.cached))
@@ -86,8 +86,9 @@ async def test_a_worker_hashing_differently_is_refused_at_registration(redis_cli
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}") as channel:
             stub = kv_registry_pb2_grpc.KvRegistryServiceStub(channel)
-            info = dict(worker_id="w", address="127.0.0.1:1", role="decode", model="m", incarnation="i",
-                        max_model_len=640, max_n=4)
+            limits = kv_registry_pb2.RequestLimits(max_model_len=640, max_n=4)
+            info = dict(worker_id="w", address="127.0.0.1:1", role=kv_registry_pb2.WORKER_ROLE_DECODE, model="m",
+                        incarnation="i", limits=limits)
             for block_size, hash_name in ((8, HASH_NAME), (16, "xxhash64")):
                 try:
                     await stub.Register(kv_registry_pb2.RegisterRequest(worker=kv_registry_pb2.WorkerInfo(
@@ -98,10 +99,13 @@ async def test_a_worker_hashing_differently_is_refused_at_registration(redis_cli
                     assert f"16 tokens with {HASH_NAME!r}" in err.details()
                 else:
                     raise AssertionError("registered a worker that hashes blocks differently")
-            for missing in ("max_model_len", "max_n"):  # the scheduler places by them: required
+            for missing, without in (("max_model_len", {"limits": kv_registry_pb2.RequestLimits(max_n=4)}),
+                                     ("max_n", {"limits": kv_registry_pb2.RequestLimits(max_model_len=640)}),
+                                     ("role", {"role": kv_registry_pb2.WORKER_ROLE_UNSPECIFIED}),
+                                     ("role", {"role": 7})):  # the scheduler places by them: required
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await stub.Register(kv_registry_pb2.RegisterRequest(worker=kv_registry_pb2.WorkerInfo(
-                        **{**info, missing: 0}, block_size=16, hash_name=HASH_NAME)))
+                        **{**info, **without}, block_size=16, hash_name=HASH_NAME)))
                 assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and missing in refused.value.details()
             for name, forged in (("worker_id", "decode@evil\nINFO forged"), ("address", "127.0.0.1:1\r"),
                                  ("model", "m\x1b[31m")):  # log injection: refused, never registered
@@ -114,7 +118,7 @@ async def test_a_worker_hashing_differently_is_refused_at_registration(redis_cli
                 **info, block_size=16, hash_name=HASH_NAME)))
             assert await redis_client.sismember("kervan:workers", "w")
             listed = (await stub.ListWorkers(kv_registry_pb2.ListWorkersRequest())).workers
-            assert [(w.info.max_model_len, w.info.max_n) for w in listed] == [(640, 4)]
+            assert [(w.info.role, w.info.limits) for w in listed] == [(kv_registry_pb2.WORKER_ROLE_DECODE, limits)]
     finally:
         await registry.stop(0)
 

@@ -1,4 +1,4 @@
-"""The placement cost function on plain data."""
+"""The placement cost function and the policies, on plain data."""
 
 import random
 from collections import Counter
@@ -6,24 +6,34 @@ from collections import Counter
 import pytest
 
 from kervan.sampling import InvalidRequest, RequestLimits
-from services.scheduler.baselines import ApproxTrees, prefix_key
+from kervan.worker_info import WorkerRole
+from services.scheduler import placement
 from services.scheduler.placement import (
     FORKED,
     PREFILL_QUEUE_FULL,
     REMOTE,
     AllBusy,
+    Ask,
     Candidate,
+    Choice,
     PlacementConfig,
     Size,
-    place,
 )
+from services.scheduler.policies import POLICIES, PlacementPolicy, make_policy, register
+from services.scheduler.policies.approx_tree import ApproxTrees
+from services.scheduler.policies.prefix_hash import prefix_key
 
 CFG = PlacementConfig(overlap_weight=1.0, min_remote_prefill_blocks=2)
 
 
+def place(candidates, num_prompt_blocks, cfg, rng=None, **kwargs):
+    """``placement.place`` with a fresh policy of ``cfg`` (stateless but for approx_tree's memory)."""
+    return placement.place(candidates, num_prompt_blocks, make_policy(cfg, rng), **kwargs)
+
+
 def cand(wid, role="decode", matched=0, active=0, queued=0, free=100, model="m", evictable=0, full=False,
          max_model_len=4096, max_n=16, sent=0, host=0, disk=0):
-    return Candidate(worker_id=wid, address=f"{wid}:1", role=role, matched_blocks=matched, host_blocks=host,
+    return Candidate(worker_id=wid, address=f"{wid}:1", role=WorkerRole(role), matched_blocks=matched, host_blocks=host,
                      disk_blocks=disk,
                      active_blocks=active,
                      prefill_tokens=queued, free_blocks=free, evictable_blocks=evictable, model=model, full=full,
@@ -200,15 +210,17 @@ def test_forked_samples_are_prefilled_by_their_decode_worker():
 
 
 def test_prefix_hash_sends_a_prefix_to_one_worker_and_moves_only_a_leaving_worker_s_share():
-    cfg = PlacementConfig(policy="prefix_hash")
+    cfg = PlacementConfig(policy="prefix_hash", hash_prefix_blocks=2)
     pool = [cand(f"w{i}", "both") for i in range(4)]
-    keys = [prefix_key([b"a%d" % k, b"b%d" % k, b"c"], 2) for k in range(400)]
-    owner = {key: place(pool, 3, cfg, prefix_key=key).decode.worker_id for key in keys}
-    assert all(place(pool, 3, cfg, prefix_key=key).decode.worker_id == owner[key] for key in keys[:50])
+    keys = [(b"a%d" % k, b"b%d" % k, b"c") for k in range(400)]
+    owner = {key: place(pool, 3, cfg, block_hashes=key).decode.worker_id for key in keys}
+    assert all(place(pool, 3, cfg, block_hashes=key).decode.worker_id == owner[key] for key in keys[:50])
+    assert all(place(pool, 3, cfg, block_hashes=key[:2] + (b"x",)).decode.worker_id == owner[key]
+               for key in keys[:50])  # only the first 2 blocks count
     share = Counter(owner.values())
     assert set(share) == {"w0", "w1", "w2", "w3"} and min(share.values()) > 40  # spread over the ring
     without = [c for c in pool if c.worker_id != "w2"]
-    moved = [key for key in keys if place(without, 3, cfg, prefix_key=key).decode.worker_id != owner[key]]
+    moved = [key for key in keys if place(without, 3, cfg, block_hashes=key).decode.worker_id != owner[key]]
     assert {owner[key] for key in moved} == {"w2"}  # only w2's prefixes move
     assert prefix_key([b"5", b"6", b"7"], 4) == prefix_key([b"8", b"9", b"7"], 4)  # the last block covers the rest
     assert prefix_key([], 4) == b""
@@ -221,15 +233,46 @@ def test_approx_tree_follows_what_it_sent_balances_load_and_sends_misses_to_the_
     assert trees.matched("w0", [h[1], h[2], h[9]]) == 2 and trees.matched("w1", h[1:3]) == 0
     trees.insert("w0", h[5:8])  # over capacity: the least recently used (h[1]) goes first
     assert trees.size("w0") == 6 and trees.matched("w0", h[1:3]) == 0 and trees.matched("w0", h[2:4]) == 2
-    cfg = PlacementConfig(policy="approx_tree", balance_abs_threshold=4)
+    policy = make_policy(PlacementConfig(policy="approx_tree", balance_abs_threshold=4))
+    policy.placed("a", [b"a%d" % i for i in range(50)], live=["a", "b"])
+    policy.placed("b", [b"b%d" % i for i in range(10)], live=["a", "b"])
+    assert policy.remembered_blocks("a", [b"a0", b"a1", b"b0"]) == 2
 
-    def worker(wid, matched=0, running=0, tree=0):
-        return Candidate(worker_id=wid, address=wid, role="both", matched_blocks=matched, active_blocks=0,
-                         num_requests=running, tree_blocks=tree)
+    def worker(wid, matched=0, running=0):
+        return Candidate(worker_id=wid, address=wid, role=WorkerRole.BOTH, matched_blocks=matched, active_blocks=0,
+                         num_requests=running)
 
-    # a match over half the prompt wins even on a busier worker
-    assert place([worker("a", 6, 3, 50), worker("b", 0, 0, 10)], 10, cfg).decode.worker_id == "a"
-    # a weaker match does not: the smallest tree takes it
-    assert place([worker("a", 4, 0, 50), worker("b", 0, 3, 10)], 10, cfg).decode.worker_id == "b"
-    # imbalance beyond the threshold: the idlest, whatever it caches
-    assert place([worker("a", 10, 9, 50), worker("b", 0, 2, 10)], 10, cfg).decode.worker_id == "b"
+    def chosen(pool):
+        return placement.place(pool, 10, policy).decode.worker_id
+
+    assert chosen([worker("a", 6, 3), worker("b", 0, 0)]) == "a"  # a match over half the prompt wins, even busier
+    assert chosen([worker("a", 4, 0), worker("b", 0, 3)]) == "b"  # a weaker one does not: the smallest tree
+    assert chosen([worker("a", 10, 9), worker("b", 0, 2)]) == "b"  # imbalance past the threshold: the idlest
+    policy.placed("a", [b"c0"], live=["a"])  # b left the mesh: its tree is forgotten
+    assert policy.remembered_blocks("b", [b"b0"]) == 0 and policy.trees.size("a") == 51
+
+
+def test_a_policy_is_one_registered_class_and_chooses_among_the_filtered_workers():
+    """A new policy is a file with one decorated class: placement's filters (role, size,
+    admission, room) run before it, and its choice is the decode worker."""
+    seen = []
+
+    @register
+    class Busiest(PlacementPolicy):
+        name = "test_busiest"
+
+        def choose(self, pool: list[Candidate], ask: Ask) -> Choice:
+            seen.append(sorted(c.worker_id for c in pool))
+            return Choice(max(pool, key=lambda c: c.active_blocks), {})
+    try:
+        pool = [cand("a", active=5), cand("b", active=9), cand("c", active=50, full=True), cand("d", active=60, free=3),
+                cand("p", "prefill", active=99)]
+        d = place(pool, 8, PlacementConfig(policy="test_busiest"))
+        assert (d.decode.worker_id, d.prefill.worker_id) == ("b", "p")
+        assert seen == [["a", "b"], ["p"]]  # decoders: c is full, d has no room, p does not decode; then prefillers
+    finally:
+        del POLICIES["test_busiest"]
+    with pytest.raises(ValueError, match="two placement policies are named 'kv'"):
+        register(type("Again", (Busiest,), {"name": "kv"}))
+    with pytest.raises(ValueError, match="'nope' is not one of approx_tree, kv, prefix_hash, random, round_robin"):
+        make_policy(PlacementConfig(policy="nope"))

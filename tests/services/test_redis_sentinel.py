@@ -12,8 +12,10 @@ import pytest
 
 from control_plane.launcher import free_port
 from control_plane.redis_server import redis_server_binary, wait_listening
+from kervan.sampling import RequestLimits
+from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common import redis_url
-from services.kv_registry.index import PrefixIndex, WorkerRecord
+from services.kv_registry.index import PrefixIndex
 
 
 @pytest.fixture
@@ -46,8 +48,8 @@ async def test_the_registry_follows_the_master_sentinel_names_through_a_failover
     url, master, replica_port = sentinel_set
     client = redis_url.connect(url, timeout_s=2.0)
     index = PrefixIndex(client, ttl_s=120)  # no heartbeats here: the lease must outlast the failover
-    record = WorkerRecord(worker_id="w", address="127.0.0.1:1", role="decode", model="m", incarnation="",
-                          block_size=16, hash_name="sha256", max_model_len=64, max_n=1)
+    record = WorkerInfo(worker_id="w", address="127.0.0.1:1", role=WorkerRole.DECODE, model="m", block_size=16,
+                        hash_name="sha256", limits=RequestLimits(max_model_len=64, max_n=1))
     assert await index.register(record)
     replica = redis_url.connect(f"redis://:pw@127.0.0.1:{replica_port}/0")
     for _ in range(400):  # the replica has caught up

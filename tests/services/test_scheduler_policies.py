@@ -7,8 +7,10 @@ import grpc
 
 from kervan.block_hash import HASH_NAME
 from kervan.kv_events import BlockStored
+from kervan.sampling import RequestLimits
+from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common.server import Service, start_server
-from services.kv_registry.index import PrefixIndex, WorkerRecord
+from services.kv_registry.index import PrefixIndex
 from services.proto import kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.placement import PlacementConfig
 from services.scheduler.recent import RecentPlacements
@@ -26,9 +28,9 @@ async def place_all(redis_client, policy: str | PlacementConfig, prompts: list[l
     index = PrefixIndex(redis_client, ttl_s=60)
     for w in range(4):
         wid = f"both@127.0.0.1:{7000 + w}"
-        token = await index.register(WorkerRecord(worker_id=wid, address=wid.split("@")[1], role="both", model="m",
-                                                  incarnation="", block_size=16, hash_name=HASH_NAME,
-                                                  max_model_len=4096, max_n=4))
+        token = await index.register(WorkerInfo(
+            worker_id=wid, address=wid.split("@")[1], role=WorkerRole.BOTH, model="m", block_size=16,
+            hash_name=HASH_NAME, limits=RequestLimits(max_model_len=4096, max_n=4)))
         if cached.get(wid):
             await index.apply(wid, token, [BlockStored(1, cached[wid], None, [], 16)])
     registry = await start_registry(index)

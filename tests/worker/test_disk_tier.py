@@ -228,7 +228,7 @@ def test_the_registry_hears_blocks_move_from_host_memory_to_disk(hf_models, tmp_
 
 
 def _sequence(engine, prompt):
-    from worker.engine.sequence import Sequence
+    from worker.sequence import Sequence
     return Sequence("probe", prompt, GREEDY, engine.config.block_size, engine.model_config.eos_token_ids)
 
 

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 from tests.conftest import make_engine, make_prompts
 from tests.worker.test_engine import assert_idle
 from worker import SamplingParams
+from worker.batch import ScheduledSequence
 from worker.config import ConfigError
-from worker.engine.scheduler import ScheduledSequence
 from worker.kv.kv_cache_manager import KVCacheManager
 from worker.runner.model_runner import ModelRunner
 from worker.spec.eagle import EagleShadow

@@ -53,7 +53,7 @@ def test_an_evicted_prefix_comes_back_from_host_memory_with_the_same_tokens(hf_m
 
 
 def _sequence(engine, prompt):
-    from worker.engine.sequence import Sequence
+    from worker.sequence import Sequence
     return Sequence("probe", prompt, GREEDY, engine.config.block_size, engine.model_config.eos_token_ids)
 
 

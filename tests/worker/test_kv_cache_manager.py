@@ -2,8 +2,8 @@
 
 from kervan.kv_events import BlockStored
 from worker import SamplingParams
-from worker.engine.sequence import Sequence
 from worker.kv.kv_cache_manager import BlockCopy, KVCacheManager
+from worker.sequence import Sequence
 
 BS = 4
 

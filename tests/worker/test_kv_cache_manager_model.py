@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker import SamplingParams
-from worker.engine.sequence import Sequence
 from worker.kv.kv_cache_manager import KVCacheManager
+from worker.sequence import Sequence
 
 BS = 4
 NUM_BLOCKS = 10

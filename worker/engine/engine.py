@@ -20,7 +20,6 @@ from kervan.tokenizer import Tokenizer
 from worker.config import ConfigError, EngineConfig, ModelConfig
 from worker.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from worker.engine.scheduler import StepScheduler
-from worker.engine.sequence import Sequence
 from worker.kv.disk_tier import DiskTier, model_identity
 from worker.kv.host_tier import HostTier
 from worker.kv.kv_cache_manager import KVCacheManager
@@ -30,6 +29,7 @@ from worker.parallel.group import GroupLeader
 from worker.platform import current_platform
 from worker.runner.model_runner import ModelRunner
 from worker.runner.sampler import skip_draw
+from worker.sequence import Sequence
 from worker.spec.proposer import make_proposer
 
 Prompt = list[int] | str
@@ -95,19 +95,19 @@ class Engine:
         if request_id in self.groups or request_id in self.scheduler.held:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
         token_ids = self.validate(prompt, params)
-        req = Sequence(request_id, token_ids, params, self.config.block_size,
+        seq = Sequence(request_id, token_ids, params, self.config.block_size,
                       self.model_config.eos_token_ids, cache_salt)
-        req.hold_kv = hold_kv
+        seq.hold_kv = hold_kv
         if imported is not None:
             self._check_import(imported, len(token_ids), params)
-            req.append_output(imported.first_token, imported.first_logprob if params.logprobs else None)
-            req.imported_kv = imported.data
-            req.num_emitted = 1  # the first token was streamed by the prefill side
-            if req.generator is not None and not params.is_greedy:
+            seq.append_output(imported.first_token, imported.first_logprob if params.logprobs else None)
+            seq.imported_kv = imported.data
+            seq.num_emitted = 1  # the first token was streamed by the prefill side
+            if seq.generator is not None and not params.is_greedy:
                 # the prefill side drew the first token from this seed: continue its stream
-                skip_draw(req.generator, self.model_config.vocab_size)
-        self.groups[request_id] = [req]
-        self.scheduler.add(req)
+                skip_draw(seq.generator, self.model_config.vocab_size)
+        self.groups[request_id] = [seq]
+        self.scheduler.add(seq)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -122,10 +122,10 @@ class Engine:
     def export_kv(self, request_id: str) -> torch.Tensor:
         """The prompt's KV of a finished, held request, in host memory (the handoff's
         format, whatever the device): [layers, 2, prompt blocks, kv_heads, block_size * head_dim]."""
-        req = self.scheduler.held.get(request_id)
-        if req is None:
+        seq = self.scheduler.held.get(request_id)
+        if seq is None:
             raise KeyError(f"no held KV for request {request_id!r}")
-        num_blocks = -(-req.num_prompt_tokens // self.config.block_size)
+        num_blocks = -(-seq.num_prompt_tokens // self.config.block_size)
         return self.runner.read_blocks(self.kv.get_block_ids(request_id)[:num_blocks]).cpu()
 
     def release_kv(self, request_id: str) -> bool:
@@ -167,11 +167,11 @@ class Engine:
             self.proposer.observe(batch.sequences, result.hidden)
             self._propose()
         touched: dict[str, None] = {}
-        for req in progressed:
-            group = self.groups[req.request_id]
-            if req not in group:
-                group.append(req)
-            touched[req.request_id] = None
+        for seq in progressed:
+            group = self.groups[seq.request_id]
+            if seq not in group:
+                group.append(seq)
+            touched[seq.request_id] = None
         return [self._output(rid) for rid in touched]
 
     def _propose(self) -> None:
@@ -294,8 +294,8 @@ class Engine:
                            num_evictable_blocks=self.kv.pool.num_evictable,
                            num_preemptions=self.scheduler.num_preemptions,
                            num_kv_slots_allocated=self.config.block_size * sum(
-                               len(self.kv.tables.get(req.seq_id, ())) for req in running),
-                           num_kv_slots_used=sum(req.num_computed_tokens for req in running),
+                               len(self.kv.tables.get(seq.seq_id, ())) for seq in running),
+                           num_kv_slots_used=sum(seq.num_computed_tokens for seq in running),
                            expert_tokens_per_rank=self.runner.model.routed_tokens_per_rank(),
                            kv_capacity_blocks=self.config.num_kv_blocks + sum(
                                0 if t is None else t.num_blocks for t in (self.kv.host, self.kv.disk)),

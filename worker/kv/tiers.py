@@ -22,11 +22,11 @@ import torch
 
 from kervan.block_hash import BlockHash
 from kervan.kv_events import MEDIUM_DISK, MEDIUM_HOST
-from worker.engine.sequence import Sequence
 from worker.kv.block_pool import BlockPool
 from worker.kv.disk_tier import DiskTier
 from worker.kv.host_tier import BlockFill, HostTier
 from worker.kv.slots import consecutive_runs
+from worker.sequence import Sequence
 
 
 class KVTiers:

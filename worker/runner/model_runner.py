@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kervan.sampling import SamplingParams
+from worker.batch import KVWrite, ScheduledBatch, ScheduledSequence
 from worker.config import ConfigError, EngineConfig
-from worker.engine.scheduler import KVWrite, ScheduledBatch, ScheduledSequence
 from worker.kernels import has_native_kernels
 from worker.kv.memory import zeros_on_huge_pages
 from worker.layers.paged_attention import AttentionMetadata

@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 
 from kervan.tokenizer import Tokenizer
+from worker.batch import ScheduledSequence
 from worker.config import ConfigError, EngineConfig, ModelConfig
-from worker.engine.scheduler import ScheduledSequence
-from worker.engine.sequence import Sequence
 from worker.kv.kv_cache_manager import KVCacheManager
 from worker.loader import load_model
 from worker.runner.model_runner import ModelRunner, is_chunk
+from worker.sequence import Sequence
 from worker.spec.proposer import decoding, draw_guesses, forget_finished, guess_limit
 
 

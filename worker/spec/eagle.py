@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
+from worker.batch import ScheduledSequence
 from worker.config import ConfigError, EngineConfig
-from worker.engine.scheduler import ScheduledSequence
-from worker.engine.sequence import Sequence
 from worker.kv.kv_cache_manager import KVCacheManager
 from worker.models.decoder import DecoderModel
 from worker.runner.model_runner import ModelRunner, is_chunk
+from worker.sequence import Sequence
 from worker.spec.eagle_head import load_eagle_head
 from worker.spec.proposer import decoding, draw_guesses, forget_finished, guess_limit
 

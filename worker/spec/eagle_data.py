@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kervan.sampling import SamplingParams
-from worker.engine.scheduler import ScheduledSequence
+from worker.batch import ScheduledSequence
 
 INSTRUCTIONS = ("Explain what this documentation describes.", "Summarize this in two sentences.",
                 "Write a short Python example that uses this.", "What are the main points here?")

@@ -13,11 +13,11 @@ from typing import Protocol
 
 import torch
 
+from worker.batch import ScheduledSequence
 from worker.config import ConfigError, EngineConfig
-from worker.engine.scheduler import ScheduledSequence
-from worker.engine.sequence import Sequence
 from worker.models.decoder import DecoderModel
 from worker.runner.sampler import Sampler, SamplingRow, argmax
+from worker.sequence import Sequence
 from worker.spec.ngram import NgramProposer
 from worker.spec.verify import normalized
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.engine.scheduler import ScheduledSequence
+from worker.batch import ScheduledSequence
 from worker.runner.sampler import Sampler, SamplingRow, exponential
 from worker.spec.verify import accept_matching, normalized, rejection_sample
 
