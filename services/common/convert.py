@@ -80,7 +80,7 @@ def role_from_proto(role: int) -> WorkerRole:
 
 def worker_info_to_proto(info: WorkerInfo) -> kv_registry_pb2.WorkerInfo:
     return kv_registry_pb2.WorkerInfo(
-        worker_id=info.worker_id, address=info.address, role=_ROLES[info.role], model=info.model,
+        worker_id=info.worker_id, address=info.address, role=role_to_proto(info.role), model=info.model,
         incarnation=info.incarnation, block_size=info.block_size, hash_name=info.hash_name,
         limits=kv_registry_pb2.RequestLimits(max_model_len=info.limits.max_model_len, max_n=info.limits.max_n),
         kv_capacity_blocks=info.kv_capacity_blocks, registration_nonce=info.registration_nonce)

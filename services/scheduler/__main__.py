@@ -27,8 +27,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--policy", choices=sorted(POLICIES), default=PlacementConfig.policy,
-                    help="kv: KV-overlap and load cost; round_robin, random, prefix_hash (consistent hashing on the "
-                         "prefix) and approx_tree (SGLang's cache-aware router, no KV events) are baselines")
+                    help="how a worker is chosen (one file each in services/scheduler/policies/): kv, KV overlap and "
+                         "load, is Kervan's; the others are the baselines it is measured against")
     ap.add_argument("--hash-prefix-blocks", type=int, default=PlacementConfig.hash_prefix_blocks,
                     help="prefix_hash: the leading prompt blocks hashed")
     ap.add_argument("--cache-threshold", type=float, default=PlacementConfig.cache_threshold,
