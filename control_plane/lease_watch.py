@@ -22,10 +22,9 @@ import redis.asyncio as redis
 from prometheus_client import Counter
 
 from services.common import redis_url
-from services.common.config import parse_args as parse_args_with_env
-from services.common.metrics import add_metrics_argument, serve_metrics
-from services.common.security import MeshSecurity, add_security_arguments
-from services.common.tracing import configure_tracing
+from services.common.config import parse_service_args, service_parser
+from services.common.metrics import serve_metrics
+from services.common.security import MeshSecurity
 from services.kv_registry.index import leased_worker
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 
@@ -116,15 +115,12 @@ LEASE_EXPIRIES = Counter("kervan_lease_expiries", "Worker leases that expired (e
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m control_plane.lease_watch", description=__doc__.split("\n\n")[0])
+    ap = service_parser("control_plane.lease_watch", __doc__, listens=False)
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0",
                     help="Redis URL (a password: in KERVAN_CONTROL_PLANE_REDIS rather than on the command line)")
     ap.add_argument("--registry", required=True, help="HOST:PORT of the kv-registry")
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between reconciliations")
-    ap.add_argument("--host", default="127.0.0.1", help="where --metrics-port listens")
-    add_metrics_argument(ap)
-    add_security_arguments(ap)
-    return parse_args_with_env(ap, "control_plane", argv)
+    return parse_service_args(ap, "control_plane", argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -147,10 +143,9 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from services.common.server import run
+    from services.common.server import run_service
     args = parse_args(argv)
-    configure_tracing("kervan-lease-watch")
-    run(lambda: serve(args))
+    run_service("kervan-lease-watch", lambda: serve(args))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ class WorkerRole(str, Enum):
     def __str__(self) -> str:
         return self.value
 
-    __format__ = str.__format__
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
     @property
     def can_decode(self) -> bool:

@@ -9,6 +9,13 @@ import os
 import pytest
 import torch
 
+# pytest-xdist runs several test processes on the machine's cores, and each one's torch would start
+# a thread per core: two workers on two cores would run four OpenMP threads that spin-wait on each
+# other. Each test process takes its share of the cores instead, as `kervan up` gives each worker.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _XDIST_WORKERS))
+
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
             # a wide init keeps the top logits apart, so greedy choices are not coin flips

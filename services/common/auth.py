@@ -19,14 +19,15 @@ import hmac
 import inspect
 import re
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import grpc
 
-from services.common.errors import rewrap
+from services.common.errors import Behaviour, rewrap
 from services.common.metrics import RPC_ERRORS
 from services.common.security import MESH_SECRET_METADATA
 
@@ -92,9 +93,13 @@ class ApiKeys:
         return None
 
 
-def caller_role(context: grpc.aio.ServicerContext) -> str | None:
+Context = grpc.aio.ServicerContext[Any, Any]
+Check = Callable[[Context], Awaitable[None]]
+
+
+def caller_role(context: Context) -> str | None:
     """The role in the caller's verified certificate (its CN), or None without one."""
-    names = context.auth_context().get("x509_common_name") or []
+    names = list(context.auth_context().get("x509_common_name") or ())
     return names[0].decode(errors="replace") if names else None
 
 
@@ -114,7 +119,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         service = method[:method.rindex("/") + 1]
         return self.callers.get(method, self.callers.get(service, (ANY_ROLE,)))
 
-    async def intercept_service(self, continuation, details):
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(details)
         method = details.method
         if handler is None or method.startswith(OPEN_PREFIXES) or (
@@ -129,7 +136,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             refusal = f"this service needs the mesh's credential ({MESH_SECRET_METADATA} metadata)"
         roles = self.roles_for(method)
 
-        async def check(context: grpc.aio.ServicerContext) -> None:
+        async def check(context: Context) -> None:
             if refusal is not None:
                 await _refuse(context, method, grpc.StatusCode.UNAUTHENTICATED, refusal)
             if not self.mesh_tls:
@@ -145,23 +152,23 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return rewrap(handler, lambda inner: _checked_unary(inner, check), lambda inner: _checked_stream(inner, check))
 
 
-async def _refuse(context, method: str, code: grpc.StatusCode, message: str) -> None:
+async def _refuse(context: Context, method: str, code: grpc.StatusCode, message: str) -> None:
     RPC_ERRORS.labels(method, code.name).inc()
     await context.abort(code, message)
 
 
-def _checked_unary(inner, check):
-    async def behaviour(request_or_iterator, context):
+def _checked_unary(inner: Behaviour, check: Check) -> Behaviour:
+    async def behaviour(request_or_iterator: Any, context: Context) -> Any:
         await check(context)  # before a streamed request is read: nothing is committed for a refused caller
         return await inner(request_or_iterator, context)
     return behaviour
 
 
-def _checked_stream(inner, check):
+def _checked_stream(inner: Behaviour, check: Check) -> Behaviour:
     if not inspect.isasyncgenfunction(inner):
         return _checked_unary(inner, check)
 
-    async def behaviour(request, context):
+    async def behaviour(request: Any, context: Context) -> AsyncIterator[Any]:
         await check(context)
         async for response in inner(request, context):
             yield response

@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from services.common.metrics import add_metrics_argument
+from services.common.security import add_security_arguments
+
 
 def env_name(service: str, dest: str) -> str:
     return f"KERVAN_{service.upper().replace('-', '_')}_{dest.upper()}"
@@ -23,8 +26,29 @@ def parse_args(parser: argparse.ArgumentParser, service: str, argv: list[str] | 
         if value is None:
             continue
         try:
-            action.default = action.type(value) if action.type else value
+            action.default = action.type(value) if callable(action.type) else value
         except ValueError:
             parser.error(f"{env_name(service, action.dest)}={value!r} is not a valid {action.dest}")
         action.required = False
     return parser.parse_args(argv)
+
+
+def service_parser(module: str, doc: str | None, *, listens: bool = True) -> argparse.ArgumentParser:
+    """The parser of ``python -m MODULE`` (its description the docstring's first paragraph)
+    with the flags every service takes first: ``--host`` and, for a gRPC server, ``--port``."""
+    ap = argparse.ArgumentParser(prog=f"python -m {module}", description=(doc or "").split("\n\n")[0])
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="the address to listen on (127.0.0.1 unless told otherwise)" if listens
+                    else "where --metrics-port listens")
+    if listens:
+        ap.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
+    return ap
+
+
+def parse_service_args(parser: argparse.ArgumentParser, service: str,
+                       argv: list[str] | None = None) -> argparse.Namespace:
+    """``parse_args`` after adding the flags every service takes last: ``--metrics-port``
+    and the transport security group."""
+    add_metrics_argument(parser)
+    add_security_arguments(parser)
+    return parse_args(parser, service, argv)

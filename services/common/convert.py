@@ -50,8 +50,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     return msg
 
 
-def finish_to_proto(reason: str | None) -> int:
-    return _FINISH.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED)
+def finish_to_proto(reason: str | None) -> common_pb2.FinishReason:
+    return _FINISH.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
 
 
 def load_to_proto(load: Load) -> common_pb2.WorkerLoad:
@@ -63,12 +63,13 @@ def load_from_proto(msg: common_pb2.WorkerLoad) -> Load:
                 expert_tokens_per_rank=tuple(msg.expert_tokens_per_rank))
 
 
-_ROLES = {WorkerRole.BOTH: kv_registry_pb2.WORKER_ROLE_BOTH, WorkerRole.PREFILL: kv_registry_pb2.WORKER_ROLE_PREFILL,
-          WorkerRole.DECODE: kv_registry_pb2.WORKER_ROLE_DECODE}
-_ROLE_NAMES = {v: k for k, v in _ROLES.items()}
+_ROLES: dict[WorkerRole, kv_registry_pb2.WorkerRole] = {
+    WorkerRole.BOTH: kv_registry_pb2.WORKER_ROLE_BOTH, WorkerRole.PREFILL: kv_registry_pb2.WORKER_ROLE_PREFILL,
+    WorkerRole.DECODE: kv_registry_pb2.WORKER_ROLE_DECODE}
+_ROLE_NAMES: dict[int, WorkerRole] = {v: k for k, v in _ROLES.items()}
 
 
-def role_to_proto(role: WorkerRole) -> int:
+def role_to_proto(role: WorkerRole) -> kv_registry_pb2.WorkerRole:
     return _ROLES[role]
 
 
@@ -97,12 +98,13 @@ def worker_info_from_proto(msg: kv_registry_pb2.WorkerInfo) -> WorkerInfo:
                       incarnation=msg.incarnation)
 
 
-_TIERS = {"device": kv_registry_pb2.KV_TIER_DEVICE, "host": kv_registry_pb2.KV_TIER_HOST,
-          "disk": kv_registry_pb2.KV_TIER_DISK}
-_TIER_NAMES = {v: k for k, v in _TIERS.items()}
+_TIERS: dict[str, kv_registry_pb2.KvTier] = {
+    "device": kv_registry_pb2.KV_TIER_DEVICE, "host": kv_registry_pb2.KV_TIER_HOST,
+    "disk": kv_registry_pb2.KV_TIER_DISK}
+_TIER_NAMES: dict[int, str] = {v: k for k, v in _TIERS.items()}
 
 
-def tier_to_proto(medium: str) -> int:
+def tier_to_proto(medium: str) -> kv_registry_pb2.KvTier:
     return _TIERS[medium]
 
 

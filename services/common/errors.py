@@ -22,9 +22,11 @@ import asyncio
 import inspect
 import logging
 import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
-from google.protobuf.any_pb2 import Any
+from google.protobuf import any_pb2
 from google.protobuf.duration_pb2 import Duration
 from google.rpc import status_pb2
 from google.rpc.error_details_pb2 import RetryInfo
@@ -112,10 +114,11 @@ def overloaded_status(exc: Overloaded) -> grpc.Status:
     """RESOURCE_EXHAUSTED with a google.rpc.RetryInfo: when to try again."""
     delay = Duration()
     delay.FromMilliseconds(int(exc.retry_after_s * 1000))
-    detail = Any()
+    detail = any_pb2.Any()
     detail.Pack(RetryInfo(retry_delay=delay))
-    return rpc_status.to_status(status_pb2.Status(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+    status: grpc.Status = rpc_status.to_status(status_pb2.Status(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
                                                   message=str(exc), details=[detail]))
+    return status
 
 
 def retry_after_s(err: grpc.aio.AioRpcError) -> float | None:
@@ -125,11 +128,18 @@ def retry_after_s(err: grpc.aio.AioRpcError) -> float | None:
         if detail.Is(RetryInfo.DESCRIPTOR):
             info = RetryInfo()
             detail.Unpack(info)
-            return info.retry_delay.ToMilliseconds() / 1000
+            delay_ms: int = info.retry_delay.ToMilliseconds()
+            return delay_ms / 1000
     return None
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception, request: object = None,
+# a handler's behaviour, (request or request iterator, context) -> response or responses, and a
+# function that wraps one
+Behaviour = Callable[..., Any]
+Wrap = Callable[[Behaviour], Behaviour]
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception, request: object = None,
                  method: str = "") -> None:
     code = status_for(exc)
     RPC_ERRORS.labels(method, code.name).inc()
@@ -146,9 +156,9 @@ def _passes_through(exc: BaseException) -> bool:
     return isinstance(exc, (asyncio.CancelledError, grpc.aio.AbortError)) or isinstance(exc, grpc.RpcError)
 
 
-def _guard_unary(inner, method: str):
+def _guard_unary(inner: Behaviour, method: str) -> Behaviour:
     """Wrap a behaviour that returns one response (unary-unary or stream-unary)."""
-    async def behaviour(request_or_iterator, context):
+    async def behaviour(request_or_iterator: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
             return await inner(request_or_iterator, context)
         except Exception as exc:
@@ -158,13 +168,13 @@ def _guard_unary(inner, method: str):
     return behaviour
 
 
-def _guard_stream(inner, method: str):
+def _guard_stream(inner: Behaviour, method: str) -> Behaviour:
     """Wrap a behaviour that yields responses (unary-stream), or one that writes them with
     ``context.write`` and returns nothing (the health service's ``Watch``)."""
     if not inspect.isasyncgenfunction(inner):
         return _guard_unary(inner, method)
 
-    async def behaviour(request, context):
+    async def behaviour(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         try:
             async for response in inner(request, context):
                 yield response
@@ -176,7 +186,9 @@ def _guard_stream(inner, method: str):
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    async def intercept_service(self, continuation, details):
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(details)
         if handler is None:
             return None
@@ -184,7 +196,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return rewrap(handler, lambda inner: _guard_unary(inner, method), lambda inner: _guard_stream(inner, method))
 
 
-def rewrap(handler: grpc.RpcMethodHandler, wrap_unary, wrap_stream) -> grpc.RpcMethodHandler:
+def rewrap(handler: grpc.RpcMethodHandler[Any, Any], wrap_unary: Wrap,
+           wrap_stream: Wrap) -> grpc.RpcMethodHandler[Any, Any]:
     """The same handler with its behaviour wrapped: ``wrap_unary`` for behaviours that
     return one response, ``wrap_stream`` for those that yield them (stream-stream as is)."""
     codec = (handler.request_deserializer, handler.response_serializer)

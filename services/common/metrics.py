@@ -10,6 +10,8 @@ errors every gRPC method answered (the error interceptor's)."""
 
 from __future__ import annotations
 
+import argparse
+
 from prometheus_client import Counter, start_http_server
 
 # seconds: from a millisecond step on a GPU to a minute-long request on a busy CPU
@@ -29,6 +31,6 @@ def serve_metrics(port: int | None, host: str, service: str) -> None:
     print(f"{service} metrics on http://{host}:{server.server_address[1]}/metrics", flush=True)
 
 
-def add_metrics_argument(ap) -> None:
+def add_metrics_argument(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--metrics-port", type=int, default=None,
                     help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, printed at start)")

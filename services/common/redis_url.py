@@ -12,6 +12,7 @@ Every command times out after ``timeout_s``: a slow or partitioned Redis fails t
 
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as redis
@@ -24,11 +25,12 @@ def connect(url: str, timeout_s: float = 2.0, max_connections: int | None = None
             connection_class: type | None = None, read_timeout: bool = True) -> redis.Redis:
     """A client for ``url``. ``read_timeout`` False: reads wait as long as they must (a
     subscription that waits for messages), connecting and the health checks still time out."""
-    timeouts = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s if read_timeout else None}
+    timeouts: dict[str, Any] = {"socket_connect_timeout": timeout_s,
+                                "socket_timeout": timeout_s if read_timeout else None}
     parts = urlsplit(url)
     if parts.scheme != SENTINEL_SCHEME:
         pool_class = redis.BlockingConnectionPool if max_connections else redis.ConnectionPool
-        options = {"max_connections": max_connections, "timeout": timeout_s} if max_connections else {}
+        options: dict[str, Any] = {"max_connections": max_connections, "timeout": timeout_s} if max_connections else {}
         if connection_class is not None:
             options["connection_class"] = connection_class
         return redis.Redis(connection_pool=pool_class.from_url(url, **options, **timeouts),
@@ -40,7 +42,9 @@ def connect(url: str, timeout_s: float = 2.0, max_connections: int | None = None
     path = [p for p in parts.path.split("/") if p]
     if not path:
         raise ValueError(f"{SENTINEL_SCHEME} URL needs the master's service name: {SENTINEL_SCHEME}://HOST:PORT/NAME")
-    auth = {"username": unquote(parts.username) if parts.username else None,
+    auth: dict[str, Any] = {"username": unquote(parts.username) if parts.username else None,
             "password": unquote(parts.password) if parts.password else None}
     sentinel = Sentinel(hosts, sentinel_kwargs={**auth, **timeouts}, **auth, **timeouts)
-    return sentinel.master_for(path[0], db=int(path[1]) if len(path) > 1 else 0, health_check_interval=5)
+    master: redis.Redis = sentinel.master_for(path[0], db=int(path[1]) if len(path) > 1 else 0,
+                                              health_check_interval=5)
+    return master

@@ -8,6 +8,9 @@ import asyncio
 import os
 import resource
 import threading
+from typing import Any
+
+import grpc
 
 from services.proto import runtime_pb2, runtime_pb2_grpc
 
@@ -30,7 +33,8 @@ def open_fds() -> int:
 
 
 class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
-    async def GetRuntimeStats(self, request, context) -> runtime_pb2.GetRuntimeStatsResponse:
+    async def GetRuntimeStats(self, request: runtime_pb2.GetRuntimeStatsRequest,
+                              context: grpc.aio.ServicerContext[Any, Any]) -> runtime_pb2.GetRuntimeStatsResponse:
         return runtime_pb2.GetRuntimeStatsResponse(
             asyncio_tasks=len([t for t in asyncio.all_tasks() if not t.done()]), threads=threading.active_count(),
             open_fds=open_fds(), rss_bytes=rss_bytes())

@@ -24,6 +24,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -112,6 +113,8 @@ class MeshSecurity:
     def server_credentials(self, require_client_cert: bool = True) -> grpc.ServerCredentials:
         """Internal services require a client certificate from the mesh's CA; the
         router's public port does not (its clients present an API key instead)."""
+        if self.key is None or self.cert is None:
+            raise SecurityError("a TLS server needs its certificate and key")
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
                                            require_client_auth=require_client_cert)
 
@@ -177,26 +180,30 @@ class _WithMeshSecret:
 
 
 class _UnaryUnary(_WithMeshSecret, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
+    async def intercept_unary_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                              request: Any) -> Any:
         return await continuation(self._details(details), request)
 
 
 class _UnaryStream(_WithMeshSecret, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):
+    async def intercept_unary_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                              request: Any) -> Any:
         return await continuation(self._details(details), request)
 
 
 class _StreamUnary(_WithMeshSecret, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, details, request_iterator):
+    async def intercept_stream_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                              request_iterator: Any) -> Any:
         return await continuation(self._details(details), request_iterator)
 
 
 class _StreamStream(_WithMeshSecret, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, details, request_iterator):
+    async def intercept_stream_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                              request_iterator: Any) -> Any:
         return await continuation(self._details(details), request_iterator)
 
 
-def mesh_secret_interceptors(secret: bytes) -> list:
+def mesh_secret_interceptors(secret: bytes) -> list[grpc.aio.ClientInterceptor]:
     """One per kind of call: a channel files each interceptor under one kind only."""
     return [kind(secret) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
 

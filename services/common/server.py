@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -143,7 +144,7 @@ def configure_logging() -> None:
     logging.basicConfig(level=log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def run(main: Callable[[], Awaitable[None]]) -> None:
+def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Run a service's async main on uvloop (on the calling thread); a service started
     by a launcher stops when the launcher is gone (``lifeline.py``)."""
     import uvloop
@@ -152,3 +153,11 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
     configure_logging()
     watch_lifeline()
     uvloop.run(main())
+
+
+def run_service(tracing_name: str, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """A service's ``main()``: its spans named ``tracing_name`` (when the environment asks for
+    tracing), then ``main`` on uvloop."""
+    from services.common.tracing import configure_tracing
+    configure_tracing(tracing_name)
+    run(main)

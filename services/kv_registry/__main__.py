@@ -6,11 +6,10 @@ import argparse
 
 from kervan.block_hash import DEFAULT_BLOCK_SIZE, HASH_NAME
 from services.common import redis_url
-from services.common.config import parse_args as parse_args_with_env
-from services.common.metrics import add_metrics_argument, serve_metrics
-from services.common.security import MeshSecurity, add_security_arguments
-from services.common.server import Service, run, serve_until_signal, start_server
-from services.common.tracing import configure_tracing
+from services.common.config import parse_service_args, service_parser
+from services.common.metrics import serve_metrics
+from services.common.security import MeshSecurity
+from services.common.server import Service, run_service, serve_until_signal, start_server
 from services.kv_registry.index import MAX_BLOCKS_PER_WORKER, PrefixIndex
 from services.kv_registry.metrics import CountingConnection
 from services.kv_registry.servicer import CALLERS, KvRegistryServicer
@@ -20,7 +19,7 @@ SERVICE_NAME = kv_registry_pb2.DESCRIPTOR.services_by_name["KvRegistryService"].
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m services.kv_registry", description=__doc__)
+    ap = service_parser("services.kv_registry", __doc__)
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0",
                     help="Redis URL: redis://[[user]:password@]host:port/db, rediss:// for TLS (with ?ssl_ca_certs=), "
                          "redis+sentinel://[:password@]host:port,.../service[/db] for Sentinel; pass a password in "
@@ -28,8 +27,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--redis-timeout", type=float, default=2.0,
                     help="seconds a Redis command may take before the call fails UNAVAILABLE (a slow or "
                          "partitioned Redis must not hang handlers)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                     help="tokens per KV block across the mesh: workers must match it, the router asks for it")
     ap.add_argument("--ttl", type=int, default=5, help="seconds a worker stays registered without a heartbeat")
@@ -43,9 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="with TLS: refuse a worker certificate that names no address it may register "
                          "(kervan-worker://HOST:PORT URIs); without this flag only certificates that name some are "
                          "held to them")
-    add_metrics_argument(ap)
-    add_security_arguments(ap)
-    return parse_args_with_env(ap, "kv_registry", argv)
+    return parse_service_args(ap, "kv_registry", argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -65,8 +60,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_tracing("kervan-kv-registry")
-    run(lambda: serve(args))
+    run_service("kervan-kv-registry", lambda: serve(args))
 
 
 if __name__ == "__main__":

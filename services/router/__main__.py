@@ -16,11 +16,10 @@ from kervan.default_model import default_model_written
 from kervan.tokenizer import Tokenizer
 from services.common import replicas
 from services.common.auth import ApiKeys
-from services.common.config import parse_args as parse_args_with_env
-from services.common.metrics import add_metrics_argument, serve_metrics
-from services.common.security import MeshSecurity, add_security_arguments, mesh_name
-from services.common.server import KEEPALIVE, Service, run, serve_until_signal, start_server
-from services.common.tracing import configure_tracing
+from services.common.config import parse_service_args, service_parser
+from services.common.metrics import serve_metrics
+from services.common.security import MeshSecurity, mesh_name
+from services.common.server import KEEPALIVE, Service, run_service, serve_until_signal, start_server
 from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.router.chat_template import ChatTemplate
 from services.router.http_front import OpenAIFront
@@ -33,7 +32,7 @@ SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m services.router", description=__doc__.split("\n\n")[0])
+    ap = service_parser("services.router", __doc__)
     ap.add_argument("--scheduler", default=None,
                     help="HOST:PORT of the scheduler (KV-aware placement); several, comma-separated: replicas, "
                          "balanced, a call to one that is down retried on another")
@@ -41,8 +40,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill", default=None, help="HOST:PORT of a prefill worker (with --decode)")
     ap.add_argument("--decode", default=None, help="HOST:PORT of a decode worker (with --prefill)")
     ap.add_argument("--model", default=None, help="the workers' model directory (default: embedded model)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
     ap.add_argument("--max-migrations", type=int, default=MigrationPolicy.max_migrations,
                     help="times a request may move to another worker when its worker is lost (0: never)")
     ap.add_argument("--stall-timeout-s", type=float, default=MigrationPolicy.stall_timeout_s,
@@ -69,9 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--public-tls-key", default=None)
     ap.add_argument("--public-tls-ca", default=None,
                     help="the CA of --public-tls-cert, when not the mesh's (the HTTP front checks its router by it)")
-    add_metrics_argument(ap)
-    add_security_arguments(ap)
-    return parse_args_with_env(ap, "router", argv)
+    return parse_service_args(ap, "router", argv)
 
 
 def model_limits(model_dir: Path) -> ModelLimits:
@@ -162,8 +157,7 @@ def own_address(host: str, port: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_tracing("kervan-router")
-    run(lambda: serve(args))
+    run_service("kervan-router", lambda: serve(args))
 
 
 if __name__ == "__main__":

@@ -6,11 +6,10 @@ import argparse
 import dataclasses
 
 from services.common import replicas
-from services.common.config import parse_args as parse_args_with_env
-from services.common.metrics import add_metrics_argument, serve_metrics
-from services.common.security import MeshSecurity, add_security_arguments
-from services.common.server import KEEPALIVE, Service, run, serve_until_signal, start_server
-from services.common.tracing import configure_tracing
+from services.common.config import parse_service_args, service_parser
+from services.common.metrics import serve_metrics
+from services.common.security import MeshSecurity
+from services.common.server import KEEPALIVE, Service, run_service, serve_until_signal, start_server
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.placement import NEW_PREFIX, PlacementConfig
 from services.scheduler.policies import POLICIES
@@ -22,10 +21,8 @@ REGISTRY_SERVICE = kv_registry_pb2.DESCRIPTOR.services_by_name["KvRegistryServic
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m services.scheduler", description=__doc__)
+    ap = service_parser("services.scheduler", __doc__)
     ap.add_argument("--registry", required=True, help="HOST:PORT of the kv-registry")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--policy", choices=sorted(POLICIES), default=PlacementConfig.policy,
                     help="how a worker is chosen (one file each in services/scheduler/policies/): kv, KV overlap and "
                          "load, is Kervan's; the others are the baselines it is measured against")
@@ -72,9 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--panic-threshold", type=float, default=0.5,
                     help="when avoiding suspects would leave fewer than this share of the candidates, avoid none")
     ap.add_argument("--seed", type=int, default=None, help="seed of the random draws (random policy, temperature)")
-    add_metrics_argument(ap)
-    add_security_arguments(ap)
-    return parse_args_with_env(ap, "scheduler", argv)
+    return parse_service_args(ap, "scheduler", argv)
 
 
 def placement_config(args: argparse.Namespace) -> PlacementConfig:
@@ -99,8 +94,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_tracing("kervan-scheduler")
-    run(lambda: serve(args))
+    run_service("kervan-scheduler", lambda: serve(args))
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ from prometheus_client import REGISTRY
 from kervan.block_hash import DEFAULT_BLOCK_SIZE
 from kervan.worker_info import WorkerRole
 from services.common import replicas
-from services.common.config import parse_args as parse_args_with_env
-from services.common.metrics import add_metrics_argument, serve_metrics
-from services.common.security import MeshSecurity, add_security_arguments
+from services.common.config import parse_service_args, service_parser
+from services.common.metrics import serve_metrics
+from services.common.security import MeshSecurity
 from services.common.server import Service, configure_logging, run, serve_until_signal, start_server
 from services.common.tracing import configure_tracing
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -39,10 +39,8 @@ REGISTRY_SERVICE = kv_registry_pb2.DESCRIPTOR.services_by_name["KvRegistryServic
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m services.worker", description=__doc__.split("\n\n")[0])
+    ap = service_parser("services.worker", __doc__)
     ap.add_argument("--model", default=None, help="Hugging Face model directory (default: embedded model)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
     ap.add_argument("--role", type=WorkerRole, choices=list(WorkerRole), default=WorkerRole.BOTH)
     ap.add_argument("--kv-transport", choices=["auto", "shm", "grpc"], default="auto",
                     help="how a prefill worker pushes KV: shared memory (same host), gRPC stream, or auto")
@@ -103,9 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "mesh and exits (70)")
     ap.add_argument("--max-waiting", type=int, default=256,
                     help="requests queued beyond a full batch before new ones get RESOURCE_EXHAUSTED")
-    add_metrics_argument(ap)
-    add_security_arguments(ap)
-    return parse_args_with_env(ap, "worker", argv)
+    return parse_service_args(ap, "worker", argv)
 
 
 def add_speculative_arguments(ap: argparse.ArgumentParser) -> None:

@@ -1,0 +1,62 @@
+"""The README stays short and points at docs/ and CONTRIBUTING.md; every relative link in
+them reaches a file (and a heading, where it names one); the README's test command is the
+one CI runs."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading ids: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    out = set()
+    in_code = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_reaches_a_file_and_heading(page):
+    broken = []
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto: not followed offline
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(target)
+    assert not broken, f"{page.name}: {broken}"
+
+
+def test_the_readme_is_short_and_links_every_doc():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    linked = {Path(t.partition("#")[0]) for t in LINK.findall(readme)}
+    assert not {p.relative_to(ROOT) for p in PAGES[1:]} - linked
+
+
+def _pytest_commands(text: str) -> list[list[str]]:
+    """Each pytest command in the text, with the environment set before it, in order."""
+    parts = (part for line in text.splitlines() if not line.lstrip().startswith("#") for part in line.split("&&"))
+    return [shlex.split(part) for part in parts if "-m pytest" in part]
+
+
+def test_the_readme_runs_the_tests_as_ci_does():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert _pytest_commands(readme) == _pytest_commands(ci) != []
