@@ -23,7 +23,7 @@ from services.common.server import KEEPALIVE, Service, run_service, serve_until_
 from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.router.chat_template import ChatTemplate
 from services.router.http_front import OpenAIFront
-from services.router.routes import Channels, Placement, ScheduledRoutes, StaticRoutes
+from services.router.routes import Placement, ScheduledRoutes, StaticRoutes, worker_channels
 from services.router.runner import MigrationPolicy
 from services.router.servicer import ModelLimits, RouterServicer
 
@@ -82,7 +82,7 @@ async def serve(args: argparse.Namespace) -> None:
     except (OSError, ValueError) as exc:
         raise SystemExit(f"--api-key-file: {exc}") from None
     model_dir = Path(args.model) if args.model else default_model_written()
-    channels = Channels(security)
+    channels = worker_channels(security)
     scheduler_channel = None
     if args.scheduler:
         scheduler_channel = security.channel(replicas.target(args.scheduler),

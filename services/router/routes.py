@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
-
 from kervan.block_hash import HASH_NAME, hash_blocks
+from services.common.channels import ChannelPool
 from services.common.errors import FailedPrecondition
 from services.common.security import PLAINTEXT, MeshSecurity
 from services.common.server import KEEPALIVE
@@ -29,20 +28,15 @@ class Placement:
     prefill_address: str = ""
 
 
-class Channels:
-    def __init__(self, security: MeshSecurity = PLAINTEXT):
-        self.security = security
-        self._channels: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
+Channels = ChannelPool[worker_pb2_grpc.WorkerServiceStub]
 
-    def stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
-        if address not in self._channels:
-            channel = self.security.channel(address, KEEPALIVE, role="worker")
-            self._channels[address] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
-        return self._channels[address][1]
 
-    async def close(self) -> None:
-        for channel, _ in self._channels.values():
-            await channel.close()
+def worker_channels(security: MeshSecurity = PLAINTEXT) -> Channels:
+    """The router's channels to workers, with keepalive pings (a worker that vanishes fails
+    its streams in seconds). An address not placed on for the longest is closed once 1,024
+    are open; the streams still on it get a minute."""
+    return ChannelPool(worker_pb2_grpc.WorkerServiceStub, security, KEEPALIVE, max_channels=1024,
+                       close_grace_s=60.0)
 
 
 class StaticRoutes:

@@ -6,15 +6,16 @@ name for ever. With a registry, only the addresses of live decode (or
 aggregated) workers are accepted; the live set is read at most every
 ``refresh_s`` (and again at once for an address not in it, so a worker that just
 joined is found), and the channel to a worker that left is closed. Channels are
-bounded either way: past ``max_channels`` the least recently used one closes."""
+bounded either way (``services/common/channels.py``): past ``max_channels`` the least
+recently used one closes."""
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 
 import grpc
 
+from services.common.channels import ChannelPool
 from services.common.convert import role_from_proto
 from services.common.errors import Aborted, Unavailable
 from services.common.security import PLAINTEXT, MeshSecurity
@@ -28,12 +29,11 @@ class DecodePeers:
     def __init__(self, registry: kv_registry_pb2_grpc.KvRegistryServiceStub | None = None,
                  security: MeshSecurity = PLAINTEXT, refresh_s: float = 1.0, max_channels: int = 64):
         self.registry = registry
-        self.security = security
         self.refresh_s = refresh_s
-        self.max_channels = max_channels
         self._live: set[str] = set()
         self._read_at = float("-inf")
-        self._channels: OrderedDict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = OrderedDict()
+        self._channels = ChannelPool(worker_pb2_grpc.WorkerServiceStub, security, CHANNEL_OPTIONS,
+                                     max_channels=max_channels)
 
     async def stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
         if not address:
@@ -44,15 +44,7 @@ class DecodePeers:
             if address not in self._live:
                 # ABORTED, not INVALID_ARGUMENT: a worker that just left is the router's to place around
                 raise Aborted(f"decode_address {address!r} is not a registered decode worker")
-        if address in self._channels:
-            self._channels.move_to_end(address)
-        else:
-            channel = self.security.channel(address, CHANNEL_OPTIONS, role="worker")
-            self._channels[address] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
-            while len(self._channels) > self.max_channels:
-                _, (old, _) = self._channels.popitem(last=False)
-                await old.close()
-        return self._channels[address][1]
+        return self._channels.stub(address)
 
     async def _refresh(self) -> None:
         try:
@@ -63,15 +55,12 @@ class DecodePeers:
             raise Unavailable(f"cannot check decode_address: kv-registry {err.code().name}") from None
         self._read_at = time.monotonic()
         self._live = {w.info.address for w in reply.workers if role_from_proto(w.info.role).can_decode}
-        for address in [a for a in self._channels if a not in self._live]:
-            channel, _ = self._channels.pop(address)
-            await channel.close()
+        for address in [a for a in self._channels.addresses() if a not in self._live]:
+            await self._channels.discard(address)
 
     @property
     def num_channels(self) -> int:
         return len(self._channels)
 
     async def close(self) -> None:
-        for channel, _ in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self._channels.close()

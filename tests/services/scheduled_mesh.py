@@ -20,7 +20,7 @@ from services.kv_registry.servicer import KvRegistryServicer
 from services.proto import kv_registry_pb2_grpc, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
 from services.router.__main__ import SERVICE_NAME as ROUTER_NAME
 from services.router.__main__ import model_limits
-from services.router.routes import Channels, ScheduledRoutes
+from services.router.routes import Channels, ScheduledRoutes, worker_channels
 from services.router.runner import MigrationPolicy
 from services.router.servicer import RouterServicer
 from services.scheduler.__main__ import SERVICE_NAME as SCHEDULER_NAME
@@ -59,7 +59,7 @@ class ScheduledMesh:
     router: router_pb2_grpc.RouterServiceStub = None
     workers: list[MeshWorker] = field(default_factory=list)
     _channels: list[grpc.aio.Channel] = field(default_factory=list)
-    _routes: Channels = field(default_factory=Channels)
+    _routes: Channels = field(default_factory=worker_channels)
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = grpc.aio.insecure_channel(address)

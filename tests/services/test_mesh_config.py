@@ -12,7 +12,7 @@ from services.common.errors import FailedPrecondition
 from services.common.server import Service, start_server
 from services.kv_registry.index import PrefixIndex
 from services.proto import kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from services.router.routes import Channels, ScheduledRoutes
+from services.router.routes import ScheduledRoutes, worker_channels
 from services.scheduler.__main__ import SERVICE_NAME as SCHEDULER_NAME
 from services.scheduler.placement import PlacementConfig
 from services.scheduler.servicer import SchedulerServicer
@@ -41,7 +41,7 @@ async def _routes_over(redis_client, **registry):
     async def stop():
         await stop_scheduler()
         await registry_server.stop(0)
-    return ScheduledRoutes(stub, Channels()), stub, stop
+    return ScheduledRoutes(stub, worker_channels()), stub, stop
 
 
 async def test_the_router_hashes_with_the_block_size_the_registry_answers(redis_client):
