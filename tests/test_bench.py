@@ -83,6 +83,20 @@ def test_the_summary_s_arithmetic():
         parse_goodput(["latency:3"])
 
 
+def test_a_chunk_of_tokens_is_one_gap_and_e2el_ends_at_the_last_token(monkeypatch):
+    """vLLM's definitions: one ITL gap per chunk (a 3-token chunk after 40 ms is one 40 ms
+    wait, not three of 13 ms), E2EL to the last token, TPOT over the tokens after the first."""
+    clock = iter([0.110, 0.130, 0.170])
+    monkeypatch.setattr("control_plane.bench.backends.time.perf_counter", lambda: next(clock))
+    t = Timed(started=0.010)
+    t.token_arrived(1)  # at 0.110: TTFT 100 ms
+    t.token_arrived(1)  # at 0.130
+    t.token_arrived(3)  # at 0.170, a speculative step's three tokens at once
+    t.ended = 0.500  # the stream's end, after the last token: not latency
+    assert t.ttft == pytest.approx(0.100) and t.itls == pytest.approx([0.020, 0.040]) and t.tokens == 5
+    assert t.e2e == pytest.approx(0.160) and t.tpot == pytest.approx(0.060 / 4)
+
+
 class Recorder:
     """A target that answers after ``service_s`` and records when each request came."""
 
@@ -102,11 +116,14 @@ class Recorder:
 
 def test_arrivals_are_a_seeded_poisson_process_at_the_rate():
     offsets = arrival_offsets(20000, 8.0, seed=3)
-    gaps = np.diff(offsets)
-    assert offsets[0] == 0 and abs(gaps.mean() - 1 / 8) < 0.03 / 8  # mean gap 1/rate
+    gaps = np.diff([0.0, *offsets])
+    assert offsets[-1] == pytest.approx(20000 / 8.0, rel=1e-12)  # scaled as vLLM scales them: N arrive by N / rate
+    assert gaps.min() > 0 and abs(gaps.mean() - 1 / 8) < 1e-9  # so the mean gap is exactly 1/rate
     assert abs(gaps.std() / gaps.mean() - 1) < 0.03  # exponential: coefficient of variation 1
     assert abs(np.mean(gaps > 1 / 8) - math.exp(-1)) < 0.01  # P(gap > mean) = 1/e
-    assert arrival_offsets(50, 8.0, seed=3) == offsets[:50] and arrival_offsets(3, math.inf) == [0.0] * 3
+    few = arrival_offsets(5, 2.0, seed=3)
+    assert few == arrival_offsets(5, 2.0, seed=3) and few[-1] == pytest.approx(2.5)  # seeded, and exact for few too
+    assert arrival_offsets(3, math.inf) == [0.0] * 3
 
 
 async def test_open_loop_sends_on_schedule_however_slow_the_answers_are():
@@ -114,7 +131,8 @@ async def test_open_loop_sends_on_schedule_however_slow_the_answers_are():
     target = Recorder(service_s=2.0)  # far slower than the arrivals: a closed loop would wait
     _, wall = await run_open_loop(target, reqs, rate=100.0, seed=3, progress=False)
     assert target.most_in_flight == 40  # every request was sent before the first answer came
-    assert target.sent[-1] - target.sent[0] >= arrival_offsets(40, 100.0, 3)[-1] - 0.001  # not sent early
+    offsets = arrival_offsets(40, 100.0, 3)
+    assert target.sent[-1] - target.sent[0] >= offsets[-1] - offsets[0] - 0.001  # not sent early
     capped = Recorder(service_s=0.05)
     await run_open_loop(capped, reqs[:40], rate=math.inf, max_concurrency=4, progress=False)
     assert capped.most_in_flight == 4

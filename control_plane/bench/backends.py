@@ -1,9 +1,11 @@
 """How one request is sent and timed.
 
-Each request records when it was sent, its time to first token, the gaps between
-the tokens after it (a chunk of k tokens counts k times at its mean gap, as a client
-sees k tokens arrive at once), its token counts and, if it failed, the status (a
-gRPC code name, or an HTTP status). A failed request's timings are not used."""
+Each request records when it was sent, its time to first token, the gap before each
+later chunk of tokens (one gap per chunk, however many tokens it carries, as ``vllm
+bench serve`` records it: a chunk of k tokens is one wait for the client), when its
+last token came (end-to-end latency runs to it, not to the stream's end), its token
+counts and, if it failed, the status (a gRPC code name, or an HTTP status). A failed
+request's timings are not used."""
 
 from __future__ import annotations
 
@@ -23,21 +25,19 @@ from .workload import BenchRequest
 @dataclass
 class Timed:
     ttft: float = 0.0  # seconds
-    itls: list[float] = field(default_factory=list)  # seconds, one per token after the first
+    itls: list[float] = field(default_factory=list)  # seconds, one per chunk after the first token's
     tokens: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     started: float = 0.0  # perf_counter
-    ended: float = 0.0
+    ended: float = 0.0  # when the stream ended
     error: str | None = None
-    _last: float = field(default=0.0, init=False, repr=False, compare=False)  # when the last token came
-
-    def __post_init__(self) -> None:
-        self._last = self.started
+    last_token: float | None = None  # perf_counter when the last token came; None: not recorded, ``ended``
 
     @property
     def e2e(self) -> float:
-        return self.ended - self.started
+        """From sending to the last token (vLLM's E2EL)."""
+        return (self.ended if self.last_token is None else self.last_token) - self.started
 
     @property
     def tpot(self) -> float | None:
@@ -49,9 +49,9 @@ class Timed:
         if not self.tokens:
             self.ttft = now - self.started
         else:
-            self.itls += [(now - self._last) / count] * count
+            self.itls.append(now - self.last_token)
         self.tokens += count
-        self._last = now
+        self.last_token = now
 
 
 class KervanBackend:

@@ -1,7 +1,9 @@
 """When a benchmark sends its requests.
 
 - Open loop (``rate``): arrivals form a Poisson process of ``rate`` requests per
-  second (exponential gaps from a seeded generator; ``inf`` sends them all at once),
+  second (exponential gaps from a seeded generator, scaled so that the N-th request
+  arrives at N / rate, as ``vllm bench serve`` scales them: every run's mean rate is
+  the one asked for; ``inf`` sends them all at once),
   independent of how fast the server answers: a server that falls behind builds a
   queue and its latencies show it, as a real one's would. ``max_concurrency`` caps
   the requests in flight (arrivals wait for a slot), as ``vllm bench serve`` does.
@@ -24,7 +26,8 @@ from .workload import BenchRequest
 async def run_open_loop(backend, requests: list[BenchRequest], rate: float, seed: int = 0,
                         max_concurrency: int | None = None, progress: bool = True) -> tuple[list[Timed], float]:
     """Every request, arriving at ``rate`` per second; results in ``requests``' order and
-    the wall time from the first arrival to the last answer."""
+    the wall time from the start (the first request arrives one gap after it, as in
+    ``vllm bench serve``) to the last answer."""
     offsets = arrival_offsets(len(requests), rate, seed)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = _bar(len(requests), progress, f"rate {rate:g}/s")
@@ -70,15 +73,17 @@ async def run_closed_loop(backend, requests: list[BenchRequest], concurrency: in
 
 def arrival_offsets(n: int, rate: float, seed: int = 0) -> list[float]:
     """Seconds from the start at which each of ``n`` requests arrives: a Poisson process
-    of ``rate`` per second (the first at 0), or all at 0 for an infinite rate."""
+    of ``rate`` per second (each request one exponential gap after the one before),
+    scaled so that the last arrives at ``n / rate``; all at 0 for an infinite rate."""
     if not math.isfinite(rate):
         return [0.0] * n
     rng = random.Random(f"{seed}-arrivals")
     offsets, t = [], 0.0
     for _ in range(n):
-        offsets.append(t)
         t += rng.expovariate(rate)
-    return offsets
+        offsets.append(t)
+    scale = n / rate / t if t else 1.0
+    return [offset * scale for offset in offsets]
 
 
 def _bar(total: int, enabled: bool, label: str):

@@ -1,10 +1,11 @@
 """What a run measured, in the terms ``vllm bench serve`` uses.
 
 - throughput: completed requests, output tokens and all tokens per second of wall
-  time (first arrival to last answer);
+  time (the run's start to its last answer);
 - TTFT (time to first token), TPOT (a request's mean time per output token after the
-  first), ITL (every gap between tokens, all requests pooled) and E2EL (end-to-end
-  latency): mean, median and the asked percentiles, in milliseconds;
+  first), ITL (the gap before each chunk of tokens after the first, all requests
+  pooled) and E2EL (end-to-end latency, to the last token): mean, median and the asked
+  percentiles, in milliseconds;
 - goodput: completed requests per second that met every latency target given
   (``ttft``, ``tpot``, ``e2el`` in ms), as in DistServe;
 - failures by status. Only completed requests enter the latencies."""
