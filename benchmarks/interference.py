@@ -19,15 +19,23 @@ shape; router, scheduler, registry, Redis and the client share the machine alike
   (``--max-prefill-queue-tokens 0``: no overflow to the decode worker);
 - ``aggregated_<B>``: two aggregated workers whose steps hold at most B tokens
   (``--max-num-batched-tokens B``): a long prompt prefills in chunks of B tokens, each
-  chunk sharing a step with the decodes of that worker.
+  chunk sharing a step with the decodes of that worker;
+- ``sarathi_<B>``: the same with Sarathi-Serve's settings: a small budget (32-128 tokens,
+  the range where a step of the embedded model fits the TPOT targets below on these
+  cores), running streams' next tokens before any prompt admitted after them (the
+  engine's order), and a per-request prefill cap of B / 2
+  (``--long-prefill-token-threshold``), so a new stream's prompt is admitted beside a
+  long prompt's chunk instead of after it.
 
 Goodput: requests per second that met their class's latency targets (streams: TTFT
-and TPOT; long prompts: TTFT), and that divided by the two worker cores. All shapes
-stay up while the rounds alternate them; reported are medians over rounds with the
-spread (min-max).
+and TPOT; long prompts: TTFT), divided by the two worker cores, at every TPOT target
+of ``--tpot-targets-ms`` (a range fixed in this file before any result, so no
+target is picked after seeing where the shapes fall). All shapes stay up while the
+rounds alternate them; reported are medians over rounds with the spread (min-max),
+and the per-round ratio of each shape's goodput to disaggregated's at each target.
 
-    python -m benchmarks.interference                     # ~12 min: embedded model, 3 rounds
-    python -m benchmarks.interference --budgets 2048,256 --rounds 1
+    python -m benchmarks.interference --json-out benchmarks/results/interference-avx2.json
+    python -m benchmarks.interference --budgets 2048 --sarathi-budgets 64 --rounds 1
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import plots
-from benchmarks.machine import add_dtype_argument, machine
+from benchmarks.machine import add_dtype_argument, machine, write_report
 from benchmarks.stats import spread
 from control_plane.bench import workload
 from control_plane.bench.backends import KervanBackend
@@ -53,14 +61,30 @@ from worker.platform import usable_cores
 WORKER_CORES = 2
 
 
-def shapes(budgets: list[int]) -> dict[str, dict]:
+# TPOT targets (ms) at which goodput is reported: fixed before the results, wide enough that
+# every shape passes at the top and fails at the bottom
+TPOT_TARGETS_MS = "10,15,20,30,40,60,80,100,150,200,300"
+
+
+def shapes(budgets: list[int], sarathi_budgets: list[int]) -> dict[str, dict]:
     out = {"disaggregated": dict(num_prefill=1, num_decode=1,
                                  scheduler_args=("--max-prefill-queue-tokens", "0",
                                                  "--min-remote-prefill-blocks", "8"))}
     for b in budgets:
         out[f"aggregated_{b}"] = dict(num_prefill=0, num_decode=0, num_both=2,
                                       worker_args=("--max-num-batched-tokens", str(b)))
+    for b in sarathi_budgets:
+        out[f"sarathi_{b}"] = dict(num_prefill=0, num_decode=0, num_both=2,
+                                   worker_args=("--max-num-batched-tokens", str(b),
+                                                "--long-prefill-token-threshold", str(max(1, b // 2))))
     return out
+
+
+def goodput_per_core(run: dict, tpot_ms: float, args) -> float:
+    """Requests on target per second per worker core, with the streams held to ``tpot_ms``."""
+    good = sum(1 for r in run["stream_requests"] if r is not None and r[0] <= args.stream_ttft_ms and r[1] <= tpot_ms)
+    good += sum(1 for ttft in run["long_ttfts"] if ttft is not None and ttft <= args.long_ttft_ms)
+    return round(good / run["wall_s"] / WORKER_CORES, 4)
 
 
 async def one_round(address: str, streams, longs, args, seed: int) -> dict:
@@ -77,14 +101,22 @@ async def one_round(address: str, streams, longs, args, seed: int) -> dict:
     return {"streams": summarize(s_res, s_wall, (50, 99, 100), stream_slo),
             "long_prompts": summarize(l_res, wall, (50, 99), long_slo),
             "goodput": round(good / wall, 4), "goodput_per_core": round(good / wall / WORKER_CORES, 4),
-            "good_share": round(good / (len(s_res) + len(l_res)), 4),
+            "good_share": round(good / (len(s_res) + len(l_res)), 4), "wall_s": round(wall, 3),
+            # every request's own numbers (ms), so goodput can be read at any target: a failed one (None) meets none
+            "stream_requests": [(round(r.ttft * 1000, 2), round((r.tpot or 0.0) * 1000, 2)) if r.error is None
+                                else None for r in s_res],
+            "long_ttfts": [round(r.ttft * 1000, 2) if r.error is None else None for r in l_res],
             "itls_ms": [x * 1000 for r in s_res if r.error is None for x in r.itls]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--budgets", default="2048,512,256", help="aggregated shapes' step token budgets")
+    ap.add_argument("--budgets", default="2048", help="aggregated shapes' step token budgets (no prefill cap)")
+    ap.add_argument("--sarathi-budgets", default="128,64,32",
+                    help="Sarathi-Serve shapes' step token budgets (prefill cap: half the budget)")
+    ap.add_argument("--tpot-targets-ms", default=TPOT_TARGETS_MS, help="the TPOT targets goodput is reported at")
+    ap.add_argument("--json-out", default=None, help="also write the report here (benchmarks/results/*.json)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--streams", type=int, default=60, help="streaming requests per round")
     ap.add_argument("--stream-rate", type=float, default=1.5, help="streams per second (Poisson)")
@@ -105,7 +137,9 @@ def main() -> None:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     # as many long prompts as arrive while the streams do
     num_longs = max(1, round(args.streams / args.stream_rate * args.long_rate))
-    all_shapes = shapes([int(b) for b in args.budgets.split(",")])
+    all_shapes = shapes([int(b) for b in args.budgets.split(",") if b],
+                        [int(b) for b in args.sarathi_budgets.split(",") if b])
+    targets = [float(t) for t in args.tpot_targets_ms.split(",")]
     clusters = {}
     try:
         for name, options in all_shapes.items():
@@ -137,6 +171,7 @@ def main() -> None:
                            "long_output": args.long_output},
               "slo_ms": {"stream_ttft": args.stream_ttft_ms, "stream_tpot": args.stream_tpot_ms,
                          "long_ttft": args.long_ttft_ms},
+              "tpot_targets_ms": targets, "shape_settings": all_shapes,
               "shapes": {}}
     for name, rounds in runs.items():
         report["shapes"][name] = {
@@ -149,20 +184,30 @@ def main() -> None:
             "goodput_per_core": spread([x["goodput_per_core"] for x in rounds]),
             "good_share": spread([x["good_share"] for x in rounds]),
             "failed": sum(x["streams"]["failed"] + x["long_prompts"]["failed"] for x in rounds),
+            "goodput_per_core_at_tpot": {f"{t:g}": spread([goodput_per_core(x, t, args) for x in rounds])
+                                         for t in targets},
+            "per_round": [{k: v for k, v in x.items() if k != "itls_ms"} for x in rounds],
         }
-    base = report["shapes"]["disaggregated"]
     for name, shape in report["shapes"].items():
-        if name != "disaggregated":
-            shape["itl_p99_vs_disaggregated"] = spread(
-                [a["streams"]["p99_itl_ms"] / d["streams"]["p99_itl_ms"]
-                 for a, d in zip(runs[name], runs["disaggregated"])])
-    best_aggregated = max((s["goodput_per_core"]["median"] or 0.0 for n, s in report["shapes"].items()
-                           if n != "disaggregated"), default=0.0)
-    report["best_aggregated_goodput_vs_disaggregated"] = round(
-        best_aggregated / base["goodput_per_core"]["median"], 3) if base["goodput_per_core"]["median"] else None
-    plots.latency_cdfs("interference", "Inter-token latency of streams while long prompts arrive (all rounds)",
+        if name == "disaggregated":
+            continue
+        shape["itl_p99_vs_disaggregated"] = spread(
+            [a["streams"]["p99_itl_ms"] / d["streams"]["p99_itl_ms"]
+             for a, d in zip(runs[name], runs["disaggregated"])])
+        # per round, this shape's goodput over disaggregated's in the same round (None: disaggregated had none)
+        shape["goodput_vs_disaggregated_at_tpot"] = {
+            f"{t:g}": spread([_ratio(goodput_per_core(a, t, args), goodput_per_core(d, t, args))
+                              for a, d in zip(runs[name], runs["disaggregated"])]) for t in targets}
+    plots.lines("interference", "Goodput per worker core against the streams' TPOT target", targets,
+                {name: [shape["goodput_per_core_at_tpot"][f"{t:g}"]["median"] for t in targets]
+                 for name, shape in report["shapes"].items()}, "stream TPOT target (ms)", "goodput per core (req/s)")
+    plots.latency_cdfs("interference_itl", "Inter-token latency of streams while long prompts arrive (all rounds)",
                        {name: [x for r in rounds for x in r["itls_ms"]] for name, rounds in runs.items()})
-    print(json.dumps(report, indent=2))
+    write_report(report, args.json_out)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b else None
 
 
 if __name__ == "__main__":

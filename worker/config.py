@@ -219,6 +219,10 @@ class EngineConfig:
     # 2 keeps one-off prompts out of the tiers; a preempted sequence's blocks always go)
     kv_offload_min_uses: int = 1
     max_num_batched_tokens: int = 2048
+    # at most this many prompt tokens per sequence per step, so that a long prompt leaves budget for
+    # new streams' prompts beside it (vLLM's long_prefill_token_threshold, Sarathi-Serve's chunk
+    # size below the budget; 0: only the budget bounds a chunk)
+    long_prefill_token_threshold: int = 0
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position
     enable_prefix_caching: bool = True
@@ -267,6 +271,8 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.kv_host_bytes < 0:
             raise ConfigError(f"kv_host_bytes must be >= 0, got {self.kv_host_bytes}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.kv_disk_bytes < 0:
             raise ConfigError(f"kv_disk_bytes must be >= 0, got {self.kv_disk_bytes}")
         if self.kv_disk_bytes and not self.kv_disk_dir:

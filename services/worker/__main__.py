@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                     help="tokens one engine step computes at most: a longer prompt is prefilled in chunks of this "
                          "size between decode steps (chunked prefill; smaller: steadier inter-token latency)")
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=EngineConfig.long_prefill_token_threshold,
+                    help="prompt tokens one sequence computes per step at most (0: only the step's budget bounds it)")
     group = ap.add_argument_group("worker group", "one worker of several ranks (processes on the CPU, GPUs on "
                                   "CUDA) that the mesh sees as one, in any role: KV handed to or from it is "
                                   "re-sharded")
@@ -213,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
                                         kv_offload_min_uses=args.kv_offload_min_uses,
                                         max_num_seqs=args.max_num_seqs,
                                         max_num_batched_tokens=args.max_num_batched_tokens,
+                                        long_prefill_token_threshold=args.long_prefill_token_threshold,
                                         tensor_parallel_size=args.tensor_parallel,
                                         expert_parallel_size=args.expert_parallel,
                                         pipeline_parallel_size=args.pipeline_parallel,

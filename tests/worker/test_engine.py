@@ -7,6 +7,7 @@ import pytest
 
 from tests.conftest import MODEL_KINDS, hf_greedy, make_engine, make_prompts
 from worker import InvalidRequest, SamplingParams
+from worker.config import ConfigError
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -282,3 +283,30 @@ def test_outputs_carry_the_queue_time_and_the_prompt_chunks_as_computed(llama):
     assert first.queue_time_s is not None and first.queue_time_s >= 0
     assert [(start, n) for start, n, _, _ in first.prefill_chunks] == [(0, 16), (16, 16), (32, 3)]
     assert all(began <= ended for _, _, began, ended in first.prefill_chunks)
+
+
+@pytest.mark.parametrize("cap", [0, 4])
+def test_the_prefill_cap_lets_a_new_stream_in_beside_a_long_prompt(llama, cap):
+    """Without a cap a long prompt that came first takes the whole budget of 8 each step,
+    and a short prompt behind it waits until it is done; with ``long_prefill_token_threshold``
+    4 its chunks are 4 tokens and the short prompt is admitted, and answers, in the first
+    step. Once admitted, a stream gets its token every step. Outputs are unchanged."""
+    hf, path = llama
+    engine = make_engine(path, max_num_batched_tokens=8, long_prefill_token_threshold=cap)
+    long, short = make_prompts([40, 3], seed=52)
+    engine.add_request(long, GREEDY, request_id="long")
+    engine.add_request(short, GREEDY, request_id="short")
+    progressed, chunks, tokens = [], {}, {"long": [], "short": []}
+    while engine.has_unfinished_requests():
+        outs = {out.request_id: out for out in engine.step()}
+        progressed.append(set(outs))
+        for rid, out in outs.items():
+            tokens[rid] += out.outputs[0].new_token_ids
+            chunks.setdefault(rid, out.prefill_chunks)
+    assert tokens["long"] == hf_greedy(hf, long, 10) and tokens["short"] == hf_greedy(hf, short, 10)
+    assert {n for _, n, _, _ in chunks["long"]} == ({4} if cap else {8})
+    first = next(k for k, steps in enumerate(progressed) if "short" in steps)
+    assert first == (0 if cap else 5)  # 40 tokens in chunks of 8 take steps 0-4: the short prompt comes in after
+    assert all("short" in steps for steps in progressed[first:first + 10])
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
+        make_engine(path, long_prefill_token_threshold=-1)

@@ -12,8 +12,15 @@ its next token as a small chunk, inside the same budget; the step verifies them 
 slots of the rejected ones are freed. Guesses are cut to the budget left, and never
 preempt anyone: when blocks run out a sequence runs without them.
 
-Running sequences go first, in arrival order; when blocks run out the latest
-arrival is preempted (its blocks freed: the full ones stay cached, and with a host
+Running sequences go first, in the order they were admitted. That already puts a
+stream's next token before any prompt admitted after it, and a prompt admitted
+before it can only take less of the budget as it goes (its chunk is what is left of
+it, or the cap), so an admitted stream is never starved by a prompt (speculative
+guesses aside: an earlier stream may take fewer of them than when this one came in, and
+leave the prompt more): decodes come first in effect, as in Sarathi-Serve. What a long prompt does delay is new arrivals,
+left waiting while its chunks take the whole budget; ``long_prefill_token_threshold``
+caps a prompt's chunk per step so that they are admitted beside it. When blocks run
+out the latest arrival is preempted (its blocks freed: the full ones stay cached, and with a host
 tier they are demoted when reused, so the sequence resumes by copying them back;
 only what no tier kept is recomputed). Waiting sequences are
 admitted while budget, sequence slots and blocks last; none is admitted in a step
@@ -61,7 +68,7 @@ class StepScheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, seq.num_computed_tokens, budget)
             guesses = seq.draft_tokens[:budget - 1] if n == 1 else []
             if guesses and self.kv.allocate_slots(seq, n + len(guesses)) is None:
                 guesses = []  # guesses never preempt anyone
@@ -100,7 +107,7 @@ class StepScheduler:
                     break
                 promoted = tiers.prefix(seq, len(hit.blocks)) if tiers is not None else []
                 start = cached = hit.num_tokens + len(promoted) * self.config.block_size
-                if self.kv.allocate_slots(seq, start - hit.num_tokens + min(seq.num_tokens - start, budget),
+                if self.kv.allocate_slots(seq, start - hit.num_tokens + self._chunk(seq, start, budget),
                                           hit.blocks) is None:
                     break
                 if promoted:
@@ -109,7 +116,7 @@ class StepScheduler:
                     for part in tiers.take(seq, promoted):  # runs of the tiers' slots, copied in place
                         writes.append(KVWrite(blocks[:part.shape[2]], part))
                         blocks = blocks[part.shape[2]:]
-            n = min(seq.num_tokens - start, budget)
+            n = self._chunk(seq, start, budget)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             if seq.queue_time_s is None:  # a preempted sequence's second admission does not count
@@ -124,6 +131,13 @@ class StepScheduler:
             scheduled.append(self._scheduled(seq, start, n))
             budget -= n
         return ScheduledBatch(scheduled, self.kv.take_copies(), writes)
+
+    def _chunk(self, seq: Sequence, num_computed: int, budget: int) -> int:
+        """How many of the sequence's tokens this step computes: what is left, within the
+        budget and, for a prompt, within ``long_prefill_token_threshold`` (0: no cap)."""
+        n = min(seq.num_tokens - num_computed, budget)
+        cap = self.config.long_prefill_token_threshold
+        return min(n, cap) if cap > 0 else n
 
     def _scheduled(self, seq: Sequence, num_computed: int, n: int, guesses: list[int] = ()) -> ScheduledSequence:
         reaches_end = num_computed + n == seq.num_tokens
