@@ -49,6 +49,8 @@ import json
 import sys
 from pathlib import Path
 
+import grpc
+
 from benchmarks import plots
 from benchmarks.machine import add_dtype_argument, machine, write_report
 from benchmarks.stats import spread
@@ -57,6 +59,7 @@ from control_plane.bench.backends import KervanBackend
 from control_plane.bench.load import run_open_loop
 from control_plane.bench.report import summarize
 from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
+from services.proto import scheduler_pb2, scheduler_pb2_grpc
 from worker.default_model import ensure_default_model
 
 POLICIES = ("kv", "approx_tree", "prefix_hash", "round_robin", "random")
@@ -101,8 +104,12 @@ def run_policy(model_dir: Path, policy: str, requests, seed: int, args, extra: t
         async def go():
             async with KervanBackend(cluster.router_address) as backend:
                 await backend.send(workload.BenchRequest([5] * 8, 2))
-                return await run_open_loop(backend, requests, args.rate, seed, progress=False)
-        results, wall = asyncio.run(go())
+                out = await run_open_loop(backend, requests, args.rate, seed, progress=False)
+            async with grpc.aio.insecure_channel(cluster.addresses["scheduler"]) as channel:
+                stats = await scheduler_pb2_grpc.SchedulerServiceStub(channel).GetStats(
+                    scheduler_pb2.GetStatsRequest(), timeout=10)
+            return out, dict(stats.by_policy_branch)  # which of the policy's rules chose, how often
+        (results, wall), branches = asyncio.run(go())
     finally:
         cluster.stop()
     s = summarize(results, wall, (50, 99), {"ttft": args.ttft_slo_ms})
@@ -110,6 +117,7 @@ def run_policy(model_dir: Path, policy: str, requests, seed: int, args, extra: t
             "repeat_hit_share": repeat_hit_share(requests, results, args.prefix_len),
             "ttft_p50_ms": s["p50_ttft_ms"], "ttft_p99_ms": s["p99_ttft_ms"],
             "goodput": s["goodput"], "output_throughput": s["output_throughput"], "failed": s["failed"],
+            "policy_branches": branches,
             "ttfts_ms": [r.ttft * 1000 for r in results if r.error is None]}
 
 
@@ -176,6 +184,7 @@ def main() -> None:
                                       for key in ("hit_rate", "repeat_hit_share", "ttft_p50_ms", "ttft_p99_ms",
                                                   "goodput", "output_throughput")}
         report["policies"][policy]["failed"] = sum(r["failed"] for r in runs)
+        report["policies"][policy]["policy_branches_per_seed"] = [r["policy_branches"] for r in runs]
     if "kv" in per_policy:
         for policy, runs in per_policy.items():
             if policy != "kv":  # per seed, then the median: how much lower kv's median TTFT is

@@ -61,7 +61,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("placements", "by_prefill_reason", "by_worker", "refused")
+    __slots__ = ("placements", "by_prefill_reason", "by_worker", "refused", "by_policy_branch")
     class ByPrefillReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -76,15 +76,24 @@ class GetStatsResponse(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ByPolicyBranchEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     BY_PREFILL_REASON_FIELD_NUMBER: _ClassVar[int]
     BY_WORKER_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    BY_POLICY_BRANCH_FIELD_NUMBER: _ClassVar[int]
     placements: int
     by_prefill_reason: _containers.ScalarMap[str, int]
     by_worker: _containers.ScalarMap[str, int]
     refused: int
-    def __init__(self, placements: _Optional[int] = ..., by_prefill_reason: _Optional[_Mapping[str, int]] = ..., by_worker: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ...) -> None: ...
+    by_policy_branch: _containers.ScalarMap[str, int]
+    def __init__(self, placements: _Optional[int] = ..., by_prefill_reason: _Optional[_Mapping[str, int]] = ..., by_worker: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., by_policy_branch: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class SchedulerServiceGetMeshConfigRequest(_message.Message):
     __slots__ = ()

@@ -105,6 +105,7 @@ class Ask:
 class Choice(NamedTuple):
     worker: Candidate
     scores: dict[str, float]  # worker id -> its cost, for each worker the policy priced (logs, traces)
+    branch: str = ""  # which of the policy's rules chose (approx_tree: balance, cache or smallest_tree)
 
 
 NEW_PREFIX = ("cost", "content")
@@ -166,6 +167,7 @@ class Decision:
     prefill: Candidate | None  # None: prefill on the decode worker
     scores: dict[str, float] = field(default_factory=dict)
     reason: str = REMOTE
+    branch: str = ""  # the policy's rule that chose the decode worker (Choice.branch)
 
     @property
     def cached_blocks(self) -> int:
@@ -222,7 +224,7 @@ def place(candidates: list[Candidate], num_prompt_blocks: int, policy: Placement
     if decision is None or decision.prefill is not None or size.n > 1:
         return decision
     holder = pull_from(candidates, decision.decode, num_prompt_blocks, policy.config, size)
-    return decision if holder is None else Decision(decision.decode, holder, decision.scores, PULL)
+    return decision if holder is None else Decision(decision.decode, holder, decision.scores, PULL, decision.branch)
 
 
 def _place(candidates: list[Candidate], ask: Ask, policy: PlacementPolicy, size: Size) -> Decision | None:
@@ -239,23 +241,23 @@ def _place(candidates: list[Candidate], ask: Ask, policy: PlacementPolicy, size:
                              f"max_tokens ({size.max_tokens}) at once")  # each alone fits some worker
     if all(c.full for c in fitting):
         raise AllBusy(len(fitting))
-    decode, scores = choose([c for c in fitting if not c.full], ask, policy)
+    decode, scores, branch = choose([c for c in fitting if not c.full], ask, policy)
     uncached = ask.num_prompt_blocks - decode.matched_blocks
     if decode.role is WorkerRole.BOTH:
-        return Decision(decode, None, scores, AGGREGATED)
+        return Decision(decode, None, scores, AGGREGATED, branch)
     if size.n > 1:
-        return Decision(decode, None, scores, FORKED)
+        return Decision(decode, None, scores, FORKED, branch)
     if uncached < cfg.min_remote_prefill_blocks:
-        return Decision(decode, None, scores, SHORT)
+        return Decision(decode, None, scores, SHORT, branch)
     prefill_size = Size(num_prompt_tokens=size.num_prompt_tokens, max_tokens=1)  # it computes the first token
     prefillers = [c for c in candidates if c.role is WorkerRole.PREFILL and prefill_size.fits(c)]
     if not prefillers:
-        return Decision(decode, None, scores, NO_PREFILL_WORKER)
+        return Decision(decode, None, scores, NO_PREFILL_WORKER, branch)
     prefillers = [c for c in prefillers if not c.full]
     if not prefillers:
-        return Decision(decode, None, scores, PREFILL_QUEUE_FULL)
-    prefill, prefill_scores = choose(prefillers, ask, policy)
+        return Decision(decode, None, scores, PREFILL_QUEUE_FULL, branch)
+    prefill, prefill_scores, _ = choose(prefillers, ask, policy)
     scores = {**scores, **prefill_scores}
     if 0 < cfg.max_prefill_queue_tokens < prefill.prefill_tokens and decode.prefill_tokens < prefill.prefill_tokens:
-        return Decision(decode, None, scores, PREFILL_QUEUE_FULL)
-    return Decision(decode, prefill, scores, REMOTE)
+        return Decision(decode, None, scores, PREFILL_QUEUE_FULL, branch)
+    return Decision(decode, prefill, scores, REMOTE, branch)

@@ -49,6 +49,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.placements = 0
         self.refused = 0  # requests refused because every decode worker was at its limit
         self.by_reason: Counter[str] = Counter()
+        self.by_branch: Counter[str] = Counter()  # the policy's rule that chose, for policies that name one
         self.by_worker: Counter[str] = Counter()
         self._mesh_config = None  # the registry's block size and hash function (GetMeshConfig)
 
@@ -88,6 +89,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             self.policy.placed(decision.decode.worker_id, hashes, (c.worker_id for c in self._reported(workers)))
             self.placements += 1
             self.by_reason[decision.reason] += 1
+            if decision.branch:
+                self.by_branch[decision.branch] += 1
             metrics.PLACEMENTS.labels(decision.reason).inc()
             self.by_worker.update({c.worker_id for c in (decision.decode, decision.prefill) if c})
         trace.get_current_span().set_attributes({
@@ -182,6 +185,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context) -> scheduler_pb2.GetStatsResponse:
         return scheduler_pb2.GetStatsResponse(placements=self.placements, by_prefill_reason=dict(self.by_reason),
+                                              by_policy_branch=dict(self.by_branch),
                                               by_worker=dict(self.by_worker), refused=self.refused)
 
     def _reported(self, workers: kv_registry_pb2.ListWorkersResponse) -> list[Candidate]:

@@ -243,11 +243,12 @@ def test_approx_tree_follows_what_it_sent_balances_load_and_sends_misses_to_the_
                          num_requests=running)
 
     def chosen(pool):
-        return placement.place(pool, 10, policy).decode.worker_id
+        decision = placement.place(pool, 10, policy)
+        return decision.decode.worker_id, decision.branch  # the rule that chose, counted by GetStats
 
-    assert chosen([worker("a", 6, 3), worker("b", 0, 0)]) == "a"  # a match over half the prompt wins, even busier
-    assert chosen([worker("a", 4, 0), worker("b", 0, 3)]) == "b"  # a weaker one does not: the smallest tree
-    assert chosen([worker("a", 10, 9), worker("b", 0, 2)]) == "b"  # imbalance past the threshold: the idlest
+    assert chosen([worker("a", 6, 3), worker("b", 0, 0)]) == ("a", "cache")  # a match over half the prompt wins
+    assert chosen([worker("a", 4, 0), worker("b", 0, 3)]) == ("b", "smallest_tree")  # a weaker one does not
+    assert chosen([worker("a", 10, 9), worker("b", 0, 2)]) == ("b", "balance")  # imbalance past the threshold
     policy.placed("a", [b"c0"], live=["a"])  # b left the mesh: its tree is forgotten
     assert policy.remembered_blocks("b", [b"b0"]) == 0 and policy.trees.size("a") == 51
 

@@ -19,10 +19,11 @@ from tests.services.conftest import start_registry
 
 
 async def place_all(redis_client, policy: str | PlacementConfig, prompts: list[list[bytes]],
-                    cached: dict | None = None) -> list[str]:
+                    cached: dict | None = None, stats: list | None = None) -> list[str]:
     """Four aggregated workers (``cached``: worker id -> the blocks its KV events reported),
-    then ``prompts`` placed one after the other; the decode addresses chosen. Placements
-    count as load for no time at all: only what workers report does."""
+    then ``prompts`` placed one after the other; the decode addresses chosen (and, into
+    ``stats``, the scheduler's GetStats after them). Placements count as load for no time
+    at all: only what workers report does."""
     await redis_client.flushdb()
     cached = cached or {}
     index = PrefixIndex(redis_client, ttl_s=60)
@@ -43,9 +44,12 @@ async def place_all(redis_client, policy: str | PlacementConfig, prompts: list[l
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}") as ch:
                 stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
-                return [(await stub.Place(scheduler_pb2.PlaceRequest(
+                placed = [(await stub.Place(scheduler_pb2.PlaceRequest(
                     request_id=f"r{i}", block_hashes=p, num_prompt_tokens=16 * len(p), max_tokens=4, n=1),
                     timeout=10)).decode_address for i, p in enumerate(prompts)]
+                if stats is not None:
+                    stats.append(await stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10))
+                return placed
         finally:
             await scheduler.stop(0)
             await registry.stop(0)
@@ -65,11 +69,12 @@ async def test_prefix_hash_keeps_each_system_prompt_on_one_worker(redis_client):
 
 async def test_approx_tree_follows_what_it_sent_not_what_workers_report(redis_client, caplog):
     # worker 3 really caches system 0, but the approximate tree only knows what it sent
-    first = prompt(0, 0)
+    first, stats = prompt(0, 0), []
     placed = await place_all(redis_client, "approx_tree", [prompt(0, u) for u in range(5)],
-                             cached={"both@127.0.0.1:7003": first[:6]})
+                             cached={"both@127.0.0.1:7003": first[:6]}, stats=stats)
     # the first went to the smallest tree (all empty: the first id); the rest followed it there
     assert placed == ["127.0.0.1:7000"] * 5
+    assert dict(stats[0].by_policy_branch) == {"smallest_tree": 1, "cache": 4}  # which rule chose, counted
     with caplog.at_level("DEBUG", logger="services.scheduler.servicer"):
         placed_kv = await place_all(redis_client, "kv", [first], cached={"both@127.0.0.1:7003": first[:6]})
     assert placed_kv == ["127.0.0.1:7003"]  # KV events: kv placement finds the real cache

@@ -66,11 +66,11 @@ class ApproxTreePolicy(PlacementPolicy):
         busiest = max(c.num_requests for c in pool)
         if busiest - idlest.num_requests > cfg.balance_abs_threshold and \
                 busiest > idlest.num_requests * cfg.balance_rel_threshold:
-            return Choice(idlest, {})
+            return Choice(idlest, {}, "balance")
         best = max(pool, key=lambda c: (c.matched_blocks, -c.num_requests))
         if ask.num_prompt_blocks and best.matched_blocks / ask.num_prompt_blocks > cfg.cache_threshold:
-            return Choice(best, {})
-        return Choice(min(pool, key=lambda c: (self.trees.size(c.worker_id), c.worker_id)), {})
+            return Choice(best, {}, "cache")
+        return Choice(min(pool, key=lambda c: (self.trees.size(c.worker_id), c.worker_id)), {}, "smallest_tree")
 
     def remembered_blocks(self, worker_id: str, block_hashes: Sequence[bytes]) -> int | None:
         return self.trees.matched(worker_id, block_hashes)  # what it sent where, never what workers report
