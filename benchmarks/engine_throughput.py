@@ -12,7 +12,9 @@ Only the tokens each request asked for count as output. transformers runs at its
 best batch size (chosen by a calibration round on prompts of their own, never the
 measured ones, from ``--hf-batch-sizes``), in arrival order and, as a static batcher
 that knows every request's length would, sorted by output length
-(``transformers_sorted``: little padding left). ``kervan_unpacked`` is the engine
+(``transformers_sorted``: little padding left; at its own best batch size among those
+that split the requests into more than one batch, since one batch of all of them is
+the unsorted run again). ``kervan_unpacked`` is the engine
 without oneDNN weight packing (``KERVAN_WEIGHT_PACKING=off``), the one optimisation
 transformers does not get. ``--deterministic`` adds ``kervan_deterministic``, the engine
 in deterministic mode, and what it costs. Every engine gets the same KV budget
@@ -131,10 +133,10 @@ def new_engine(model_dir, dtype: str, args, packing: str = "auto", deterministic
             os.environ[KERVAN_WEIGHT_PACKING] = previous
 
 
-def best_batch_size(hf_model, calibration, sizes: list[int]) -> tuple[int, dict]:
+def best_batch_size(hf_model, calibration, sizes: list[int], by_length: bool = False) -> tuple[int, dict]:
     """transformers' fastest batch size on the calibration prompts (not the measured ones)."""
     prompts, outputs = calibration
-    rates = {b: run_transformers(hf_model, prompts, outputs, b)["output_tokens_per_s"] for b in sizes}
+    rates = {b: run_transformers(hf_model, prompts, outputs, b, by_length)["output_tokens_per_s"] for b in sizes}
     return max(rates, key=rates.get), rates
 
 
@@ -156,9 +158,16 @@ def run_dtype(model_dir, dtype: str, rounds, calibration, args) -> dict:
         systems["kervan_deterministic"] = lambda p, o: run_kervan(exact, p, o)
     if unpacked is not None:
         systems["kervan_unpacked"] = lambda p, o: run_kervan(unpacked, p, o)
+    # the sorted control only means something with more than one batch: its own best size among those
+    # that split the requests (one batch of all of them would be the unsorted run again)
+    split = [b for b in sizes if b < len(calibration[0])]
+    sorted_batch, sorted_calibrated = (split[0], {}) if hf_model is None or len(split) <= 1 else \
+        best_batch_size(hf_model, calibration, split, by_length=True)
     if hf_model is not None:
         systems["transformers"] = lambda p, o: run_transformers(hf_model, p, o, batch)
-        systems["transformers_sorted"] = lambda p, o: run_transformers(hf_model, p, o, batch, by_length=True)
+        if split:
+            systems["transformers_sorted"] = lambda p, o: run_transformers(hf_model, p, o, sorted_batch,
+                                                                           by_length=True)
     if peer is not None:
         systems["vllm"] = peer.run
     runs = []
@@ -177,7 +186,9 @@ def run_dtype(model_dir, dtype: str, rounds, calibration, args) -> dict:
     result = {"dtype": resolved, "device": engine.config.device, "runs": runs,
               "kv_waste": max(r["kervan"]["kv_waste"] for r in runs),
               "load_s": {"kervan": kervan_load_s, "transformers": hf_load_s},
-              "transformers_batch_size": batch, "transformers_calibration_tok_s": calibrated}
+              "transformers_batch_size": batch, "transformers_calibration_tok_s": calibrated,
+              "transformers_sorted_batch_size": sorted_batch if hf_model is not None and split else None,
+              "transformers_sorted_calibration_tok_s": sorted_calibrated}
     for system in SYSTEMS:
         if system in runs[0]:
             result[f"{system}_output_tokens_per_s"] = median(r[system]["output_tokens_per_s"] for r in runs)

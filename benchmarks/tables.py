@@ -170,9 +170,67 @@ def speculative() -> str:
     return "\n".join(tables)
 
 
+def _maybe(x: dict | None, fmt: str = "{:,.1f}") -> str:
+    return "–" if not x or x.get("median") is None or "min" not in x else _spread(x, fmt)
+
+
+def interference() -> str:
+    """Per report: each shape's latencies, its goodput per core at every TPOT target, and that
+    over disaggregated's in the same round."""
+    tables = []
+    for label, report in _reports("interference"):
+        shapes, targets = report["shapes"], [f"{t:g}" for t in report["tpot_targets_ms"]]
+        rows = [f"| {label}: shape | stream TPOT p99 ms | stream ITL p99 ms | stream TTFT p50 ms | long TTFT p50 ms "
+                "| long TTFT p99 ms | failed |", "|---|---|---|---|---|---|---|"]
+        for name, s in shapes.items():
+            rows.append(f"| {name} | {_maybe(s['stream_tpot_p99_ms'])} | {_maybe(s['stream_itl_p99_ms'])} "
+                        f"| {_maybe(s['stream_ttft_p50_ms'])} | {_maybe(s['long_ttft_p50_ms'], '{:,.0f}')} "
+                        f"| {_maybe(s['long_ttft_p99_ms'], '{:,.0f}')} | {s['failed']} |")
+        rows += ["", "| goodput per core (req/s) at stream TPOT ≤ | " + " | ".join(f"{t} ms" for t in targets) + " |",
+                 "|---|" + "---|" * len(targets)]
+        for name, s in shapes.items():
+            rows.append(f"| {name} | " + " | ".join(_maybe(s["goodput_per_core_at_tpot"][t], "{:.2f}")
+                                                   for t in targets) + " |")
+        rows += ["", "| per round, over disaggregated, at stream TPOT ≤ | " + " | ".join(f"{t} ms" for t in targets)
+                 + " |", "|---|" + "---|" * len(targets)]
+        for name, s in shapes.items():
+            if "goodput_vs_disaggregated_at_tpot" in s:
+                rows.append(f"| {name} | " + " | ".join(
+                    _range(r) if r and "min" in r else "–" for r in
+                    (s["goodput_vs_disaggregated_at_tpot"][t] for t in targets)) + " |")
+        tables.append("\n".join(rows) + "\n")
+    return "\n".join(tables)
+
+
+def _branches(per_seed: list[dict]) -> str:
+    total: dict[str, int] = {}
+    for seed in per_seed:
+        for branch, n in seed.items():
+            total[branch] = total.get(branch, 0) + n
+    placed = sum(total.values())
+    return ", ".join(f"{b} {n / placed:.0%}" for b, n in sorted(total.items())) if placed else "–"
+
+
+def prefix_placement() -> str:
+    """Per report: each policy (or variant) over the seeds, and which of its rules chose."""
+    tables = []
+    for label, report in _reports("prefix_placement"):
+        seeds = ", ".join(str(s) for s in report["seeds"])
+        rows = [f"| {label}, seeds {seeds}: run | flags | hit rate | TTFT p50 ms | TTFT p99 ms | goodput req/s "
+                "| TTFT p50 / kv's, per seed | rule that chose |", "|---|---|---|---|---|---|---|---|"]
+        for name, p in report["policies"].items():
+            vs_kv = p.get("ttft_p50_vs_kv")
+            rows.append(f"| {name} | `{report.get('runs', {}).get(name, name)}` | {_maybe(p['hit_rate'], '{:.3f}')} "
+                        f"| {_maybe(p['ttft_p50_ms'])} | {_maybe(p['ttft_p99_ms'], '{:,.0f}')} "
+                        f"| {_maybe(p['goodput'], '{:.2f}')} | {_range(vs_kv) if vs_kv else '–'} "
+                        f"| {_branches(p.get('policy_branches_per_seed', []))} |")
+        tables.append("\n".join(rows) + "\n")
+    return "\n".join(tables)
+
+
 TABLES = {"engine_throughput": engine_throughput, "step_profile": step_profile, "linear_kernels": linear_kernels,
           "quantization": quantization, "quant-kernels": quant_kernels,
-          "speculative": speculative}
+          "speculative": speculative, "interference": interference, "prefix_placement": prefix_placement}
 
 
 def render(text: str) -> str:

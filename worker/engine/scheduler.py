@@ -17,8 +17,8 @@ stream's next token before any prompt admitted after it, and a prompt admitted
 before it can only take less of the budget as it goes (its chunk is what is left of
 it, or the cap), so an admitted stream is never starved by a prompt (speculative
 guesses aside: an earlier stream may take fewer of them than when this one came in, and
-leave the prompt more): decodes come first in effect, as in Sarathi-Serve. What a long prompt does delay is new arrivals,
-left waiting while its chunks take the whole budget; ``long_prefill_token_threshold``
+leave the prompt more): decodes come first in effect, as in Sarathi-Serve. What a long
+prompt does delay is new arrivals, left waiting while its chunks take the whole budget; ``long_prefill_token_threshold``
 caps a prompt's chunk per step so that they are admitted beside it. When blocks run
 out the latest arrival is preempted (its blocks freed: the full ones stay cached, and with a host
 tier they are demoted when reused, so the sequence resumes by copying them back;
