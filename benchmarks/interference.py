@@ -46,7 +46,6 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks import plots
 from benchmarks.machine import add_dtype_argument, machine, write_report
 from benchmarks.stats import spread
 from control_plane.bench import workload
@@ -198,12 +197,7 @@ def main() -> None:
         shape["goodput_vs_disaggregated_at_tpot"] = {
             f"{t:g}": spread([_ratio(goodput_per_core(a, t, args), goodput_per_core(d, t, args))
                               for a, d in zip(runs[name], runs["disaggregated"])]) for t in targets}
-    plots.lines("interference", "Goodput per worker core against the streams' TPOT target", targets,
-                {name: [shape["goodput_per_core_at_tpot"][f"{t:g}"]["median"] for t in targets]
-                 for name, shape in report["shapes"].items()}, "stream TPOT target (ms)", "goodput per core (req/s)")
-    plots.latency_cdfs("interference_itl", "Inter-token latency of streams while long prompts arrive (all rounds)",
-                       {name: [x for r in rounds for x in r["itls_ms"]] for name, rounds in runs.items()})
-    write_report(report, args.json_out)
+    write_report(report, args.json_out, args)
 
 
 def _ratio(a: float, b: float) -> float | None:

@@ -8,7 +8,7 @@ pack is measured (``--dtype`` adds others; bf16 on a CPU without AVX-512 is
 refused by oneDNN and reported so). The two paths alternate, best of ``--repeat``
 timed batches each; the ratio plain/packed above 1 means packing pays.
 
-    python -m benchmarks.linear_packing
+    python -m benchmarks.linear_packing --json-out benchmarks/results/linear_packing-amx.json
     python -m benchmarks.linear_packing --dtype float32,bfloat16
 """
 
@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 
 import torch
 
-from benchmarks.machine import machine
+from benchmarks.machine import machine, write_report
 from worker.layers.packing import BATCH_HINT, packed_linear
 from worker.platform import DTYPES, current_platform, dtype_name
 
@@ -71,6 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="", help="comma-separated dtypes to measure besides those packed here")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json-out", default=None, help="also write the report here (with the commit)")
     args = ap.parse_args()
     platform = current_platform()
     dtypes = [d for d in (torch.float32, torch.bfloat16) if platform.can_pack(d, "cpu")]
@@ -81,7 +81,7 @@ def main() -> None:
     with torch.inference_mode():
         for dtype in dtypes:
             report["dtypes"][dtype_name(dtype)] = measure(dtype, args.repeat)
-    print(json.dumps(report, indent=2))
+    write_report(report, args.json_out, args)
 
 
 if __name__ == "__main__":

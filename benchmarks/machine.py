@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -42,9 +43,26 @@ def commit() -> str:
     return head + ("-dirty" if dirty else "")
 
 
-def write_report(report: dict, path: str | None) -> None:
-    """Print the report; with ``path``, also write it there with the commit it measured."""
+def read_bandwidth(repeats: int = 5, buffer: torch.Tensor | None = None) -> float:
+    """Bytes per second this machine streams now: a sum over a 1 GiB float32 ``buffer`` (made
+    here when not given), far past the caches, the best of ``repeats``. A decode step mostly
+    reads its weights and KV, so this, not a copy's read-plus-write rate, is its ceiling."""
+    x = torch.ones(1 << 28) if buffer is None else buffer
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def write_report(report: dict, path: str | None, args: argparse.Namespace | None = None) -> None:
+    """Print the report; with ``path``, also write it there with the commit it measured
+    (and, with ``args``, the arguments it ran with)."""
     report = {**report, "commit": commit()}
+    if args is not None:
+        report.setdefault("arguments", vars(args))
     text = json.dumps(report, indent=2)
     print(text)
     if path:

@@ -2,7 +2,10 @@
 
 1. The same workload (prompts and output lengths drawn from ranges, greedy,
    ``ignore_eos``) at 1 and at 32 concurrent requests, through
-   - the engine in this process (requests added as others finish),
+   - the engine in this process on every core (requests added as others finish),
+   - ``engines_pinned``: one engine process per core, pinned, one thread each, the
+     requests dealt out between them in turn and the concurrency split (what a user
+     would run on one host instead of a mesh: data parallelism with no services),
    - the full mesh started like ``kervan up`` (router -> scheduler -> prefill worker
      -> KV push -> decode worker, all over loopback, each its own process), and
    - the same services around one aggregated worker;
@@ -17,11 +20,15 @@
    plain shared-memory copy of the same bytes (copy in, copy out) in this process,
    made as the push makes it (a new segment each time: page faults included), and
    against the floor: the same copies through a segment and a buffer made and
-   touched beforehand (``warm``).
-   Workers are pinned one per core (``ClusterSpec(pin_cores=True)``); the engine
-   baseline runs on both cores in this process.
+   touched beforehand (``warm``). The four alternate round by round.
 
-    python -m benchmarks.mesh_throughput            # ~8 min on the embedded default model
+The mesh's workers are pinned one per core (``ClusterSpec(pin_cores=True)``), as the
+``engines_pinned`` baseline's engines are; the ``engine`` baseline runs on both cores.
+
+Every round of every system is kept in the report (``*_rounds``); ratios are the
+median of the per-round ratios with their range.
+
+    python -m benchmarks.mesh_throughput --json-out benchmarks/results/mesh_throughput-amx.json   # ~10 min
 """
 
 from __future__ import annotations
@@ -37,13 +44,14 @@ import sys
 import time
 from multiprocessing import shared_memory
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 import torch
 
-from benchmarks import plots
 from benchmarks.load import pct_ms, run_closed_loop
-from benchmarks.machine import add_dtype_argument, machine
+from benchmarks.machine import add_dtype_argument, machine, write_report
+from benchmarks.stats import spread
 from control_plane.launcher import Cluster, ClusterSpec, free_port, new_log_dir
 from services.proto import worker_pb2_grpc
 from services.worker import kv_transfer
@@ -68,14 +76,26 @@ def unfinished(engine: Engine) -> int:
     return stats.num_running + stats.num_waiting
 
 
-def run_engine(engine: Engine, work, concurrency: int) -> dict:
-    pending = list(enumerate(work))
+class EngineLoop(NamedTuple):
+    """One engine's closed loop: wall-clock start and end (``time.time()``, comparable
+    across processes), output tokens, and every TTFT and inter-token gap in seconds."""
+    start: float
+    end: float
+    tokens: int
+    ttfts: list[float]
+    itls: list[float]
+
+
+def engine_loop(engine: Engine, work, concurrency: int) -> EngineLoop:
+    """``work`` through ``engine``, ``concurrency`` requests at a time, timed as a client of a
+    stream would time it: one inter-token gap per step that returned tokens (vLLM's ITL)."""
+    pending = list(work)
     started, last, ttfts, itls = {}, {}, [], []
     tokens = 0
-    t0 = time.perf_counter()
+    t0 = time.time()
     while pending or engine.has_unfinished_requests():
         while pending and unfinished(engine) < concurrency:
-            _, (prompt, n) = pending.pop(0)
+            prompt, n = pending.pop(0)
             rid = engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
             started[rid] = time.perf_counter()
         for out in engine.step():
@@ -87,9 +107,58 @@ def run_engine(engine: Engine, work, concurrency: int) -> dict:
             if out.request_id not in last:
                 ttfts.append(now - started[out.request_id])
             else:
-                itls += [(now - last[out.request_id]) / new] * new
+                itls.append(now - last[out.request_id])
             last[out.request_id] = now
-    return summary(time.perf_counter() - t0, tokens, ttfts, itls)
+    return EngineLoop(t0, time.time(), tokens, ttfts, itls)
+
+
+def run_engine(engine: Engine, work, concurrency: int) -> dict:
+    loop = engine_loop(engine, work, concurrency)
+    return summary(loop.end - loop.start, loop.tokens, loop.ttfts, loop.itls)
+
+
+class PinnedEngines:
+    """Data parallelism without the mesh: one engine process per core (pinned, one thread),
+    the requests dealt out in turn and the concurrency split between them; the baseline a
+    user would start instead of a cluster on one host. The processes stay up between loads."""
+
+    def __init__(self, model_dir: Path, dtype: str):
+        cores = sorted(os.sched_getaffinity(0))
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.mesh_throughput", "--engine-child",
+                                        str(core), "--model", str(model_dir), "--dtype", dtype],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                      for core in cores]
+        for proc in self.procs:
+            assert proc.stdout.readline().strip() == "ready"
+
+    def run(self, work, concurrency: int) -> dict:
+        used = self.procs[:min(len(self.procs), concurrency)]
+        for i, proc in enumerate(used):
+            job = {"work": work[i::len(used)], "concurrency": concurrency // len(used)}
+            proc.stdin.write(json.dumps(job) + "\n")
+            proc.stdin.flush()
+        loops = [EngineLoop(*json.loads(proc.stdout.readline())) for proc in used]
+        return summary(max(x.end for x in loops) - min(x.start for x in loops), sum(x.tokens for x in loops),
+                       [t for x in loops for t in x.ttfts], [t for x in loops for t in x.itls])
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.stdin.close()
+            proc.wait(timeout=30)
+
+
+def engine_child(core: int, model_dir: str, dtype: str) -> None:
+    """A PinnedEngines process: pinned to ``core``, one thread; a closed loop per job line."""
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    engine = Engine.from_pretrained(model_dir, dtype=dtype, max_num_seqs=64)
+    engine.generate([[5] * 8], SamplingParams(max_tokens=2))  # warm-up
+    print("ready", flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        work = [(prompt, n) for prompt, n in job["work"]]
+        print(json.dumps(engine_loop(engine, work, job["concurrency"])), flush=True)
 
 
 async def run_mesh(cluster: Cluster, work, concurrency: int) -> dict:
@@ -170,23 +239,26 @@ def kv_transfer_report(model_dir: Path, dtype: str, num_tokens: int, rounds: int
     proc = subprocess.Popen([sys.executable, "-m", "services.worker", "--role", "decode", "--port", str(port),
                              "--model", str(model_dir), "--num-kv-blocks", "64", "--dtype", dtype],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    rates: dict[str, list[float]] = {"shared_memory_push": [], "grpc_stream_push": [], "plain_shm_copy": [],
+                                     "warm_shm_copy": []}
     try:
         proc.stdout.readline()  # "worker ready on ..."
         address = f"127.0.0.1:{port}"
-        shm = asyncio.run(push_bytes_per_s(address, data, True, rounds))
-        stream = asyncio.run(push_bytes_per_s(address, data, False, rounds))
+        for _ in range(rounds):  # the four alternate, so a round's ratios share the machine's moment
+            rates["shared_memory_push"].append(asyncio.run(push_bytes_per_s(address, data, True, 1)))
+            rates["grpc_stream_push"].append(asyncio.run(push_bytes_per_s(address, data, False, 1)))
+            rates["plain_shm_copy"].append(plain_copy_bytes_per_s(data, 1))
+            rates["warm_shm_copy"].append(warm_copy_bytes_per_s(data, 1))
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    plain = plain_copy_bytes_per_s(data, rounds)
-    warm = warm_copy_bytes_per_s(data, rounds)
-    nbytes = data.numel() * data.element_size()
-    return {"kv_bytes": nbytes, "prompt_tokens": num_tokens,
-            "plain_shm_copy_gb_per_s": round(plain / 1e9, 2), "warm_shm_copy_gb_per_s": round(warm / 1e9, 2),
-            "shared_memory_vs_warm": round(shm / warm, 2),
-            "shared_memory_push_gb_per_s": round(shm / 1e9, 2),
-            "grpc_stream_push_gb_per_s": round(stream / 1e9, 2),
-            "shared_memory_vs_plain": round(shm / plain, 2), "grpc_stream_vs_plain": round(stream / plain, 2)}
+    out: dict = {"kv_bytes": data.numel() * data.element_size(), "prompt_tokens": num_tokens, "rounds": rounds}
+    for name, values in rates.items():
+        out[f"{name}_gb_per_s"] = spread([v / 1e9 for v in values])
+    for name in ("shared_memory_push", "grpc_stream_push"):
+        for base in ("plain_shm_copy", "warm_shm_copy"):
+            out[f"{name}_vs_{base}"] = spread([a / b for a, b in zip(rates[name], rates[base])])
+    return out
 
 
 class SpanCounter:
@@ -238,11 +310,19 @@ def main() -> None:
     ap.add_argument("--prompt-len", default="32:512")
     ap.add_argument("--output-len", default="16:128")
     ap.add_argument("--kv-tokens", type=int, default=4096, help="prompt tokens whose KV the transfer test moves")
+    ap.add_argument("--kv-rounds", type=int, default=7, help="rounds of the four KV transfers, alternating")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", default="1,32", help="which of 1 and 32 to run")
     ap.add_argument("--topologies", default="mesh,mesh_aggregated", help="which mesh shapes to run")
+    ap.add_argument("--skip-pinned", action="store_true",
+                    help="leave out the engines_pinned baseline (one engine process per core, pinned)")
+    ap.add_argument("--json-out", default=None, help="also write the report here (with the commit)")
+    ap.add_argument("--engine-child", type=int, default=None, help=argparse.SUPPRESS)
     add_dtype_argument(ap)
     args = ap.parse_args()
+    if args.engine_child is not None:
+        engine_child(args.engine_child, args.model, args.dtype)
+        return
     model_dir = Path(args.model) if args.model else ensure_default_model()
     prompt_range = tuple(int(x) for x in args.prompt_len.split(":"))
     output_range = tuple(int(x) for x in args.output_len.split(":"))
@@ -261,7 +341,9 @@ def main() -> None:
     clusters = {name: Cluster(ClusterSpec(model_dir, **shapes[name], dtype=args.dtype, pin_cores=True), new_log_dir())
                 for name in args.topologies.split(",")}
     receiver = SpanCounter() if "mesh_traced" in clusters else None
-    results: dict[int, dict[str, list[dict]]] = {c: {name: [] for name in ["engine", *clusters]} for c in concurrencies}
+    pinned = None if args.skip_pinned else PinnedEngines(model_dir, args.dtype)
+    systems = ["engine", *(["engines_pinned"] if pinned else []), *clusters]
+    results: dict[int, dict[str, list[dict]]] = {c: {name: [] for name in systems} for c in concurrencies}
     try:
         for name, cluster in clusters.items():
             if name == "mesh_traced":  # its processes inherit the OTEL_* variables, the others do not
@@ -274,9 +356,13 @@ def main() -> None:
                 num = 8 if conc == 1 else args.requests
                 work = workload(num, prompt_range, output_range, vocab, args.seed + 100 * r + conc)
                 results[conc]["engine"].append(run_engine(engine, work, conc))
+                if pinned:
+                    results[conc]["engines_pinned"].append(pinned.run(work, conc))
                 for name, cluster in clusters.items():
                     results[conc][name].append(asyncio.run(run_mesh(cluster, work, conc)))
     finally:
+        if pinned:
+            pinned.stop()
         for cluster in clusters.values():
             cluster.stop()
         if receiver is not None:
@@ -290,32 +376,23 @@ def main() -> None:
         entry = report["concurrency"][conc] = {"requests": 8 if conc == 1 else args.requests}
         for name, runs in by_system.items():
             entry[name] = median_entry(runs)  # the round with the median throughput
-        for name in clusters:
-            ratios = [m["output_tokens_per_s"] / e["output_tokens_per_s"]
-                      for m, e in zip(by_system[name], by_system["engine"])]
-            entry[f"{name}_vs_engine_throughput"] = round(sorted(ratios)[len(ratios) // 2], 2)
-            entry[f"{name}_vs_engine_rounds"] = [round(x, 2) for x in ratios]
+            entry[f"{name}_rounds"] = runs
+        for name in systems[1:]:
+            for base in ("engine", "engines_pinned"):
+                if base in by_system and base != name:
+                    ratios = [m["output_tokens_per_s"] / e["output_tokens_per_s"]
+                              for m, e in zip(by_system[name], by_system[base])]
+                    entry[f"{name}_vs_{base}_throughput"] = spread(ratios)
+    for name in ("mesh_traced", "mesh_tls"):  # what tracing, and mutual TLS on every hop, cost the mesh
+        if name in clusters:
+            for conc, entry in report["concurrency"].items():
+                entry[f"{name}_vs_mesh_throughput"] = spread(
+                    [t["output_tokens_per_s"] / m["output_tokens_per_s"]
+                     for t, m in zip(results[conc][name], results[conc]["mesh"])])
     if receiver is not None:
         report["spans_received_from_mesh_traced"] = receiver.count
-        for conc, entry in report["concurrency"].items():
-            ratios = [t["output_tokens_per_s"] / m["output_tokens_per_s"]
-                      for t, m in zip(results[conc]["mesh_traced"], results[conc]["mesh"])]
-            entry["mesh_traced_vs_mesh_throughput"] = round(sorted(ratios)[len(ratios) // 2], 3)
-    if "mesh_tls" in clusters:  # mutual TLS on every hop (KV pushes go over shared memory, as on one host)
-        for conc, entry in report["concurrency"].items():
-            ratios = [t["output_tokens_per_s"] / m["output_tokens_per_s"]
-                      for t, m in zip(results[conc]["mesh_tls"], results[conc]["mesh"])]
-            entry["mesh_tls_vs_mesh_throughput"] = round(sorted(ratios)[len(ratios) // 2], 3)
-            entry["mesh_tls_vs_mesh_rounds"] = [round(x, 3) for x in ratios]
-    report["kv_transfer"] = kv_transfer_report(model_dir, args.dtype, args.kv_tokens, rounds=5)
-    top = report["concurrency"].get(32)
-    if top:
-        systems = ["engine", *clusters]
-        plots.grouped_bars("mesh_throughput", "32 concurrent requests (median round)",
-                           ["output tokens/s", "TTFT p50", "inter-token p99"],
-                           {s: [top[s]["output_tokens_per_s"], top[s]["ttft_ms"]["p50"], top[s]["itl_ms"]["p99"]]
-                            for s in systems}, ["tokens/s", "ms", "ms"])
-    print(json.dumps(report, indent=2))
+    report["kv_transfer"] = kv_transfer_report(model_dir, args.dtype, args.kv_tokens, rounds=args.kv_rounds)
+    write_report(report, args.json_out, args)
 
 
 if __name__ == "__main__":

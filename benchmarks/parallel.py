@@ -2,16 +2,17 @@
 parallel) against one process; torch.compile against eager on the CPU, CUDA graphs
 against eager on a GPU.
 
-    python -m benchmarks.parallel                      # ~10 min on 2 cores, dtype auto
-    python -m benchmarks.parallel --buckets 1,8 --compile-buckets 1 --steps 10
+    python -m benchmarks.parallel --json-out benchmarks/results/parallel-amx.json   # ~12 min, dtype auto
+    python -m benchmarks.parallel --buckets 1,8 --groups none --compile-buckets none   # the roofline only
 
-- ``memory_bandwidth_gb_s``: this machine now (a large tensor copy: bytes read plus
-  written per second, the median of several).
 - ``dense.one_process``: one process's decode step time per batch bucket (every
   sequence has the same context) on a 125M-parameter Llama, the median of ``--steps``
-  steps after warm-up; ``dense.roofline``: at batch 1, the bytes a decode step must read
-  (every weight matrix but the embedding, which is one row per token, plus the KV of
-  the context) over the measured bandwidth, and the fraction of it the step reaches.
+  steps after warm-up, in each of ``--rounds`` rounds; ``dense.roofline``: per bucket,
+  the bytes a decode step must read (every weight matrix but the embedding, which is
+  one row per token, plus the batch's KV) over the machine's read bandwidth, measured
+  between that bucket's steps (a float32 sum far past the caches, every few steps: the
+  ceiling as it stood while the steps ran, not a copy's rate taken once before), and
+  the fraction of that bound each round's step reaches.
 - ``dense.tensor_parallel`` / ``dense.pipeline_parallel``, ``moe.expert_parallel`` /
   ``moe.tensor_parallel`` (on a Mixtral): the same buckets on a worker group of two
   ranks, one thread each, against one process with as many threads on the same cores,
@@ -23,7 +24,6 @@ against eager on a GPU.
   native kernels (what the engine runs), eager in plain PyTorch, and ``torch.compile``d
   plain PyTorch (the native kernels are opaque to it), with the compile time.
 - ``cuda_graphs`` (on a GPU): decode steps replaying CUDA graphs against eager.
-- ``results/parallel.png``: step time per bucket, and the batch-1 roofline.
 """
 
 from __future__ import annotations
@@ -35,32 +35,31 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
-from benchmarks import plots
-from benchmarks.machine import add_dtype_argument, machine
+from benchmarks.machine import add_dtype_argument, machine, read_bandwidth, write_report
 from benchmarks.models import ensure_random_model
+from benchmarks.stats import spread
 from worker import Engine, SamplingParams
 from worker.parallel.state import TRAFFIC
 
 CONTEXT = 64  # prompt tokens of every sequence
 
 
-def memory_bandwidth_gb_s(mib: int = 512, repeats: int = 7) -> float:
-    src = torch.ones(mib << 18, dtype=torch.float32)  # mib MiB
-    dst = torch.empty_like(src)
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        rates.append(2 * src.numel() * 4 / (time.perf_counter() - start) / 1e9)
-    return round(statistics.median(rates), 2)
+BANDWIDTH_EVERY = 5  # timed steps between two read-bandwidth measurements
 
 
-def decode_step_ms(engine: Engine, batch: int, steps: int, vocab: int) -> tuple[float, dict[str, float]]:
-    """(median time of a decode step with ``batch`` sequences of CONTEXT tokens, bytes sent
-    between the ranks of a worker group per token those steps decoded, by collective)."""
+class Bucket(NamedTuple):
+    step_ms: float  # the median timed step
+    traffic: dict[str, int]  # bytes sent between a group's ranks per decoded token, by collective
+    read_gb_s: float  # the machine's read bandwidth, the median of those measured between the steps
+
+
+def decode_step_ms(engine: Engine, batch: int, steps: int, vocab: int, bandwidth: bool = False) -> Bucket:
+    """Time decode steps of ``batch`` sequences of CONTEXT tokens; with ``bandwidth``, measure
+    the read bandwidth before the first timed step and after every BANDWIDTH_EVERY."""
     g = torch.Generator().manual_seed(batch)
     for _ in range(batch):
         prompt = torch.randint(3, vocab, (CONTEXT,), generator=g).tolist()
@@ -70,15 +69,19 @@ def decode_step_ms(engine: Engine, batch: int, steps: int, vocab: int) -> tuple[
     for _ in range(3):
         engine.step()
     TRAFFIC.clear()
-    times = []
-    for _ in range(steps):
+    times, rates = [], []
+    buffer = torch.ones(1 << 28) if bandwidth else None  # 1 GiB, read between the steps
+    for i in range(steps):
+        if buffer is not None and i % BANDWIDTH_EVERY == 0:
+            rates.append(read_bandwidth(repeats=2, buffer=buffer) / 1e9)
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
     traffic = {kind: round(sent / (batch * steps)) for kind, sent in sorted(TRAFFIC.items())}
     while engine.has_unfinished_requests():
         engine.step()
-    return round(statistics.median(times) * 1e3, 3), traffic
+    return Bucket(round(statistics.median(times) * 1e3, 3), traffic,
+                  round(statistics.median(rates), 2) if rates else 0.0)
 
 
 def weights(engine: Engine) -> tuple[int, int]:
@@ -99,24 +102,42 @@ def kv_bytes(engine: Engine, tokens: int) -> int:
 
 
 def run(model_dir, dtype: str, buckets: list[int], steps: int, threads: int, vocab: int, device: str = "cpu",
-        **options) -> dict:
+        rounds: int = 1, bandwidth: bool = False, **options) -> dict:
     """Decode step time per bucket on an engine of ``options`` (a worker group's sizes,
-    ``enforce_eager``), with the bytes sent between its ranks per decoded token."""
+    ``enforce_eager``), each bucket timed in ``rounds`` rounds (its median reported), with the
+    bytes sent between its ranks per decoded token; with ``bandwidth``, the roofline too."""
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # a group's peers take it
     engine = Engine.from_pretrained(model_dir, dtype=dtype, device=device, num_kv_blocks=max(buckets) * 8 + 64,
                                     max_num_seqs=max(buckets), **options)
     try:
         decode_step_ms(engine, 1, 3, vocab)  # warm-up: first-call costs, oneDNN kernels
-        measured = {str(b): decode_step_ms(engine, b, steps, vocab) for b in buckets}
-        step_ms = {b: ms for b, (ms, _) in measured.items()}
+        measured = [{str(b): decode_step_ms(engine, b, steps, vocab, bandwidth) for b in buckets}
+                    for _ in range(rounds)]
         parameters, weight_bytes = weights(engine)
-        return {"decode_step_ms": step_ms, "parameters": parameters,
-                "bytes_per_step_batch_1": weight_bytes + kv_bytes(engine, CONTEXT),
-                "bytes_between_ranks_per_token": {b: traffic for b, (_, traffic) in measured.items() if traffic},
-                "tokens_per_s": {b: round(int(b) / ms * 1e3, 1) for b, ms in step_ms.items()}}
+        step_ms = {b: statistics.median(r[b].step_ms for r in measured) for b in measured[0]}
+        out = {"decode_step_ms": step_ms, "parameters": parameters,
+               "decode_step_ms_rounds": {b: [r[b].step_ms for r in measured] for b in step_ms},
+               "bytes_between_ranks_per_token": {b: t.traffic for b, t in measured[-1].items() if t.traffic},
+               "tokens_per_s": {b: round(int(b) / ms * 1e3, 1) for b, ms in step_ms.items()}}
+        if bandwidth:
+            out["roofline"] = roofline(measured, weight_bytes, engine)
+        return out
     finally:
         engine.close()
+
+
+def roofline(measured: list[dict[str, Bucket]], weight_bytes: int, engine: Engine) -> dict:
+    """Per bucket: the bytes a step reads, and per round the read bandwidth measured
+    between its steps, the bound it gives and the fraction of it the step reached."""
+    out = {}
+    for b in measured[0]:
+        nbytes = weight_bytes + int(b) * kv_bytes(engine, CONTEXT)
+        bound = [nbytes / (r[b].read_gb_s * 1e9) * 1e3 for r in measured]
+        fraction = [ms / r[b].step_ms for ms, r in zip(bound, measured)]
+        out[b] = {"bytes_per_step": nbytes, "read_gb_s_rounds": [r[b].read_gb_s for r in measured],
+                  "bound_ms_rounds": [round(x, 3) for x in bound], "fraction": spread(fraction)}
+    return out
 
 
 def against(one: dict, group: dict, ranks: int, threads: int) -> dict:
@@ -175,6 +196,8 @@ def main() -> None:
     add_dtype_argument(ap)
     ap.add_argument("--buckets", default="1,2,4,8,16,32", help="decode batch sizes")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per bucket")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the one-process buckets and their roofline")
+    ap.add_argument("--json-out", default=None, help="also write the report here (with the commit)")
     ap.add_argument("--groups", default="tensor,pipeline,expert",
                     help="worker groups of two ranks to compare with one process (none: skip)")
     ap.add_argument("--compile-buckets", default="1,8", help="buckets for eager vs torch.compile (none: skip)")
@@ -188,31 +211,23 @@ def main() -> None:
                                      args.steps, child=True)))
         return
     cores = len(os.sched_getaffinity(0))
-    bandwidth = memory_bandwidth_gb_s()
-    report = {"benchmark": "parallel", "machine": machine(args.dtype), "memory_bandwidth_gb_s": bandwidth,
-              "context_tokens": CONTEXT}
+    report = {"benchmark": "parallel", "machine": machine(args.dtype), "context_tokens": CONTEXT}
     if args.device.startswith("cuda"):
         graphs = run(dense, args.dtype, buckets, args.steps, cores, args.vocab_size, args.device)
         eager = run(dense, args.dtype, buckets, args.steps, cores, args.vocab_size, args.device, enforce_eager=True)
         report["cuda_graphs"] = {"graphs_ms": graphs["decode_step_ms"], "eager_ms": eager["decode_step_ms"],
                                  "eager_vs_graphs": {b: round(eager["decode_step_ms"][b] / ms, 3)
                                                      for b, ms in graphs["decode_step_ms"].items()}}
-        print(json.dumps(report, indent=2))
+        write_report(report, args.json_out, args)
         return
-    one = run(dense, args.dtype, buckets, args.steps, cores, args.vocab_size)
-    step_1 = one["decode_step_ms"]["1"] if 1 in buckets else None
-    roofline_ms = one["bytes_per_step_batch_1"] / (bandwidth * 1e9) * 1e3
-    report["dense"] = {"model": str(dense), "parameters": one.pop("parameters"), "one_process": one,
-                       "roofline": {"bytes_per_step": one["bytes_per_step_batch_1"],
-                                    "roofline_ms": round(roofline_ms, 3), "step_ms": step_1,
-                                    "fraction": round(roofline_ms / step_1, 3) if step_1 else None}}
+    one = run(dense, args.dtype, buckets, args.steps, cores, args.vocab_size, rounds=args.rounds, bandwidth=True)
+    report["dense"] = {"model": str(dense), "parameters": one.pop("parameters"), "roofline": one.pop("roofline"),
+                       "one_process": one}
     groups = [g for g in args.groups.split(",") if g in ("tensor", "pipeline", "expert")]
     threads = max(1, cores // 2)
-    series = {"one process": list(one["decode_step_ms"].values())}
     for kind in [g for g in groups if g != "expert"]:
         group = run(dense, args.dtype, buckets, args.steps, threads, args.vocab_size, **{f"{kind}_parallel_size": 2})
         report["dense"][f"{kind}_parallel"] = against(one, group, 2, threads)
-        series[f"{kind} parallel, 2 ranks"] = list(group["decode_step_ms"].values())
     if "expert" in groups:
         moe = ensure_random_model(args.vocab_size, "moe")
         one_moe = run(moe, args.dtype, buckets, args.steps, cores, args.vocab_size)
@@ -225,10 +240,7 @@ def main() -> None:
         torch.set_num_threads(cores)
         report["cpu_compile"] = cpu_compile(dense, args.dtype, [int(b) for b in args.compile_buckets.split(",")],
                                             args.steps, child=False)
-    print(json.dumps(report, indent=2))
-    plots.lines("parallel", f"Decode step, {report['dense']['parameters'] / 1e6:.0f}M-parameter Llama "
-                f"({report['machine']['dtype']}, {cores} cores)", buckets, series, "sequences in the batch",
-                "step time (ms)", {"batch-1 roofline": round(roofline_ms, 2)})
+    write_report(report, args.json_out, args)
 
 
 if __name__ == "__main__":

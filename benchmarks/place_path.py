@@ -20,7 +20,7 @@ Also, serially, the two registry calls alone (``list_workers``, ``match``), to s
 where the time goes. Reported: p50, p99 and max latency in ms, placements per second,
 and events per second written meanwhile.
 
-    python -m benchmarks.place_path                    # ~3 min
+    python -m benchmarks.place_path --json-out benchmarks/results/place_path-amx.json   # ~3 min
     python -m benchmarks.place_path --workers 16,100
 """
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import subprocess
@@ -41,8 +40,7 @@ import grpc
 import numpy as np
 import redis.asyncio as redis
 
-from benchmarks import plots
-from benchmarks.machine import machine
+from benchmarks.machine import machine, write_report
 from control_plane.redis_server import running_redis
 from kervan.block_hash import HASH_NAME
 from kervan.kv_events import BlockRemoved, BlockStored
@@ -185,7 +183,7 @@ async def one_size(url: str, num_workers: int, args, rng: random.Random) -> dict
             "latency_ms": {name: stats(v) for name, v in runs.items()},
             "placements_per_s": {k: round(float(np.median(v)), 1) for k, v in rates.items() if k != "events_per_s"},
             "events_per_s_during_placement": round(float(np.median(rates["events_per_s"])), 1),
-            "_samples": runs}
+            "per_pass": {k: [round(x, 1) for x in v] for k, v in rates.items()}}
 
 
 def main() -> None:
@@ -194,6 +192,7 @@ def main() -> None:
     ap.add_argument("--placements", type=int, default=600, help="per condition per pass")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json-out", default=None, help="also write the report here (with the commit)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     sizes = []
@@ -201,14 +200,9 @@ def main() -> None:
         for n in (int(x) for x in args.workers.split(",")):
             sizes.append(asyncio.run(one_size(url, n, args, rng)))
     report = {"benchmark": "place_path", "machine": machine(), "concurrency": CONCURRENCY, "event_writers": WRITERS,
-              "prompt_blocks": 128, "placements_per_condition": args.placements * args.passes, "sizes": []}
-    for size in sizes:
-        samples = size.pop("_samples")
-        report["sizes"].append(size)
-        if size is sizes[-1] or len(sizes) == 1:
-            plots.latency_cdfs("place_path", f"Place at {size['workers']} workers: the whole path",
-                               {k: v for k, v in samples.items()})
-    print(json.dumps(report, indent=2))
+              "prompt_blocks": 128, "placements_per_condition": args.placements * args.passes}
+    report["sizes"] = sizes
+    write_report(report, args.json_out, args)
 
 
 if __name__ == "__main__":

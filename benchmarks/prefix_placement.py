@@ -51,7 +51,6 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks import plots
 from benchmarks.machine import add_dtype_argument, machine, write_report
 from benchmarks.stats import spread
 from control_plane.bench import workload
@@ -190,14 +189,7 @@ def main() -> None:
             if policy != "kv":  # per seed, then the median: how much lower kv's median TTFT is
                 report["policies"][policy]["ttft_p50_vs_kv"] = spread(
                     [r["ttft_p50_ms"] / k["ttft_p50_ms"] for r, k in zip(runs, per_policy["kv"])], "seeds")
-    by = report["policies"]
-    plots.grouped_bars("prefix_placement", f"Zipf shared prefixes over {args.replicas} replicas "
-                       f"(medians of {len(seeds)} seeds)",
-                       ["prefix-cache hit rate", "TTFT p50", "TTFT p99"],
-                       {p: [r["hit_rate"]["median"], r["ttft_p50_ms"]["median"], r["ttft_p99_ms"]["median"]]
-                        for p, r in by.items()},
-                       ["cached / prompt tokens", "ms", "ms"])
-    write_report(report, args.json_out)
+    write_report(report, args.json_out, args)
 
 
 if __name__ == "__main__":

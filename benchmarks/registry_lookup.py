@@ -14,14 +14,13 @@ chain's 128 hashes and gets, per worker, how many leading blocks it holds.
 - ``grpc_match``: the bitmaps behind the kv-registry's Match RPC, as the scheduler
   sees it (an in-process server on loopback).
 
-    python -m benchmarks.registry_lookup        # ~1 min; --blocks 100000 for a quick run
+    python -m benchmarks.registry_lookup --json-out benchmarks/results/registry_lookup-amx.json   # ~1 min
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
 import tempfile
@@ -32,8 +31,7 @@ import grpc
 import redis.asyncio as redis
 import uvloop
 
-from benchmarks import plots
-from benchmarks.machine import machine
+from benchmarks.machine import machine, write_report
 from control_plane.redis_server import running_redis
 from kervan.block_hash import HASH_NAME
 from kervan.kv_events import BlockStored
@@ -150,8 +148,9 @@ async def main_async(args) -> dict:
                              for name, v in samples.items()}}
     report["owner_sets_vs_bitmaps_p99"] = round(report["latency_ms"]["owner_sets"]["p99"]
                                                 / report["latency_ms"]["bitmaps"]["p99"], 1)
-    plots.latency_cdfs("registry_lookup", f"Longest-prefix match, {args.prompt_blocks}-block prompt, "
-                       f"{registered / 1e6:.1f}M blocks / {args.workers} workers", samples)
+    half = len(samples["bitmaps"]) // 2  # timed's two passes, in order
+    report["latency_ms_per_pass"] = {name: [{"p50": pct(part, 50), "p99": pct(part, 99)}
+                                            for part in (v[:half], v[half:])] for name, v in samples.items()}
     return report
 
 
@@ -162,8 +161,9 @@ def main() -> None:
     ap.add_argument("--prompt-blocks", type=int, default=128)
     ap.add_argument("--lookups", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json-out", default=None, help="also write the report here (with the commit)")
     args = ap.parse_args()
-    print(json.dumps(uvloop.run(main_async(args)), indent=2))  # the services' event loop
+    write_report(uvloop.run(main_async(args)), args.json_out, args)  # the services' event loop
 
 
 if __name__ == "__main__":

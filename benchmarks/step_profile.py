@@ -25,7 +25,7 @@ from statistics import median
 
 import torch
 
-from benchmarks.machine import machine, write_report
+from benchmarks.machine import machine, read_bandwidth, write_report
 from worker import Engine, SamplingParams
 from worker.default_model import ensure_default_model
 from worker.pull import resolve_model
@@ -37,13 +37,6 @@ OP_CLASSES = {  # op name -> class; anything else is "other" (allocations, views
     "kervan::silu_and_mul": "activation", "kervan::rotary": "rotary", "kervan::argmax_rows": "sampling",
     "aten::argmax": "sampling", "aten::embedding": "embedding",
 }
-
-
-def memory_bandwidth() -> float:
-    """Bytes per second of a 1 GiB float32 sum (the best of five)."""
-    x = torch.ones(1 << 28)
-    best = min(_timed(x.sum) for _ in range(5))
-    return x.numel() * 4 / best
 
 
 def matmul_peak(dtype: torch.dtype) -> float:
@@ -166,7 +159,7 @@ def main() -> None:
     model_dir = resolve_model(args.model) if args.model else ensure_default_model()
     engine = Engine.from_pretrained(model_dir, dtype=args.dtype, kv_cache_memory_bytes=2 << 30)
     dtype = engine.config.dtype
-    bandwidth, peak = memory_bandwidth(), matmul_peak(dtype)
+    bandwidth, peak = read_bandwidth(), matmul_peak(dtype)
     print(f"memory {bandwidth / 1e9:.1f} GB/s, {dtype} matmul {peak / 1e12:.2f} TFLOP/s", flush=True)
     costs = model_costs(engine)
     points = [decode_point(engine, int(b), args.context, costs, bandwidth, peak, args.steps)

@@ -11,38 +11,26 @@ README; ``tests/test_benchmark_tables.py`` fails when one is stale."""
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
 
+from benchmarks import cells, mesh_tables
+
 HERE = Path(__file__).parent
-RESULTS = HERE / "results"
+RESULTS = cells.RESULTS
 README = HERE / "README.md"
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
 
 
-def _range(ratio: dict) -> str:
-    return f"**{ratio['median']:.2f}** ({ratio['min']:.2f}–{ratio['max']:.2f})"
-
-
-def _tok_s(values: list[float]) -> str:
-    return f"{sorted(values)[len(values) // 2]:,.1f} ({min(values):,.1f}–{max(values):,.1f})"
-
-
-def _reports(benchmark: str):
-    """(the report's cell: file and commit, the report) for each committed ``benchmark-*.json``."""
-    for path in sorted(RESULTS.glob(f"{benchmark}-*.json")):
-        report = json.loads(path.read_text())
-        yield f"`{path.name}` ({report['commit']})", report
-
-
 def engine_throughput() -> str:
-    """One row per (report, dtype): Kervan's throughput, deterministic mode's cost, vLLM."""
-    rows = ["| report | CPU (ISA) | model | dtype | rounds | Kervan tok/s | deterministic / default | vLLM tok/s "
-            "| Kervan / vLLM |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for label, report in _reports("engine_throughput"):
+    """One row per (report, dtype): Kervan's throughput, deterministic mode's cost, vLLM and
+    transformers (at its best batch size, and in batches sorted by output length)."""
+    peers = ("vllm", "transformers", "transformers_sorted")
+    rows = ["| report | CPU (ISA) | model | dtype | rounds | Kervan tok/s | deterministic / default | "
+            + " | ".join(f"{p} tok/s | Kervan / {p}" for p in peers) + " |",
+            "|---|---|---|---|---|---|---|" + "---|---|" * len(peers)]
+    for label, report in cells.reports("engine_throughput"):
         machine = report["machine"]
         features = [machine["isa"]] + ["native bf16"] * machine["native_bf16"] + ["AMX"] * machine.get("amx", False)
         cpu = f"{machine['cpu']} ({', '.join(features)})"
@@ -52,13 +40,14 @@ def engine_throughput() -> str:
 
             def tok_s(system: str, runs=runs) -> str:
                 have = [r[system]["output_tokens_per_s"] for r in runs if system in r]
-                return _tok_s(have) if have else "–"
+                return cells.middle(have) if have else "–"
 
             det = by_dtype.get("kervan_deterministic_vs_kervan")
-            vllm = by_dtype.get("kervan_vs_vllm")
+            vs = [by_dtype.get(f"kervan_vs_{p}") for p in peers]
             rows.append(f"| {label} | {cpu} | {model} | {by_dtype['dtype']} | {len(runs)} "
-                        f"| {tok_s('kervan')} | {_range(det) if det else '–'} | {tok_s('vllm')} "
-                        f"| {_range(vllm) if vllm else '–'} |")
+                        f"| {tok_s('kervan')} | {cells.ratio(det) if det else '–'} | "
+                        + " | ".join(f"{tok_s(p)} | {cells.ratio(v) if v else '–'}" for p, v in zip(peers, vs))
+                        + " |")
     return "\n".join(rows) + "\n"
 
 
@@ -67,7 +56,7 @@ def step_profile() -> str:
     rows = ["| report | step | wall ms | bound ms (memory / compute) | bound share | linear | attention | norm + "
             "activation + rotary | other ops | Python |",
             "|---|---|---|---|---|---|---|---|---|---|"]
-    for label, report in _reports("step_profile"):
+    for label, report in cells.reports("step_profile"):
         for point in report["points"]:
             ops = point["ops_ms"]
             elementwise = sum(ops.get(k, 0.0) for k in ("norm", "activation", "rotary"))
@@ -83,17 +72,13 @@ def step_profile() -> str:
 def linear_kernels() -> str:
     """One row per (report, row count): each path's time for a step's linears."""
     rows = ["| report | rows | plain ms | oneDNN ms | brgemm ms | oneDNN / brgemm |", "|---|---|---|---|---|---|"]
-    for label, report in _reports("linear_kernels"):
+    for label, report in cells.reports("linear_kernels"):
         for m, paths in report["rows"].items():
-            cells = [f"{paths[k]['ms']:.2f} ({paths[k]['min_ms']:.2f}–{paths[k]['max_ms']:.2f})" if k in paths else "–"
-                     for k in ("plain", "onednn", "brgemm")]
+            row_cells = [f"{paths[k]['ms']:.2f} ({paths[k]['min_ms']:.2f}–{paths[k]['max_ms']:.2f})"
+                         if k in paths else "–" for k in ("plain", "onednn", "brgemm")]
             ratio = f"**{paths['onednn']['ms'] / paths['brgemm']['ms']:.2f}**" if "brgemm" in paths else "–"
-            rows.append(f"| {label} | {m} | {' | '.join(cells)} | {ratio} |")
+            rows.append(f"| {label} | {m} | {' | '.join(row_cells)} | {ratio} |")
     return "\n".join(rows) + "\n"
-
-
-def _spread(x: dict, fmt: str = "{:,.1f}") -> str:
-    return f"{fmt.format(x['median'])} ({fmt.format(x['min'])}–{fmt.format(x['max'])})"
 
 
 QUANT_LABELS = {"bf16": "bf16", "gguf-q4_1": "GGUF Q4_1 as shipped", "int8": "int8", "fp8": "fp8",
@@ -103,7 +88,7 @@ QUANT_LABELS = {"bf16": "bf16", "gguf-q4_1": "GGUF Q4_1 as shipped", "int8": "in
 def quantization() -> str:
     """One row per (report, format): bytes, quality, decode speed per batch; llama.cpp."""
     rows = []
-    for label, report in _reports("quantization"):
+    for label, report in cells.reports("quantization"):
         speed, quality, batches = report["speed"], report["quality"], report["args"]["batches"]
         mixed = "mixed_tok_s" in speed["bf16"]
         rows += [f"| format ({label}) | weight bytes (vs bf16) | perplexity (vs float32) | top-1 agreement | "
@@ -116,17 +101,17 @@ def quantization() -> str:
             ppl = f"{q['perplexity']:.3f} ({q['perplexity_vs_float32']:.3f})" if q else "–"
             agree = f"{q['top1_agreement_with_float32']:.3f}" if q else "–"
             keys = [f"batch_{b}" for b in batches] + (["mixed"] if mixed else [])
-            cells = [f"{_spread(s[f'{k}_tok_s'])}" + ("" if fmt == "bf16" else f", {_range(s[f'{k}_vs_bf16'])}")
-                     for k in keys]
+            row_cells = [cells.spread(s[f"{k}_tok_s"])
+                         + ("" if fmt == "bf16" else f", {cells.ratio(s[f'{k}_vs_bf16'])}") for k in keys]
             rows.append(f"| {name} | {s['weight_bytes'] / 1e6:.1f} MB ({s['weight_bytes'] / base:.2f}) | {ppl} "
-                        f"| {agree} | " + " | ".join(cells) + " |")
+                        f"| {agree} | " + " | ".join(row_cells) + " |")
         if "llama_cpp" in speed:
             one = batches[0]
-            ratio = _range(speed["gguf-q4_1"][f"batch_{one}_vs_llama_cpp"])
+            ratio = cells.ratio(speed["gguf-q4_1"][f"batch_{one}_vs_llama_cpp"])
             rows.append(f"| llama.cpp, same GGUF, {speed['llama_cpp']['threads']} threads | | | | "
-                        f"{_spread(speed['llama_cpp'][f'batch_{one}_tok_s'])}; GGUF / llama.cpp per round "
+                        f"{cells.spread(speed['llama_cpp'][f'batch_{one}_tok_s'])}; GGUF / llama.cpp per round "
                         f"{ratio} |" + " |" * (len(batches) - 1 + mixed))
-        rows.append(f"| read bandwidth | {_spread(speed['read_bandwidth_gb_s'])} GB/s | | | "
+        rows.append(f"| read bandwidth | {cells.spread(speed['read_bandwidth_gb_s'])} GB/s | | | "
                     + " | ".join("" for _ in range(len(batches) + mixed)) + " |")
     return "\n".join(rows) + "\n"
 
@@ -138,13 +123,14 @@ def quant_kernels() -> str:
     """One row per (report, shape, rows): each kernel's speed over dense bf16's."""
     rows = ["| report | shape (N x K) | rows | dense bf16 µs | " + " | ".join(KERNELS) + " |",
             "|---|---|---|---|" + "---|" * len(KERNELS)]
-    for label, report in _reports("quant-kernels"):
+    for label, report in cells.reports("quant-kernels"):
         for name, shape in report["results"].items():
             for key in (k for k in shape if k.startswith("rows_")):
                 point = shape[key]
-                cells = [_range(point[k]["vs_dense_bf16"]) for k in KERNELS]
+                row_cells = [cells.ratio(point[k]["vs_dense_bf16"]) for k in KERNELS]
                 rows.append(f"| {label} | {name} {shape['shape'][0]} x {shape['shape'][1]} | {key[5:]} "
-                            f"| {_spread(point['dense_bf16']['us_per_call'], '{:,.0f}')} | " + " | ".join(cells) + " |")
+                            f"| {cells.spread(point['dense_bf16']['us_per_call'], '{:,.0f}')} | "
+                            + " | ".join(row_cells) + " |")
     return "\n".join(rows) + "\n"
 
 
@@ -157,80 +143,100 @@ def speculative() -> str:
     """One row per (report, workload, temperature, batch, engine or mesh): decode tok/s without
     speculation, and each proposer's speed over it with how many of its guesses were kept."""
     tables = []
-    for label, report in _reports("speculative"):
+    for label, report in cells.reports("speculative"):
         methods = [m for m in report["results"][0]["tokens_per_s"] if m != "none"]
         rows = [f"| {label}: workload | temperature | batch | through | no speculation tok/s | "
                 + " | ".join(f"{m} (vs none; guesses kept)" for m in methods) + " |",
                 "|---|---|---|---|---|" + "---|" * len(methods)]
         for r in report["results"]:
-            cells = [f"{_range(r[m]['ratio'])}; {_kept(r[m])}" for m in methods]
+            row_cells = [f"{cells.ratio(r[m]['ratio'])}; {_kept(r[m])}" for m in methods]
             rows.append(f"| {r['workload']} | {r['temperature']:g} | {r['batch']} | {r.get('through', 'engine')} "
-                        f"| {_spread(r['tokens_per_s']['none'])} | " + " | ".join(cells) + " |")
+                        f"| {cells.spread(r['tokens_per_s']['none'])} | " + " | ".join(row_cells) + " |")
         tables.append("\n".join(rows) + "\n")
     return "\n".join(tables)
 
 
-def _maybe(x: dict | None, fmt: str = "{:,.1f}") -> str:
-    return "–" if not x or x.get("median") is None or "min" not in x else _spread(x, fmt)
+def _vs(group: dict | None, bucket: str) -> str:
+    return f"{group['group_vs_one_process'][bucket]:.2f}" if group else "–"
 
 
-def interference() -> str:
-    """Per report: each shape's latencies, its goodput per core at every TPOT target, and that
-    over disaggregated's in the same round."""
+def parallel() -> str:
+    """Per report and bucket: one process's step over its rounds, the read bandwidth measured
+    between its steps, the roofline it gives and the share of it reached; each worker group of
+    two ranks over one process."""
     tables = []
-    for label, report in _reports("interference"):
-        shapes, targets = report["shapes"], [f"{t:g}" for t in report["tpot_targets_ms"]]
-        rows = [f"| {label}: shape | stream TPOT p99 ms | stream ITL p99 ms | stream TTFT p50 ms | long TTFT p50 ms "
-                "| long TTFT p99 ms | failed |", "|---|---|---|---|---|---|---|"]
-        for name, s in shapes.items():
-            rows.append(f"| {name} | {_maybe(s['stream_tpot_p99_ms'])} | {_maybe(s['stream_itl_p99_ms'])} "
-                        f"| {_maybe(s['stream_ttft_p50_ms'])} | {_maybe(s['long_ttft_p50_ms'], '{:,.0f}')} "
-                        f"| {_maybe(s['long_ttft_p99_ms'], '{:,.0f}')} | {s['failed']} |")
-        rows += ["", "| goodput per core (req/s) at stream TPOT ≤ | " + " | ".join(f"{t} ms" for t in targets) + " |",
-                 "|---|" + "---|" * len(targets)]
-        for name, s in shapes.items():
-            rows.append(f"| {name} | " + " | ".join(_maybe(s["goodput_per_core_at_tpot"][t], "{:.2f}")
-                                                   for t in targets) + " |")
-        rows += ["", "| per round, over disaggregated, at stream TPOT ≤ | " + " | ".join(f"{t} ms" for t in targets)
-                 + " |", "|---|" + "---|" * len(targets)]
-        for name, s in shapes.items():
-            if "goodput_vs_disaggregated_at_tpot" in s:
-                rows.append(f"| {name} | " + " | ".join(
-                    _range(r) if r and "min" in r else "–" for r in
-                    (s["goodput_vs_disaggregated_at_tpot"][t] for t in targets)) + " |")
+    for label, report in cells.reports("parallel"):
+        dense, moe = report["dense"], report.get("moe", {})
+        rows = [f"| {label}: batch | one process ms (rounds) | read GB/s between steps | bytes per step "
+                "| roofline ms | roofline / step, per round | tensor parallel vs one | pipeline parallel vs one "
+                "| MoE one process ms | expert parallel vs one | MoE tensor parallel vs one |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for b, roof in dense["roofline"].items():
+            moe_ms = moe.get("one_process", {}).get("decode_step_ms", {}).get(b)
+            rows.append(f"| {b} | {cells.middle(dense['one_process']['decode_step_ms_rounds'][b])} "
+                        f"| {cells.middle(roof['read_gb_s_rounds'])} | {roof['bytes_per_step'] / 1e6:,.0f} MB "
+                        f"| {cells.middle(roof['bound_ms_rounds'])} | {cells.ratio(roof['fraction'])} "
+                        f"| {_vs(dense.get('tensor_parallel'), b)} | {_vs(dense.get('pipeline_parallel'), b)} "
+                        f"| {'–' if moe_ms is None else f'{moe_ms:.1f}'} | {_vs(moe.get('expert_parallel'), b)} "
+                        f"| {_vs(moe.get('tensor_parallel'), b)} |")
+        compiled = report.get("cpu_compile", {}).get("buckets", {})
+        if compiled:
+            rows += ["", "| batch | native eager ms | torch eager ms | torch compiled ms | compiling s |",
+                     "|---|---|---|---|---|"]
+            rows += [f"| {b} | {c['eager_native_ms']:.1f} | {c['eager_torch_ms']:.1f} | {c['compiled_torch_ms']:.1f} "
+                     f"| {c['compile_s']:.0f} |" for b, c in compiled.items()]
         tables.append("\n".join(rows) + "\n")
     return "\n".join(tables)
 
 
-def _branches(per_seed: list[dict]) -> str:
-    total: dict[str, int] = {}
-    for seed in per_seed:
-        for branch, n in seed.items():
-            total[branch] = total.get(branch, 0) + n
-    placed = sum(total.values())
-    return ", ".join(f"{b} {n / placed:.0%}" for b, n in sorted(total.items())) if placed else "–"
+def linear_packing() -> str:
+    """Per report, dtype and shape: plain and oneDNN-packed times, best of the timed batches."""
+    rows = ["| report | dtype | shape (rows x K x N) | plain µs | packed µs | plain / packed |",
+            "|---|---|---|---|---|---|"]
+    for label, report in cells.reports("linear_packing"):
+        for dtype, shapes in report["dtypes"].items():
+            if "refused" in shapes:
+                rows.append(f"| {label} | {dtype} | refused: {shapes['refused']} | | | |")
+                continue
+            for shape, r in shapes.items():
+                rows.append(f"| {label} | {dtype} | {shape} | {r['plain_us']:,.1f} | {r['packed_us']:,.1f} "
+                            f"| **{r['plain_vs_packed']:.2f}** |")
+    return "\n".join(rows) + "\n"
 
 
-def prefix_placement() -> str:
-    """Per report: each policy (or variant) over the seeds, and which of its rules chose."""
+def _leaves(tree: dict, path: tuple[str, ...] = ()):
+    """(path, spread) for every ``benchmarks.stats.spread`` inside ``tree``, in order."""
+    for key, value in tree.items():
+        if isinstance(value, dict) and "median" in value and "min" in value:
+            yield (*path, str(key)), value
+        elif isinstance(value, dict):
+            yield from _leaves(value, (*path, str(key)))
+
+
+def measured(benchmark: str, keys: tuple[str, ...] = ("summary",)) -> str:
+    """Every measure of each report's ``keys``: its median, range and every round's value,
+    for the benchmarks whose reports are trees of measures (tiers, pulls, the HTTP front)."""
     tables = []
-    for label, report in _reports("prefix_placement"):
-        seeds = ", ".join(str(s) for s in report["seeds"])
-        rows = [f"| {label}, seeds {seeds}: run | flags | hit rate | TTFT p50 ms | TTFT p99 ms | goodput req/s "
-                "| TTFT p50 / kv's, per seed | rule that chose |", "|---|---|---|---|---|---|---|---|"]
-        for name, p in report["policies"].items():
-            vs_kv = p.get("ttft_p50_vs_kv")
-            rows.append(f"| {name} | `{report.get('runs', {}).get(name, name)}` | {_maybe(p['hit_rate'], '{:.3f}')} "
-                        f"| {_maybe(p['ttft_p50_ms'])} | {_maybe(p['ttft_p99_ms'], '{:,.0f}')} "
-                        f"| {_maybe(p['goodput'], '{:.2f}')} | {_range(vs_kv) if vs_kv else '–'} "
-                        f"| {_branches(p.get('policy_branches_per_seed', []))} |")
+    for label, report in cells.reports(benchmark):
+        rows = [f"| {label}: measure | median (min–max) | every round |", "|---|---|---|"]
+        for path, x in _leaves({k: report[k] for k in keys} if len(keys) > 1 else report[keys[0]]):
+            whole = all(float(v).is_integer() for v in x["rounds"] if v is not None)
+            fmt = "{:,.0f}" if whole else "{:,.3f}" if abs(x["median"]) < 10 else "{:,.1f}"
+            each = ", ".join(fmt.format(v) for v in x["rounds"] if v is not None)
+            rows.append(f"| {' · '.join(path)} | {cells.spread(x, fmt)} | {each} |")
         tables.append("\n".join(rows) + "\n")
     return "\n".join(tables)
 
 
 TABLES = {"engine_throughput": engine_throughput, "step_profile": step_profile, "linear_kernels": linear_kernels,
           "quantization": quantization, "quant-kernels": quant_kernels,
-          "speculative": speculative, "interference": interference, "prefix_placement": prefix_placement}
+          "speculative": speculative, "parallel": parallel, "linear_packing": linear_packing,
+          "interference": mesh_tables.interference, "prefix_placement": mesh_tables.prefix_placement,
+          "mesh_throughput": mesh_tables.mesh_throughput, "place_path": mesh_tables.place_path,
+          "registry_lookup": mesh_tables.registry_lookup,
+          "kv_tiers": lambda: measured("kv_tiers"), "long_reasoning": lambda: measured("long_reasoning"),
+          "kv_pull": lambda: measured("kv_pull"), "http_front": lambda: measured("http_front", ("ttft_ms",
+                                                                                          "overhead_vs_grpc_ms"))}
 
 
 def render(text: str) -> str:

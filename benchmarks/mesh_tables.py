@@ -1,0 +1,139 @@
+"""The generated tables of the benchmarks that run the mesh's services: interference,
+prefix placement, the mesh against engines, the ``Place`` path and the registry's lookups."""
+
+from __future__ import annotations
+
+from benchmarks import cells
+
+
+def interference() -> str:
+    """Per report: each shape's latencies, its goodput per core at every TPOT target, and that
+    over disaggregated's in the same round."""
+    tables = []
+    for label, report in cells.reports("interference"):
+        shapes, targets = report["shapes"], [f"{t:g}" for t in report["tpot_targets_ms"]]
+        rows = [f"| {label}: shape | stream TPOT p99 ms | stream ITL p99 ms | stream TTFT p50 ms | long TTFT p50 ms "
+                "| long TTFT p99 ms | failed |", "|---|---|---|---|---|---|---|"]
+        for name, s in shapes.items():
+            rows.append(f"| {name} | {cells.maybe(s['stream_tpot_p99_ms'])} | {cells.maybe(s['stream_itl_p99_ms'])} "
+                        f"| {cells.maybe(s['stream_ttft_p50_ms'])} | {cells.maybe(s['long_ttft_p50_ms'], '{:,.0f}')} "
+                        f"| {cells.maybe(s['long_ttft_p99_ms'], '{:,.0f}')} | {s['failed']} |")
+        rows += ["", "| goodput per core (req/s) at stream TPOT ≤ | " + " | ".join(f"{t} ms" for t in targets) + " |",
+                 "|---|" + "---|" * len(targets)]
+        for name, s in shapes.items():
+            rows.append(f"| {name} | " + " | ".join(cells.maybe(s["goodput_per_core_at_tpot"][t], "{:.2f}")
+                                                   for t in targets) + " |")
+        rows += ["", "| per round, over disaggregated, at stream TPOT ≤ | " + " | ".join(f"{t} ms" for t in targets)
+                 + " |", "|---|" + "---|" * len(targets)]
+        for name, s in shapes.items():
+            if "goodput_vs_disaggregated_at_tpot" in s:
+                rows.append(f"| {name} | " + " | ".join(
+                    cells.ratio(r) if r and "min" in r else "–" for r in
+                    (s["goodput_vs_disaggregated_at_tpot"][t] for t in targets)) + " |")
+        tables.append("\n".join(rows) + "\n")
+    return "\n".join(tables)
+
+
+def _branches(per_seed: list[dict]) -> str:
+    total: dict[str, int] = {}
+    for seed in per_seed:
+        for branch, n in seed.items():
+            total[branch] = total.get(branch, 0) + n
+    placed = sum(total.values())
+    return ", ".join(f"{b} {n / placed:.0%}" for b, n in sorted(total.items())) if placed else "–"
+
+
+def prefix_placement() -> str:
+    """Per report: each policy (or variant) over the seeds, and which of its rules chose."""
+    tables = []
+    for label, report in cells.reports("prefix_placement"):
+        seeds = ", ".join(str(s) for s in report["seeds"])
+        bound = cells.maybe(report["hit_rate_bound"], "{:.3f}")
+        rows = [f"| {label}, seeds {seeds} (hit-rate bound {bound}): run | flags | hit rate | repeat hits "
+                "| TTFT p50 ms | TTFT p99 ms | goodput req/s | TTFT p50 / kv's, per seed | rule that chose |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for name, p in report["policies"].items():
+            vs_kv = p.get("ttft_p50_vs_kv")
+            flags = report.get("runs", {}).get(name, name)
+            rows.append(f"| {name} | `{flags}` | {cells.maybe(p['hit_rate'], '{:.3f}')} "
+                        f"| {cells.maybe(p['repeat_hit_share'], '{:.3f}')} "
+                        f"| {cells.maybe(p['ttft_p50_ms'])} | {cells.maybe(p['ttft_p99_ms'], '{:,.0f}')} "
+                        f"| {cells.maybe(p['goodput'], '{:.2f}')} | {cells.ratio(vs_kv) if vs_kv else '–'} "
+                        f"| {_branches(p.get('policy_branches_per_seed', []))} |")
+        tables.append("\n".join(rows) + "\n")
+    return "\n".join(tables)
+
+
+def _latency(x: dict | None) -> str:
+    return "–" if not x else f"{x['p50']:,.1f} / {x['p99']:,.1f}"
+
+
+def _vs_rounds(entry: dict, name: str, base: str) -> str:
+    """The per-round ratio's cell; reports before 2026-12-05 kept only the list of ratios."""
+    if isinstance(entry.get(f"{name}_vs_{base}_throughput"), dict):
+        return cells.ratio(entry[f"{name}_vs_{base}_throughput"])
+    old = entry.get(f"{name}_vs_{base}_rounds")
+    return cells.ratio({"median": sorted(old)[len(old) // 2], "min": min(old), "max": max(old)}) if old else "–"
+
+
+def mesh_throughput() -> str:
+    """Per report and concurrency: each system's throughput over its rounds (the median
+    round's alone in older reports), latencies of its median round, and its per-round ratio
+    to each baseline; then the KV transfer, per round."""
+    tables = []
+    for label, report in cells.reports("mesh_throughput"):
+        for conc, entry in report["concurrency"].items():
+            systems = [k for k, v in entry.items() if isinstance(v, dict) and "output_tokens_per_s" in v]
+            rows = [f"| {label}, {conc} concurrent ({entry['requests']} requests): system | output tok/s "
+                    "| TTFT p50 / p99 ms | ITL p50 / p99 ms | vs engine, per round | vs engines pinned, per round |",
+                    "|---|---|---|---|---|---|"]
+            for name in systems:
+                every = entry.get(f"{name}_rounds")
+                tok_s = (cells.middle([r["output_tokens_per_s"] for r in every]) if every
+                         else f"{entry[name]['output_tokens_per_s']:,.1f} (median round)")
+                rows.append(f"| {name} | {tok_s} | {_latency(entry[name]['ttft_ms'])} "
+                            f"| {_latency(entry[name]['itl_ms'])} | {_vs_rounds(entry, name, 'engine')} "
+                            f"| {_vs_rounds(entry, name, 'engines_pinned')} |")
+            tables.append("\n".join(rows) + "\n")
+        kv = report["kv_transfer"]
+        if "rounds" not in kv:
+            continue  # older reports kept a best of 5, quoted in their own section
+        rows = [f"| {label}: KV transfer, {kv['kv_bytes'] / 2**20:.0f} MiB ({kv['prompt_tokens']} tokens), "
+                f"{kv['rounds']} rounds | GB/s | vs plain copy, per round | vs warm copy, per round |",
+                "|---|---|---|---|"]
+        for name in ("shared_memory_push", "grpc_stream_push", "plain_shm_copy", "warm_shm_copy"):
+            vs = [kv.get(f"{name}_vs_{base}") for base in ("plain_shm_copy", "warm_shm_copy")]
+            rows.append(f"| {name.replace('_', ' ')} | {cells.spread(kv[f'{name}_gb_per_s'], '{:.2f}')} | "
+                        + " | ".join(cells.ratio(v) if v else "–" for v in vs) + " |")
+        tables.append("\n".join(rows) + "\n")
+    return "\n".join(tables)
+
+
+def place_path() -> str:
+    """Per report and worker count: latencies per condition, placements/s per pass."""
+    rows = ["| report | workers | serial p50 / p99 ms | 16 concurrent p50 / p99 ms | + KV events p50 / p99 ms "
+            "| placements/s, 16 concurrent (per pass) | + KV events (per pass) | events/s written meanwhile "
+            "| `ListWorkers` alone p50 ms | `Match` alone p50 ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for label, report in cells.reports("place_path"):
+        for size in report["sizes"]:
+            lat, rate = size["latency_ms"], size["placements_per_s"]
+            per_pass = {k: ", ".join(map(str, v)) for k, v in size["per_pass"].items()}
+            rows.append(f"| {label} | {size['workers']:,} | {_latency(lat['serial'])} | {_latency(lat['concurrent'])} "
+                        f"| {_latency(lat['concurrent_with_events'])} "
+                        f"| {rate['concurrent']:,.1f} ({per_pass['concurrent']}) "
+                        f"| {rate['concurrent_with_events']:,.1f} ({per_pass['concurrent_with_events']}) "
+                        f"| {size['events_per_s_during_placement']:,.0f} | {lat['list_workers']['p50']:.1f} "
+                        f"| {lat['match']['p50']:.1f} |")
+    return "\n".join(rows) + "\n"
+
+
+def registry_lookup() -> str:
+    """Per report and method: latency over all lookups, and p99 in each pass."""
+    rows = ["| report | blocks / workers | method | p50 ms | p99 ms | max ms | p99 per pass |",
+            "|---|---|---|---|---|---|---|"]
+    for label, report in cells.reports("registry_lookup"):
+        for name, lat in report["latency_ms"].items():
+            passes = ", ".join(f"{p['p99']:.3f}" for p in report["latency_ms_per_pass"][name])
+            rows.append(f"| {label} | {report['blocks_registered']:,} / {report['workers']} | {name} "
+                        f"| {lat['p50']:.3f} | {lat['p99']:.3f} | {lat['max']:.2f} | {passes} |")
+    return "\n".join(rows) + "\n"
