@@ -9,6 +9,9 @@
   once into the cache; ``--model NAME`` then means it (``kervan models`` lists them).
 - ``kervan bench``: a load generator against a router or any OpenAI-compatible server
   (``control_plane/bench``).
+- ``kervan plan``: what a model needs to serve a load within latency targets on given
+  hardware: memory, layout, batch, prefill and decode pools (``control_plane/plan``);
+  ``kervan profile`` times the engine here for it.
 - ``kervan info``: what Kervan detects on this machine (device, CPU ISA, the dtype
   ``auto`` stands for, packing, native kernels): paste it into a bug report.
 - ``kervan build-kernels``: build the native CPU kernels ahead of time (images)."""
@@ -336,12 +339,15 @@ def pull(name: str, force: bool, no_kernels: bool, dtype: str | None) -> None:
     click.echo(str(target))
 
 
-def _add_bench() -> None:
+def _add_subcommands() -> None:
     from control_plane.bench.command import bench
+    from control_plane.plan.command import plan_command, profile_command
     main.add_command(bench)
+    main.add_command(plan_command)
+    main.add_command(profile_command)
 
 
-_add_bench()
+_add_subcommands()
 
 
 @main.command()

@@ -51,6 +51,15 @@ class Lengths:
             raise ValueError(f"length {text!r}: lengths are at least 1 and LO <= HI")
         return spec
 
+    @property
+    def mean(self) -> float:
+        return (self.a + self.b) / 2 if self.kind == "uniform" else self.a
+
+    @property
+    def upper(self) -> int:
+        """The longest a draw is (normal: three deviations above the mean)."""
+        return int(self.b if self.kind == "uniform" else self.a + 3 * self.b if self.kind == "normal" else self.a)
+
     def draw(self, rng: random.Random) -> int:
         if self.kind == "fixed":
             return int(self.a)

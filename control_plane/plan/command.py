@@ -1,0 +1,131 @@
+"""``kervan plan``: the command line of the planner (``control_plane/plan``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from control_plane.plan.hardware import CATALOG, get_hardware, with_overrides
+from control_plane.plan.model_shape import BYTES_PER_WEIGHT, ModelShape
+from control_plane.plan.profile import CONTEXTS, DECODE_BATCHES, PREFILL_TOKENS, Profile, measure
+from control_plane.plan.sizing import Load, Plan, Slo, plan
+
+
+def model_shape(model: str) -> tuple[ModelShape, str, str]:
+    """(its shape, the weight format its directory holds, its float dtype) for a model
+    directory, a ``config.json``, or a pulled catalog name."""
+    from worker.config import ConfigError, ModelConfig
+    from worker.pull import GGUF_WEIGHTS, PullError, pulled_weights, resolve_model
+
+    path = Path(model).expanduser()
+    if path.name != "config.json":
+        try:
+            path = resolve_model(model) / "config.json"
+        except PullError as exc:
+            raise click.UsageError(f"{exc} (or pass a model directory or its config.json)") from None
+    if not path.is_file():
+        raise click.UsageError(f"{model}: no config.json (a Hugging Face model directory, or its config.json)")
+    raw = json.loads(path.read_text())
+    try:
+        shape = ModelShape.from_config(path.parent.name, ModelConfig.from_hf_dict(raw))
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    held = pulled_weights(path.parent)
+    weights = "gguf-q4_1" if held == GGUF_WEIGHTS else held or raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+    if weights not in BYTES_PER_WEIGHT:
+        weights = "bfloat16"
+    return shape, weights, weights if weights in ("float32", "float16") else "bfloat16"
+
+
+def render(p: Plan) -> str:
+    """The plan as a person reads it."""
+    m, mem, d, pf, pools = p.model, p.memory_per_device, p.decode, p.prefill, p.pools
+    gb = 1e9
+    lines = [
+        f"{m['name']}: {m['parameters'] / 1e9:.2f}B parameters ({m['active_parameters'] / 1e9:.2f}B active per "
+        f"token), weights {m['weights']}, {m['dtype']} activations; KV {m['kv_bytes_per_token'] / 1024:.1f} KiB "
+        f"a token",
+        f"on {p.hardware['name']} ({p.hardware['memory_bytes'] / gb:.0f} GB, "
+        f"{p.hardware['bandwidth'] / gb:,.0f} GB/s, {p.hardware['peak_flops'] / 1e12:,.1f} TFLOP/s; "
+        f"efficiencies {p.hardware['memory_efficiency']:.0%} memory, {p.hardware['compute_efficiency']:.0%} compute)",
+        f"layout: TP{p.layout['tp']} x PP{p.layout['pp']}" + (f", EP{p.layout['ep']}" if p.layout["ep"] > 1 else "")
+        + f" ({p.layout['devices']} device(s) a worker)",
+        f"memory per device: weights {mem['weights_bytes'] / gb:.2f} GB, activations "
+        f"{mem['activations_bytes'] / gb:.2f} GB, runtime {mem['runtime_bytes'] / gb:.2f} GB, KV "
+        f"{mem['kv_bytes'] / gb:.2f} GB = {mem['kv_tokens']:,} tokens",
+        f"decode: batch up to {d['max_batch']} (runs ~{d['operating_batch']}), ITL {d['itl_s'] * 1e3:.2f} ms, "
+        f"{d['tokens_per_s_per_worker']:,.0f} tok/s a worker",
+        f"prefill: {pf['tokens_per_s_per_worker']:,.0f} prompt tok/s a worker, TTFT {pf['ttft_s'] * 1e3:,.0f} ms",
+        f"pools: {pools['prefill']} prefill + {pools['decode']} decode worker(s) ({pools['ratio']}), "
+        f"{pools['devices']} device(s); expected {p.expected['output_tokens_per_s']:,.0f} output tok/s",
+        "meets the targets" if p.meets_slo else "DOES NOT meet the targets",
+        "why:", *(f"  - {r}" for r in p.reasons)]
+    return "\n".join(lines)
+
+
+@click.command("plan")
+@click.option("--model", "model", required=True,
+              help="a Hugging Face model directory, its config.json, or a pulled catalog name")
+@click.option("--weights", type=click.Choice(sorted(BYTES_PER_WEIGHT)), default=None,
+              help="the weights' format (default: what the directory holds)")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+              help="activations and KV (default: bfloat16, float32 for float32 weights)")
+@click.option("--hardware", default="h100-sxm", show_default=True,
+              help=f"this (measured now) or one of: {', '.join(CATALOG)}")
+@click.option("--memory-gb", type=float, default=None, help="override the device's memory")
+@click.option("--bandwidth-gb-s", type=float, default=None, help="override the device's memory bandwidth")
+@click.option("--rate", type=float, required=True, help="requests per second")
+@click.option("--input-len", default="fixed:1024", show_default=True, help="prompt tokens: N, uniform:LO:HI, ...")
+@click.option("--output-len", default="fixed:256", show_default=True, help="output tokens, as --input-len")
+@click.option("--ttft-ms", type=float, default=1000.0, show_default=True, help="time to first token target")
+@click.option("--itl-ms", type=float, default=50.0, show_default=True, help="inter-token latency target")
+@click.option("--chunk", type=int, default=2048, show_default=True, help="prefill tokens per step")
+@click.option("--profile", "profile_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="step times measured by `kervan profile` instead of the roofline (one process: TP1)")
+@click.option("--json", "json_path", default=None, help="also write the plan to this file")
+def plan_command(model, weights, dtype, hardware, memory_gb, bandwidth_gb_s, rate, input_len, output_len, ttft_ms,
+                 itl_ms, chunk, profile_path, json_path) -> None:
+    """What serving MODEL at RATE needs on HARDWARE within the TTFT and ITL targets: memory per
+    device, the tensor/pipeline layout, the decode batch, the prefill and decode pools, and why."""
+    from control_plane.bench.workload import Lengths
+
+    shape, held, float_dtype = model_shape(model)
+    try:
+        ins, outs = Lengths.parse(input_len), Lengths.parse(output_len)
+        hw = with_overrides(get_hardware(hardware), memory_bytes=memory_gb and memory_gb * 1e9,
+                            bandwidth=bandwidth_gb_s and bandwidth_gb_s * 1e9)
+        profile = Profile.load(profile_path) if profile_path else None
+        result = plan(shape, weights or held, (dtype or (profile.dtype if profile else float_dtype)), hw,
+                      Load(rate, ins.mean, outs.mean, ins.upper, outs.upper), Slo(ttft_ms / 1e3, itl_ms / 1e3), chunk,
+                      profile)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(render(result))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+
+
+@click.command("profile")
+@click.option("--model", "model", required=True, help="a model directory or a pulled catalog name")
+@click.option("--dtype", default="auto", show_default=True, help="the serving dtype (auto: what this machine runs)")
+@click.option("--batches", default=",".join(map(str, DECODE_BATCHES)), show_default=True,
+              help="decode batch sizes to time")
+@click.option("--contexts", default=",".join(map(str, CONTEXTS)), show_default=True,
+              help="context lengths the decode batches run at")
+@click.option("--prefill-tokens", default=",".join(map(str, PREFILL_TOKENS)), show_default=True,
+              help="prompt chunk sizes to time")
+@click.option("--out", "out_path", required=True, help="where to write the profile (JSON)")
+def profile_command(model, dtype, batches, contexts, prefill_tokens, out_path) -> None:
+    """Time the engine's decode steps and prefill chunks on this machine, for `kervan plan --profile`."""
+    from worker.pull import PullError, resolve_model
+
+    try:
+        model_dir = resolve_model(model)
+        ints = [tuple(int(x) for x in v.split(",")) for v in (batches, contexts, prefill_tokens)]
+    except (PullError, ValueError) as exc:
+        raise click.UsageError(str(exc)) from None
+    result = measure(model_dir, dtype, *ints, say=lambda line: click.echo(line, err=True))
+    Path(out_path).write_text(result.to_json() + "\n")
+    click.echo(f"profile of {model} ({result.dtype}) written to {out_path}")

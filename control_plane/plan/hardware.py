@@ -1,0 +1,107 @@
+"""The device a worker runs on, as a plan sees it: memory, memory bandwidth, peak matmul
+rate per dtype, the link between a worker group's devices, and what the engine reaches of
+the peaks. Named GPUs carry their public datasheet figures (dense, no sparsity); ``this``
+measures the machine the command runs on.
+
+The efficiencies are what an engine reaches of a peak on serving shapes, not the peak:
+GPUs' from common practice (80% of HBM bandwidth on decode, 60% of dense matmul peak on
+prefill); this CPU's from Kervan's own step profile (``benchmarks/step_profile.py``:
+decode steps at 0.41-0.65 of their memory bound, prefill at 0.57-0.64 of its compute
+bound). A ``kervan profile`` of the engine replaces both with measured curves."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    kind: str  # "gpu" or "cpu"
+    memory_bytes: float  # per device
+    bandwidth: float  # bytes/s a device streams from its memory
+    peak_flops: dict[str, float]  # dense matmul FLOP/s per dtype
+    link_bandwidth: float  # bytes/s each way between two devices of a worker group
+    devices_per_node: int
+    memory_efficiency: float
+    compute_efficiency: float
+    step_overhead_s: float  # a step's fixed cost outside its matmuls and attention
+    link_latency_s: float = 10e-6  # one collective's fixed cost
+    usable_memory: float = 0.9  # the share of memory the engine may take (vLLM's gpu_memory_utilization)
+    runtime_bytes: float = 2 * GB  # the runtime's own memory per device (CUDA context, allocator, Python)
+    source: str = ""
+
+    def flops(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ValueError(f"{self.name} has no {dtype} matmul rate; it has {', '.join(self.peak_flops)}")
+        return self.peak_flops[dtype]
+
+
+def _gpu(name: str, memory_gb: float, bandwidth_tb_s: float, bf16_tflops: float, link_gb_s: float,
+         source: str, fp8_tflops: float | None = None) -> Hardware:
+    flops = {"bfloat16": bf16_tflops * 1e12, "float16": bf16_tflops * 1e12, "float32": bf16_tflops * 1e12 / 2}
+    if fp8_tflops:
+        flops["fp8"] = fp8_tflops * 1e12
+    return Hardware(name=name, kind="gpu", memory_bytes=memory_gb * GB, bandwidth=bandwidth_tb_s * 1e12,
+                    peak_flops=flops, link_bandwidth=link_gb_s * GB, devices_per_node=8,
+                    memory_efficiency=0.8, compute_efficiency=0.6, step_overhead_s=0.3e-3, source=source)
+
+
+CATALOG = {h.name: h for h in [
+    _gpu("h100-sxm", 80, 3.35, 989, 450, "NVIDIA H100 datasheet: 80 GB HBM3, 3.35 TB/s, BF16 989 TFLOPS dense, "
+         "NVLink 900 GB/s", fp8_tflops=1979),
+    _gpu("h200-sxm", 141, 4.8, 989, 450, "NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s, BF16 989 TFLOPS dense, "
+         "NVLink 900 GB/s", fp8_tflops=1979),
+    _gpu("a100-sxm-80gb", 80, 2.039, 312, 300, "NVIDIA A100 datasheet: 80 GB HBM2e, 2,039 GB/s, BF16 312 TFLOPS "
+         "dense, NVLink 600 GB/s"),
+    _gpu("l40s", 48, 0.864, 362, 32, "NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, BF16 362 TFLOPS dense, "
+         "PCIe Gen4 x16", fp8_tflops=733),
+]}
+
+
+def get_hardware(name: str) -> Hardware:
+    """A named device, or ``this`` machine measured now."""
+    if name == "this":
+        return measure_this()
+    if name not in CATALOG:
+        raise ValueError(f"unknown hardware {name!r}; known: this, {', '.join(CATALOG)}")
+    return CATALOG[name]
+
+
+def measure_this(seconds_budget: float = 2.0) -> Hardware:
+    """This machine's CPU as one device per host: its memory, the bandwidth of a 1 GiB
+    float32 sum, and the rate of 1024^3 matmuls in bfloat16 and float32 (the best of a few)."""
+    import torch
+
+    def best(fn, repeats: int = 3) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    x = torch.ones(1 << 28)
+    bandwidth = x.numel() * 4 / best(x.sum)
+    del x
+    flops = {}
+    for dtype in ("bfloat16", "float32"):
+        a = torch.randn(1024, 1024).to(getattr(torch, dtype))
+        flops[dtype] = 2 * 1024 ** 3 / best(lambda a=a: a @ a)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cores = len(os.sched_getaffinity(0))
+    return Hardware(name="this", kind="cpu", memory_bytes=memory, bandwidth=bandwidth, peak_flops=flops,
+                    link_bandwidth=6 * GB, devices_per_node=1, memory_efficiency=0.5, compute_efficiency=0.6,
+                    step_overhead_s=5e-3, usable_memory=0.8, runtime_bytes=1 * GB,
+                    source=f"measured here: {cores} cores, a 1 GiB float32 sum, 1024^3 matmuls; the link between "
+                           "a group's processes is shared memory, taken as 6 GB/s")
+
+
+def with_overrides(hw: Hardware, **changes: float) -> Hardware:
+    """``hw`` with some figures replaced (``--memory-gb`` and the like on the command line)."""
+    return replace(hw, **{k: v for k, v in changes.items() if v is not None})

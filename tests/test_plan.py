@@ -1,0 +1,169 @@
+"""``kervan plan``: a model's counts against the weights transformers writes and the KV the
+engine allocates, the layouts a plan picks for known model shapes on datasheet GPUs, pools
+that follow the load, and the command on a tiny model with this machine measured."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from control_plane.cli import main
+from control_plane.plan.hardware import CATALOG, get_hardware
+from control_plane.plan.model_shape import ModelShape
+from control_plane.plan.sizing import Load, Slo, plan
+from tests.conftest import MODEL_KINDS
+from worker.config import ModelConfig
+
+LLAMA_70B = ModelShape("llama-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
+                       intermediate_size=28672, vocab_size=128256, max_position=131072, tied_embeddings=False)
+LLAMA_8B = replace(LLAMA_70B, name="llama-8b", num_layers=32, hidden_size=4096, num_heads=32,
+                   intermediate_size=14336)
+MIXTRAL_8X7B = replace(LLAMA_8B, name="mixtral-8x7b", vocab_size=32000, num_experts=8, top_k=2,
+                       expert_intermediate_size=14336, num_moe_layers=32, max_position=32768)
+CHAT = Load(rate=4, input_len=2048, output_len=256, max_input_len=3584, max_output_len=512)
+SLO = Slo(ttft_s=2.0, itl_s=0.05)
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_the_parameter_count_is_what_transformers_writes(kind, hf_models):
+    _, path = hf_models(kind)
+    shape = ModelShape.from_config(kind, ModelConfig.from_dir(path))
+    written = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            written += sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    assert shape.num_params == written
+    assert shape.weight_bytes("float32", "float32") == 4 * written
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def test_kv_bytes_per_token_is_what_the_engine_allocates(hf_models):
+    from worker import Engine
+
+    _, path = hf_models("llama")
+    engine = Engine.from_pretrained(path, dtype="float32", num_kv_blocks=8)
+    block = engine.kv_block_shape(16)  # the KV of 16 tokens, every layer
+    shape = ModelShape.from_config("llama", engine.model_config)
+    assert shape.kv_bytes_per_token("float32") * 16 == _numel(list(block)) * 4
+    engine.close()
+
+
+def test_known_shapes_count_as_published():
+    assert 70.4e9 < LLAMA_70B.num_params < 70.7e9  # "70B": 70.55B
+    assert 8.0e9 < LLAMA_8B.num_params < 8.1e9  # "8B": 8.03B
+    assert 46.6e9 < MIXTRAL_8X7B.num_params < 46.8e9  # "46.7B"
+    # "12.9B active" counts the embedding too, of which a token reads one row
+    assert MIXTRAL_8X7B.active_params + MIXTRAL_8X7B.embedding_params == pytest.approx(12.88e9, rel=0.002)
+    assert LLAMA_8B.kv_bytes_per_token("bfloat16") == 128 * 1024  # 32 layers x 2 x 8 heads x 128 x 2 bytes
+
+
+def test_the_layout_is_the_fewest_devices_whose_memory_holds_the_model():
+    h100, h200 = CATALOG["h100-sxm"], CATALOG["h200-sxm"]
+    assert (plan(LLAMA_8B, "bfloat16", "bfloat16", h100, CHAT, SLO).layout["tp"]) == 1
+    seventy = plan(LLAMA_70B, "bfloat16", "bfloat16", h100, CHAT, SLO)
+    assert seventy.layout["tp"] == 4 and seventy.meets_slo  # 141 GB of weights: TP2's 70.5 GB each leaves no KV
+    assert any("TP2 x PP1: does not fit" in r for r in seventy.reasons)
+    assert plan(LLAMA_70B, "bfloat16", "bfloat16", h200, CHAT, SLO).layout["tp"] == 2  # 141 GB devices
+    assert plan(LLAMA_70B, "int4", "bfloat16", h100, CHAT, SLO).layout["tp"] == 1  # 40 GB of int4 g64
+    moe = plan(MIXTRAL_8X7B, "bfloat16", "bfloat16", h100, CHAT, SLO)
+    assert moe.layout["tp"] == 2 and moe.layout["ep"] == 2  # 93 GB of experts
+
+
+def test_a_model_past_one_node_takes_pipeline_stages_which_buy_memory_not_speed():
+    from control_plane.plan.sizing import Layout, Sizer
+
+    llama_405b = replace(LLAMA_70B, name="llama-405b", num_layers=126, hidden_size=16384, num_heads=128,
+                         intermediate_size=53248)
+    assert 405e9 < llama_405b.num_params < 406e9
+    h100 = CATALOG["h100-sxm"]
+    result = plan(llama_405b, "bfloat16", "bfloat16", h100, CHAT, Slo(5.0, 0.2))
+    assert (result.layout["tp"], result.layout["pp"]) == (8, 2)  # 101 GB a device at TP8: two stages of 8
+    sizer = Sizer(llama_405b, "bfloat16", "bfloat16", h100)
+    one, two = sizer.decode_step_s(Layout(8, 1), 8, 2048), sizer.decode_step_s(Layout(8, 2), 8, 2048)
+    assert one["memory_s"] == pytest.approx(two["memory_s"]) and two["step_s"] > one["step_s"]
+
+
+def test_pools_grow_with_the_load_and_the_batch_with_the_itl_target():
+    h100 = CATALOG["h100-sxm"]
+    small = plan(LLAMA_8B, "bfloat16", "bfloat16", h100, CHAT, SLO)
+    big = plan(LLAMA_8B, "bfloat16", "bfloat16", h100, replace(CHAT, rate=80), SLO)
+    assert big.pools["decode"] > small.pools["decode"] and big.pools["prefill"] > small.pools["prefill"]
+    assert big.meets_slo and big.expected["output_tokens_per_s"] == 80 * 256
+    tight = plan(LLAMA_8B, "bfloat16", "bfloat16", h100, CHAT, Slo(2.0, 0.012))
+    assert tight.decode["max_batch"] < small.decode["max_batch"]
+    assert tight.decode["itl_s"] <= 0.012
+    # decode reads the weights once a step: at batch 1 its time is about weights / (bandwidth x efficiency)
+    step = small.roofline["decode_at_max_batch"]
+    idle = plan(LLAMA_8B, "bfloat16", "bfloat16", h100, replace(CHAT, rate=0.01), SLO)
+    one = idle.roofline["decode_at_operating_batch"]
+    assert one["batch"] == 1 and one["bound"] == "memory"
+    assert abs(one["memory_s"] - 16.06e9 / (3.35e12 * 0.8)) < 0.0005
+    assert step["step_s"] > one["step_s"]
+
+
+def test_a_target_no_layout_meets_is_said_not_hidden():
+    result = plan(LLAMA_70B, "bfloat16", "bfloat16", CATALOG["l40s"], CHAT, Slo(2.0, 0.001))
+    assert not result.meets_slo and "no layout meets both targets" in result.reasons[-1]
+
+
+def test_the_command_plans_a_model_directory_on_this_machine(hf_models, tmp_path):
+    _, path = hf_models("mixtral")
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(main, ["plan", "--model", str(path), "--hardware", "this", "--rate", "2",
+                                       "--input-len", "uniform:64:128", "--output-len", "fixed:32",
+                                       "--itl-ms", "200", "--ttft-ms", "2000", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "layout: TP1 x PP1" in result.output and "why:" in result.output
+    report = json.loads(out.read_text())
+    assert report["hardware"]["name"] == "this" and report["hardware"]["bandwidth"] > 1e9
+    assert report["model"]["weights"] == "float32" and report["pools"]["decode"] >= 1
+    assert get_hardware("h100-sxm").memory_bytes == 80e9
+
+
+def test_the_command_refuses_what_it_cannot_plan(tmp_path):
+    result = CliRunner().invoke(main, ["plan", "--model", str(tmp_path), "--rate", "1"])
+    assert result.exit_code == 2 and "config.json" in result.output
+    result = CliRunner().invoke(main, ["plan", "--model", str(tmp_path), "--rate", "1", "--hardware", "tpu"])
+    assert result.exit_code == 2
+
+
+def test_a_profile_reads_step_times_off_its_curves():
+    from control_plane.plan.profile import Profile
+
+    p = Profile(model="m", dtype="bfloat16", machine={}, decode_s={128: {1: 0.010, 16: 0.020},
+                                                                  512: {1: 0.012, 16: 0.030}},
+                prefill_s={128: 0.05, 512: 0.15})
+    assert p.decode_step_s(1, 128) == pytest.approx(0.010)
+    assert p.decode_step_s(8.5, 128) == pytest.approx(0.015)  # halfway between batches 1 and 16
+    assert p.decode_step_s(16, 320) == pytest.approx(0.025)  # halfway between contexts
+    assert p.decode_step_s(31, 128) == pytest.approx(0.030)  # past the last batch: along the last segment
+    assert p.prefill_step_s(320) == pytest.approx(0.10)
+
+
+def test_the_engine_profiled_here_drives_the_plan(hf_models, tmp_path):
+    from control_plane.plan.profile import Profile
+
+    _, path = hf_models("llama")
+    out = tmp_path / "profile.json"
+    result = CliRunner().invoke(main, ["profile", "--model", str(path), "--dtype", "float32", "--batches", "1,4",
+                                       "--contexts", "32,64", "--prefill-tokens", "32,128", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    profile = Profile.load(out)
+    assert set(profile.decode_s) == {32, 64} and set(profile.decode_s[32]) == {1, 4}
+    assert all(s > 0 for by in profile.decode_s.values() for s in by.values()) and profile.prefill_s[128] > 0
+    shape = ModelShape.from_config("llama", ModelConfig.from_dir(path))
+    load = Load(rate=1, input_len=48, output_len=16, max_input_len=64, max_output_len=32)
+    planned = plan(shape, "float32", "float32", get_hardware("this"), load, Slo(5.0, 1.0), profile=profile)
+    assert planned.layout["tp"] == 1 and planned.roofline["decode_at_operating_batch"]["source"] == "profile"
+    batch = planned.decode["operating_batch"]
+    assert planned.decode["itl_s"] == pytest.approx(profile.decode_step_s(batch, 48 + 16 / 2))
