@@ -56,6 +56,12 @@ class Lengths:
         return (self.a + self.b) / 2 if self.kind == "uniform" else self.a
 
     @property
+    def cv2(self) -> float:
+        """The squared coefficient of variation of a draw (variance over the mean squared)."""
+        spread = {"uniform": (self.b - self.a) ** 2 / 12, "normal": self.b ** 2}.get(self.kind, 0.0)
+        return spread / self.mean ** 2
+
+    @property
     def upper(self) -> int:
         """The longest a draw is (normal: three deviations above the mean)."""
         return int(self.b if self.kind == "uniform" else self.a + 3 * self.b if self.kind == "normal" else self.a)

@@ -73,7 +73,7 @@ def render(p: Plan) -> str:
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
               help="activations and KV (default: bfloat16, float32 for float32 weights)")
 @click.option("--hardware", default="h100-sxm", show_default=True,
-              help=f"this (measured now) or one of: {', '.join(CATALOG)}")
+              help=f"this (measured now), this-core (one core of it), or one of: {', '.join(CATALOG)}")
 @click.option("--memory-gb", type=float, default=None, help="override the device's memory")
 @click.option("--bandwidth-gb-s", type=float, default=None, help="override the device's memory bandwidth")
 @click.option("--rate", type=float, required=True, help="requests per second")
@@ -97,9 +97,9 @@ def plan_command(model, weights, dtype, hardware, memory_gb, bandwidth_gb_s, rat
         hw = with_overrides(get_hardware(hardware), memory_bytes=memory_gb and memory_gb * 1e9,
                             bandwidth=bandwidth_gb_s and bandwidth_gb_s * 1e9)
         profile = Profile.load(profile_path) if profile_path else None
-        result = plan(shape, weights or held, (dtype or (profile.dtype if profile else float_dtype)), hw,
-                      Load(rate, ins.mean, outs.mean, ins.upper, outs.upper), Slo(ttft_ms / 1e3, itl_ms / 1e3), chunk,
-                      profile)
+        load = Load(rate, ins.mean, outs.mean, ins.upper, outs.upper, ins.cv2)
+        result = plan(shape, weights or held, (dtype or (profile.dtype if profile else float_dtype)), hw, load,
+                      Slo(ttft_ms / 1e3, itl_ms / 1e3), chunk, profile)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     click.echo(render(result))

@@ -64,18 +64,28 @@ CATALOG = {h.name: h for h in [
 
 
 def get_hardware(name: str) -> Hardware:
-    """A named device, or ``this`` machine measured now."""
+    """A named device, ``this`` machine measured now, or ``this-core``: one of its cores as
+    the device (what a worker pinned to one core with one thread, as `kervan up` pins them
+    on a small machine, has)."""
     if name == "this":
         return measure_this()
+    if name == "this-core":
+        return measure_this(per_core=True)
     if name not in CATALOG:
-        raise ValueError(f"unknown hardware {name!r}; known: this, {', '.join(CATALOG)}")
+        raise ValueError(f"unknown hardware {name!r}; known: this, this-core, {', '.join(CATALOG)}")
     return CATALOG[name]
 
 
-def measure_this(seconds_budget: float = 2.0) -> Hardware:
-    """This machine's CPU as one device per host: its memory, the bandwidth of a 1 GiB
+def measure_this(per_core: bool = False) -> Hardware:
+    """This machine's CPU as one device per host (``per_core``: each core a device with its
+    share of the memory, measured on one thread): its memory, the bandwidth of a 1 GiB
     float32 sum, and the rate of 1024^3 matmuls in bfloat16 and float32 (the best of a few)."""
     import torch
+
+    cores = len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    if per_core:
+        torch.set_num_threads(1)
 
     def best(fn, repeats: int = 3) -> float:
         fn()
@@ -93,13 +103,14 @@ def measure_this(seconds_budget: float = 2.0) -> Hardware:
     for dtype in ("bfloat16", "float32"):
         a = torch.randn(1024, 1024).to(getattr(torch, dtype))
         flops[dtype] = 2 * 1024 ** 3 / best(lambda a=a: a @ a)
+    torch.set_num_threads(threads)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cores = len(os.sched_getaffinity(0))
-    return Hardware(name="this", kind="cpu", memory_bytes=memory, bandwidth=bandwidth, peak_flops=flops,
-                    link_bandwidth=6 * GB, devices_per_node=1, memory_efficiency=0.5, compute_efficiency=0.6,
-                    step_overhead_s=5e-3, usable_memory=0.8, runtime_bytes=1 * GB,
-                    source=f"measured here: {cores} cores, a 1 GiB float32 sum, 1024^3 matmuls; the link between "
-                           "a group's processes is shared memory, taken as 6 GB/s")
+    return Hardware(name="this-core" if per_core else "this", kind="cpu",
+                    memory_bytes=memory / cores if per_core else memory, bandwidth=bandwidth, peak_flops=flops,
+                    link_bandwidth=6 * GB, devices_per_node=cores if per_core else 1, memory_efficiency=0.5,
+                    compute_efficiency=0.6, step_overhead_s=5e-3, usable_memory=0.8, runtime_bytes=1 * GB,
+                    source=f"measured here ({'one core of ' if per_core else ''}{cores} cores): a 1 GiB float32 "
+                           "sum, 1024^3 matmuls; the link between processes is shared memory, taken as 6 GB/s")
 
 
 def with_overrides(hw: Hardware, **changes: float) -> Hardware:

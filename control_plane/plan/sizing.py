@@ -14,7 +14,7 @@ model's experts are sharded over the same ``tp`` devices, expert parallel):
 The decode batch is the largest whose step meets the ITL target and whose KV fits; the
 decode pool is the load's output tokens per second over one worker's at that batch; the
 prefill pool is the smallest whose time to first token (the prompt's chunks, the queue as
-M/D/1, the KV hand-over, a decode step) meets the TTFT target. Layouts are tried smallest
+M/G/1, the KV hand-over, a decode step) meets the TTFT target. Layouts are tried smallest
 first; the first that meets both targets is the plan."""
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class Load:
     output_len: float  # mean output tokens
     max_input_len: int
     max_output_len: int
+    input_cv2: float = 0.0  # the prompt length's squared coefficient of variation (0: all alike)
 
 
 @dataclass(frozen=True)
@@ -225,9 +226,10 @@ def _decode_pool(sizer: Sizer, layout: Layout, memory: dict, load: Load, slo: Sl
 
 
 def _prefill_pool(sizer: Sizer, layout: Layout, load: Load, slo: Slo, itl_s: float) -> PrefillPool:
-    """The smallest pool whose TTFT (a prompt alone, the queue as M/D/1 on the pool seen as
-    one server n times as fast, the KV hand-over over the device link, a decode step) meets
-    the target; 1,024 workers at most."""
+    """The smallest pool whose TTFT (a prompt alone, the queue as M/G/1 on the pool seen as
+    one server n times as fast — Pollaczek-Khinchine's mean wait, the service time varying as
+    the prompt length does — the KV hand-over over the device link, a decode step) meets the
+    target; 1,024 workers at most."""
     chunk = sizer.prefill_chunk_s(layout, sizer.chunk, load.input_len / 2)
     rate = sizer.chunk / chunk["step_s"]  # prompt tokens/s of one busy worker
     alone = sum(sizer.prefill_chunk_s(layout, min(sizer.chunk, load.input_len - i), (i + load.input_len) / 2)
@@ -238,7 +240,7 @@ def _prefill_pool(sizer: Sizer, layout: Layout, load: Load, slo: Slo, itl_s: flo
     for workers in range(1, 1025):
         rho = load.rate * service / workers
         if rho < 1:
-            ttft = alone + rho * (service / workers) / (2 * (1 - rho)) + handover + itl_s
+            ttft = alone + rho * (service / workers) * (1 + load.input_cv2) / (2 * (1 - rho)) + handover + itl_s
             if ttft <= slo.ttft_s:
                 break
     return PrefillPool(rate, alone, handover, workers, ttft, chunk)

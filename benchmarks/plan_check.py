@@ -1,0 +1,154 @@
+"""``kervan plan`` against measurement: what the plan predicts for a load, and what the
+cluster it recommends does under that load through ``kervan bench``'s open loop.
+
+Per model, on this machine with each core a device (``--hardware this-core``: a worker
+pinned to one core with one thread, as the cluster pins them):
+
+1. ``kervan profile`` in a process pinned to one core with one thread: the engine's step
+   times, which the plan reads instead of the roofline;
+2. the highest request rate at which the plan recommends one prefill and one decode worker
+   (the most this 2-core machine can run), found by bisection; then the plan at
+   ``--loads`` fractions of it (0.2, 0.5 and 0.8 by default);
+3. at each of those rates, a fresh cluster of one prefill and one decode worker (every prompt
+   prefilled on the prefill worker, as the plan assumes), as many requests as arrive in
+   ``--seconds`` at that rate (30 to ``--requests``), Poisson; measured: output throughput,
+   mean TTFT (the plan's queue is M/G/1's mean wait) and median ITL (a decode step);
+4. per point, measured over predicted.
+
+    python -m benchmarks.plan_check --json-out benchmarks/results/plan_check-amx.json   # ~15 min
+    python -m benchmarks.plan_check --models embedded --loads 0.5 --requests 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.machine import add_dtype_argument, machine, write_report
+from benchmarks.models import ensure_random_model
+from control_plane.bench import workload
+from control_plane.bench.backends import KervanBackend
+from control_plane.bench.load import run_open_loop
+from control_plane.bench.report import summarize
+from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
+from control_plane.plan.hardware import measure_this
+from control_plane.plan.model_shape import ModelShape
+from control_plane.plan.profile import Profile
+from control_plane.plan.sizing import Load, Plan, Slo, plan
+from worker.config import ModelConfig
+from worker.default_model import ensure_default_model
+from worker.pull import resolve_model
+
+ALL_PROMPTS_REMOTE = ("--min-remote-prefill-blocks", "0", "--max-prefill-queue-tokens", "0")
+
+
+def model_dir(name: str) -> Path:
+    if name == "embedded":
+        return ensure_default_model()
+    if name == "moe":
+        return ensure_random_model(32000, "moe")
+    return resolve_model(name)
+
+
+def profile_on_one_core(path: Path, dtype: str, core: int) -> Profile:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "profile.json"
+        subprocess.run(["taskset", "-c", str(core), sys.executable, "-m", "control_plane.cli", "profile", "--model",
+                        str(path), "--dtype", dtype, "--batches", "1,4,16,32", "--contexts", "128,512",
+                        "--prefill-tokens", "64,256,1024", "--out", str(out)],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True, timeout=900)
+        return Profile.load(out)
+
+
+def planned(shape, weights, dtype, hw, profile, rate, args) -> Plan:
+    ins, outs = workload.Lengths.parse(args.input_len), workload.Lengths.parse(args.output_len)
+    return plan(shape, weights, dtype, hw, Load(rate, ins.mean, outs.mean, ins.upper, outs.upper, ins.cv2),
+                Slo(args.ttft_ms / 1e3, args.itl_ms / 1e3), chunk=args.chunk, profile=profile)
+
+
+def one_to_one_rate(shape, weights, dtype, hw, profile, args) -> float:
+    """The highest rate (to 2%) at which the plan still asks for one worker of each kind."""
+    lo, hi = 0.01, 1000.0
+    while hi / lo > 1.02:
+        mid = (lo * hi) ** 0.5
+        p = planned(shape, weights, dtype, hw, profile, mid, args)
+        lo, hi = (mid, hi) if (p.pools["prefill"], p.pools["decode"]) == (1, 1) and p.meets_slo else (lo, mid)
+    return lo
+
+
+async def measure_load(address: str, rate: float, args, seed: int) -> dict:
+    count = max(30, min(args.requests, round(rate * args.seconds)))
+    requests = workload.build(count, workload.Lengths.parse(args.input_len),
+                              workload.Lengths.parse(args.output_len), seed, (3, args.vocab))
+    async with KervanBackend(address) as backend:
+        await backend.send(workload.BenchRequest([5] * 8, 2))  # connections, first-call costs
+        results, wall = await run_open_loop(backend, requests, rate, seed, progress=False)
+    return summarize(results, wall, (50, 90, 99))
+
+
+def check_model(name: str, args) -> dict:
+    path = model_dir(name)
+    config = ModelConfig.from_dir(path)
+    args.vocab = config.vocab_size
+    shape = ModelShape.from_config(name, config)
+    profile = profile_on_one_core(path, args.dtype, core=max(os.sched_getaffinity(0)))
+    hw = measure_this(per_core=True)
+    weights = "gguf-q4_1" if (path / "KERVAN_SOURCE.json").is_file() and json.loads(
+        (path / "KERVAN_SOURCE.json").read_text()).get("weights") == "gguf" else profile.dtype
+    capacity = one_to_one_rate(shape, weights, profile.dtype, hw, profile, args)
+    points = []
+    for share in args.loads:
+        rate = round(capacity * share, 3)
+        p = planned(shape, weights, profile.dtype, hw, profile, rate, args)
+        spec = ClusterSpec(path, num_prefill=1, num_decode=1, dtype=args.dtype, pin_cores=True,
+                           scheduler_args=ALL_PROMPTS_REMOTE)
+        cluster = Cluster(spec, new_log_dir())
+        try:
+            cluster.start()
+            got = asyncio.run(measure_load(cluster.router_address, rate, args, seed=int(share * 100)))
+        finally:
+            cluster.stop()
+        predicted = {"output_tokens_per_s": p.expected["output_tokens_per_s"], "ttft_ms": p.expected["ttft_s"] * 1e3,
+                     "itl_ms": p.expected["itl_s"] * 1e3}
+        measured = {"output_tokens_per_s": got["output_throughput"], "ttft_ms": got["mean_ttft_ms"],
+                    "itl_ms": got["median_itl_ms"]}
+        points.append({"load_share": share, "rate": rate, "plan_pools": p.pools, "meets_slo": p.meets_slo,
+                       "predicted": predicted, "measured": measured,
+                       "measured_over_predicted": {k: round(measured[k] / predicted[k], 3) for k in predicted
+                                                   if measured[k] is not None and predicted[k]},
+                       "bench": got, "reasons": p.reasons})
+        print(json.dumps({"model": name, **{k: v for k, v in points[-1].items() if k not in ("bench", "reasons")}}),
+              file=sys.stderr, flush=True)
+    return {"model": str(path), "weights": weights, "dtype": profile.dtype, "one_to_one_rate": capacity,
+            "profile": json.loads(profile.to_json()), "points": points}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="embedded,moe,smollm2-135m",
+                    help="embedded (the default model), moe (a random Mixtral), or pulled catalog names")
+    ap.add_argument("--loads", default="0.2,0.5,0.8", type=lambda s: [float(x) for x in s.split(",")],
+                    help="fractions of the highest rate the plan serves with one worker of each kind")
+    ap.add_argument("--requests", type=int, default=150, help="at most this many requests per load")
+    ap.add_argument("--seconds", type=float, default=40.0, help="requests per load: what arrives in this time")
+    ap.add_argument("--input-len", default="uniform:128:512")
+    ap.add_argument("--output-len", default="fixed:64")
+    ap.add_argument("--ttft-ms", type=float, default=2000.0)
+    ap.add_argument("--itl-ms", type=float, default=100.0)
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--json-out", default=None, help="also write the report here (with the commit)")
+    add_dtype_argument(ap)
+    args = ap.parse_args()
+    report = {"benchmark": "plan_check", "machine": machine(args.dtype), "hardware": "this-core",
+              "models": {name: check_model(name, args) for name in args.models.split(",")}}
+    write_report(report, args.json_out, args)
+
+
+if __name__ == "__main__":
+    main()
