@@ -139,12 +139,17 @@ def registry_lookup() -> str:
     return "\n".join(rows) + "\n"
 
 
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{x:.1f}"
+
+
 def plan_check() -> str:
     """Per report, model and load: what ``kervan plan`` predicted and what the cluster it
     recommended measured, and their ratio."""
     rows = ["| report | model | load (of the 1:1 rate) | req/s | output tok/s predicted / measured | TTFT mean ms "
-            "predicted / measured | ITL median ms predicted / measured | measured / predicted: tok/s, TTFT, ITL |",
-            "|---|---|---|---|---|---|---|---|"]
+            "predicted / measured | ITL median ms predicted / measured | decode engine step in the cluster, mean ms "
+            "| measured / predicted: tok/s, TTFT, ITL |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for label, report in cells.reports("plan_check"):
         for name, model in report["models"].items():
             for p in model["points"]:
@@ -154,5 +159,6 @@ def plan_check() -> str:
                 rows.append(f"| {label} | {name} ({model['weights']}) | {p['load_share']:.1f} | {p['rate']:.2f} "
                             f"| {pred['output_tokens_per_s']:,.0f} / {got['output_tokens_per_s']:,.0f} "
                             f"| {pred['ttft_ms']:,.0f} / {got['ttft_ms']:,.0f} "
-                            f"| {pred['itl_ms']:.1f} / {got['itl_ms']:.1f} | {ratios} |")
+                            f"| {pred['itl_ms']:.1f} / {got['itl_ms']:.1f} "
+                            f"| {_ms(p.get('decode_engine_step_ms_mean'))} | {ratios} |")
     return "\n".join(rows) + "\n"

@@ -12,7 +12,9 @@ pinned to one core with one thread, as the cluster pins them):
 3. at each of those rates, a fresh cluster of one prefill and one decode worker (every prompt
    prefilled on the prefill worker, as the plan assumes), as many requests as arrive in
    ``--seconds`` at that rate (30 to ``--requests``), Poisson; measured: output throughput,
-   mean TTFT (the plan's queue is M/G/1's mean wait) and median ITL (a decode step);
+   mean TTFT (the plan's queue is M/G/1's mean wait), median ITL (a decode step), and the
+   decode worker's mean engine step from its ``kervan_engine_step_seconds`` (the part of ITL
+   the profile measures: the rest is the serving loop around the engine);
 4. per point, measured over predicted.
 
     python -m benchmarks.plan_check --json-out benchmarks/results/plan_check-amx.json   # ~15 min
@@ -28,7 +30,10 @@ import os
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.machine import add_dtype_argument, machine, write_report
 from benchmarks.models import ensure_random_model
@@ -82,6 +87,14 @@ def one_to_one_rate(shape, weights, dtype, hw, profile, args) -> float:
     return lo
 
 
+def step_totals(metrics_address: str) -> tuple[float, float]:
+    """(steps, seconds) the worker's engine has run: its ``kervan_engine_step_seconds``."""
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+              if s.name.startswith("kervan_engine_step_seconds_")}
+    return values.get("kervan_engine_step_seconds_count", 0.0), values.get("kervan_engine_step_seconds_sum", 0.0)
+
+
 async def measure_load(address: str, rate: float, args, seed: int) -> dict:
     count = max(30, min(args.requests, round(rate * args.seconds)))
     requests = workload.build(count, workload.Lengths.parse(args.input_len),
@@ -107,21 +120,27 @@ def check_model(name: str, args) -> dict:
         rate = round(capacity * share, 3)
         p = planned(shape, weights, profile.dtype, hw, profile, rate, args)
         spec = ClusterSpec(path, num_prefill=1, num_decode=1, dtype=args.dtype, pin_cores=True,
-                           scheduler_args=ALL_PROMPTS_REMOTE)
+                           scheduler_args=ALL_PROMPTS_REMOTE, metrics=True)
         cluster = Cluster(spec, new_log_dir())
         try:
             cluster.start()
+            before = step_totals(cluster.addresses["decode-0-metrics"])
             got = asyncio.run(measure_load(cluster.router_address, rate, args, seed=int(share * 100)))
+            after = step_totals(cluster.addresses["decode-0-metrics"])
         finally:
             cluster.stop()
+        steps = after[0] - before[0]
         predicted = {"output_tokens_per_s": p.expected["output_tokens_per_s"], "ttft_ms": p.expected["ttft_s"] * 1e3,
                      "itl_ms": p.expected["itl_s"] * 1e3}
         measured = {"output_tokens_per_s": got["output_throughput"], "ttft_ms": got["mean_ttft_ms"],
                     "itl_ms": got["median_itl_ms"]}
+        # the decode worker's engine steps in the cluster: the part of ITL the profile measures
+        engine_step_ms = round((after[1] - before[1]) / steps * 1e3, 3) if steps else None
         points.append({"load_share": share, "rate": rate, "plan_pools": p.pools, "meets_slo": p.meets_slo,
                        "predicted": predicted, "measured": measured,
                        "measured_over_predicted": {k: round(measured[k] / predicted[k], 3) for k in predicted
                                                    if measured[k] is not None and predicted[k]},
+                       "decode_engine_step_ms_mean": engine_step_ms, "decode_steps": steps,
                        "bench": got, "reasons": p.reasons})
         print(json.dumps({"model": name, **{k: v for k, v in points[-1].items() if k not in ("bench", "reasons")}}),
               file=sys.stderr, flush=True)

@@ -189,6 +189,9 @@ async def test_every_service_serves_prometheus_metrics_that_move_with_traffic(cl
     assert moved("kv-registry", "kervan_redis_round_trips_total") > 0
     assert moved("prefill-0", "kervan_prefix_cache_queries_total") == 45
     assert moved("prefill-0", "kervan_request_queue_time_seconds_count") == 1
+    # the decode worker's engine ran at least one step per token after the first (prefill's one step counts too)
+    assert sum(moved(d, "kervan_engine_step_seconds_count") for d in ("decode-0", "decode-1")) >= 5
+    assert moved("prefill-0", "kervan_engine_step_seconds_count") >= 1
     assert moved("prefill-0", "kervan_kv_transfer_bytes_total", direction="pushed") > 0
     assert sum(moved(d, "kervan_kv_transfer_bytes_total", direction="received") for d in ("decode-0", "decode-1")) \
         == moved("prefill-0", "kervan_kv_transfer_bytes_total", direction="pushed")

@@ -30,6 +30,7 @@ from typing import TypeVar
 
 from services.common.errors import Overloaded, Unavailable
 from services.common.load import Load
+from services.worker import metrics
 from worker import Engine, EngineStats, InvalidRequest, RequestLimits, RequestOutput, SamplingParams
 from worker.parallel.group import GroupFailed
 
@@ -249,7 +250,9 @@ class AsyncEngine:
                     return
                 continue
             try:
+                start = time.perf_counter()
                 outputs = self.engine.step()
+                metrics.ENGINE_STEP_TIME.observe(time.perf_counter() - start)
             except GroupFailed as exc:
                 self._group_failed(exc)
                 return

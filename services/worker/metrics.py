@@ -17,6 +17,8 @@ KV_TRANSFER_BYTES = Counter("kervan_kv_transfer_bytes", "Bytes of KV handed betw
                             ["direction"])
 KV_SHM_FALLBACKS = Counter("kervan_kv_shm_fallbacks", "KV pushes that went by the gRPC stream because shared "
                            "memory had no room for them")
+ENGINE_STEP_TIME = Histogram("kervan_engine_step_seconds", "Wall time of one engine step (schedule, run the "
+                             "model, sample), without the serving loop around it", buckets=LATENCY_BUCKETS)
 KV_TRANSFER_TIME = Histogram("kervan_kv_transfer_seconds", "Time to push one request's KV to a decode worker",
                              buckets=LATENCY_BUCKETS)
 
