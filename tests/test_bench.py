@@ -129,10 +129,12 @@ def test_arrivals_are_a_seeded_poisson_process_at_the_rate():
 async def test_open_loop_sends_on_schedule_however_slow_the_answers_are():
     reqs = [BenchRequest([5], 1)] * 40
     target = Recorder(service_s=2.0)  # far slower than the arrivals: a closed loop would wait
+    before = time.perf_counter()
     _, wall = await run_open_loop(target, reqs, rate=100.0, seed=3, progress=False)
     assert target.most_in_flight == 40  # every request was sent before the first answer came
     offsets = arrival_offsets(40, 100.0, 3)
-    assert target.sent[-1] - target.sent[0] >= offsets[-1] - offsets[0] - 0.001  # not sent early
+    # none sent before its arrival time (one sent late, by a busy loop, may be: the schedule does not slip)
+    assert all(sent >= before + offset - 0.001 for sent, offset in zip(target.sent, offsets))
     capped = Recorder(service_s=0.05)
     await run_open_loop(capped, reqs[:40], rate=math.inf, max_concurrency=4, progress=False)
     assert capped.most_in_flight == 4

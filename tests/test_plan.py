@@ -135,6 +135,8 @@ def test_the_command_refuses_what_it_cannot_plan(tmp_path):
     assert result.exit_code == 2 and "config.json" in result.output
     result = CliRunner().invoke(main, ["plan", "--model", str(tmp_path), "--rate", "1", "--hardware", "tpu"])
     assert result.exit_code == 2
+    result = CliRunner().invoke(main, ["plan", "--model", str(tmp_path), "--rate", "-1"])
+    assert result.exit_code == 2 and "--rate" in result.output
 
 
 def test_a_profile_reads_step_times_off_its_curves():

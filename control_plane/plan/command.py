@@ -76,12 +76,14 @@ def render(p: Plan) -> str:
               help=f"this (measured now), this-core (one core of it), or one of: {', '.join(CATALOG)}")
 @click.option("--memory-gb", type=float, default=None, help="override the device's memory")
 @click.option("--bandwidth-gb-s", type=float, default=None, help="override the device's memory bandwidth")
-@click.option("--rate", type=float, required=True, help="requests per second")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), required=True, help="requests per second")
 @click.option("--input-len", default="fixed:1024", show_default=True, help="prompt tokens: N, uniform:LO:HI, ...")
 @click.option("--output-len", default="fixed:256", show_default=True, help="output tokens, as --input-len")
-@click.option("--ttft-ms", type=float, default=1000.0, show_default=True, help="time to first token target")
-@click.option("--itl-ms", type=float, default=50.0, show_default=True, help="inter-token latency target")
-@click.option("--chunk", type=int, default=2048, show_default=True, help="prefill tokens per step")
+@click.option("--ttft-ms", type=click.FloatRange(min=0, min_open=True), default=1000.0, show_default=True,
+              help="time to first token target")
+@click.option("--itl-ms", type=click.FloatRange(min=0, min_open=True), default=50.0, show_default=True,
+              help="inter-token latency target")
+@click.option("--chunk", type=click.IntRange(min=16), default=2048, show_default=True, help="prefill tokens per step")
 @click.option("--profile", "profile_path", default=None, type=click.Path(exists=True, dir_okay=False),
               help="step times measured by `kervan profile` instead of the roofline (one process: TP1)")
 @click.option("--json", "json_path", default=None, help="also write the plan to this file")
