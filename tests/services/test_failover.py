@@ -85,26 +85,32 @@ async def test_a_wedged_engine_is_lost_before_the_first_token_and_the_request_pl
     """The worker holding the prompt's prefix (so placement prefers it) has its engine
     thread wedged: no first token comes, and before, nothing timed the wait for it.
     After ``first_token_timeout_s`` the router takes the worker for lost and places the
-    request on the other, which answers in full."""
-    prompt = make_prompts([40], seed=133)[0]
-    await stream(address(mesh), prompt, 4)
-    cached = max(mesh.workers, key=lambda w: w.engine.load().num_evictable_blocks)
-    # placement prefers it only once the registry has its KV events (under load they can lag)
-    for _ in range(500):
-        match = await mesh.registry_stub.Match(kv_registry_pb2.MatchRequest(block_hashes=hash_blocks(prompt,
-                                                                                                      BLOCK_SIZE)))
-        if match.matched_blocks.get(f"both@{cached.address}"):
-            break
-        await asyncio.sleep(0.02)
-    release = threading.Event()
-    cached.engine.post(lambda e: release.wait(60))
-    try:
-        out = await stream(address(mesh), prompt, 16, timeout=60)
-    finally:
-        release.set()
-    assert out.status is None, out.details
-    assert check([out], [greedy_tokens(llama[1], [prompt], 16)[0]])["completed"] == 1
-    assert out.seconds >= 2.0
+    request on the other, which answers in full. Placement may still send a request to the
+    other worker first, while the cached one's last load report shows its warm-up request
+    running: then the request is answered at once, and the test tries another prompt (at
+    most three)."""
+    for attempt in range(3):
+        prompt = make_prompts([40], seed=133 + attempt)[0]
+        await stream(address(mesh), prompt, 4)
+        cached = max(mesh.workers, key=lambda w: w.engine.load().num_evictable_blocks)
+        # placement prefers it only once the registry has its KV events (under load they can lag)
+        for _ in range(500):
+            match = await mesh.registry_stub.Match(kv_registry_pb2.MatchRequest(
+                block_hashes=hash_blocks(prompt, BLOCK_SIZE)))
+            if match.matched_blocks.get(f"both@{cached.address}"):
+                break
+            await asyncio.sleep(0.02)
+        release = threading.Event()
+        cached.engine.post(lambda e, release=release: release.wait(60))
+        try:
+            out = await stream(address(mesh), prompt, 16, timeout=60)
+        finally:
+            release.set()
+        assert out.status is None, out.details
+        assert check([out], [greedy_tokens(llama[1], [prompt], 16)[0]])["completed"] == 1
+        if out.seconds >= 2.0:  # it went to the wedged worker, waited out the timeout, and moved
+            return
+    pytest.fail("three prompts in a row were placed away from the worker caching them")
 
 
 async def register_ghosts(mesh: ScheduledMesh, prompt: list[int], num: int) -> list[str]:
