@@ -12,9 +12,10 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from control_plane.cli import main
+from control_plane.plan.choice import plan
 from control_plane.plan.hardware import CATALOG, get_hardware
 from control_plane.plan.model_shape import ModelShape
-from control_plane.plan.sizing import Load, Slo, plan
+from control_plane.plan.sizing import Load, Slo
 from tests.conftest import MODEL_KINDS
 from worker.config import ModelConfig
 
@@ -169,3 +170,17 @@ def test_the_engine_profiled_here_drives_the_plan(hf_models, tmp_path):
     assert planned.layout["tp"] == 1 and planned.roofline["decode_at_operating_batch"]["source"] == "profile"
     batch = planned.decode["operating_batch"]
     assert planned.decode["itl_s"] == pytest.approx(profile.decode_step_s(batch, 48 + 16 / 2))
+
+
+def test_aggregated_workers_are_recommended_only_where_they_need_fewer_devices():
+    h100 = CATALOG["h100-sxm"]
+    light = plan(LLAMA_8B, "bfloat16", "bfloat16", h100, replace(CHAT, rate=0.5), Slo(2.0, 0.1))
+    assert light.aggregated["workers"] == 1 and light.pools["prefill"] + light.pools["decode"] == 2
+    assert light.recommended == "aggregated" and light.meets_slo
+    assert light.expected["itl_s"] == light.aggregated["step_s"] <= 0.1  # a step carrying a chunk
+    assert light.aggregated["chunk"] in (2048, 1024, 512, 256, 128, 64)
+    # an ITL target no step with a prefill chunk meets: the split pools are the only way
+    tight = plan(LLAMA_8B, "bfloat16", "bfloat16", h100, CHAT, Slo(2.0, 0.009))
+    assert tight.decode["itl_s"] <= 0.009 and tight.recommended == "disaggregated"
+    assert tight.aggregated is None
+    assert any(r.startswith("aggregated") for r in tight.reasons)

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import click
 
+from control_plane.plan.choice import Plan, plan
 from control_plane.plan.hardware import CATALOG, get_hardware, with_overrides
 from control_plane.plan.model_shape import BYTES_PER_WEIGHT, ModelShape
 from control_plane.plan.profile import CONTEXTS, DECODE_BATCHES, PREFILL_TOKENS, Profile, measure
-from control_plane.plan.sizing import Load, Plan, Slo, plan
+from control_plane.plan.sizing import Load, Slo
 
 
 def model_shape(model: str) -> tuple[ModelShape, str, str]:
@@ -59,7 +60,13 @@ def render(p: Plan) -> str:
         f"{d['tokens_per_s_per_worker']:,.0f} tok/s a worker",
         f"prefill: {pf['tokens_per_s_per_worker']:,.0f} prompt tok/s a worker, TTFT {pf['ttft_s'] * 1e3:,.0f} ms",
         f"pools: {pools['prefill']} prefill + {pools['decode']} decode worker(s) ({pools['ratio']}), "
-        f"{pools['devices']} device(s); expected {p.expected['output_tokens_per_s']:,.0f} output tok/s",
+        f"{pools['devices']} device(s)",
+        "aggregated: " + ("none fits the ITL target" if not p.aggregated else
+                          f"{p.aggregated['workers']} worker(s), {p.aggregated['devices']} device(s), chunks of "
+                          f"{p.aggregated['chunk']}, ITL {p.aggregated['step_s'] * 1e3:.2f} ms, TTFT "
+                          f"{p.aggregated['ttft_s'] * 1e3:,.0f} ms"),
+        f"recommended: {p.recommended}; expected {p.expected['output_tokens_per_s']:,.0f} output tok/s, TTFT "
+        f"{p.expected['ttft_s'] * 1e3:,.0f} ms, ITL {p.expected['itl_s'] * 1e3:.2f} ms",
         "meets the targets" if p.meets_slo else "DOES NOT meet the targets",
         "why:", *(f"  - {r}" for r in p.reasons)]
     return "\n".join(lines)

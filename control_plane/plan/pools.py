@@ -1,0 +1,65 @@
+"""The pools a load needs on one layout: the decode pool (the load's output tokens per
+second over one worker's at the largest batch the ITL target and the KV cache allow) and the
+prefill pool (the fewest workers whose TTFT — the prompt's chunks, the queue as M/G/1, the KV
+hand-over, a decode step — meets its target)."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from control_plane.plan.sizing import MAX_NUM_SEQS, Layout, Load, Sizer, Slo, batches
+
+
+class DecodePool(NamedTuple):
+    max_batch: int  # the largest batch within the ITL target and the KV cache
+    operating_batch: int  # the batch each worker runs at the asked load
+    itl_s: float
+    tokens_per_s_per_worker: float  # at max_batch
+    workers: int
+    kv_batch_limit: int
+    steps: dict[int, dict]  # batch -> the decode step's terms
+    meets_itl: bool
+
+
+class PrefillPool(NamedTuple):
+    tokens_per_s_per_worker: float
+    one_prompt_s: float  # a mean prompt alone, chunk by chunk
+    kv_handover_s: float
+    workers: int
+    ttft_s: float
+    chunk: dict  # the terms of a full chunk
+
+
+def decode_pool(sizer: Sizer, layout: Layout, memory: dict, load: Load, slo: Slo, context: float) -> DecodePool:
+    kv_batch = max(1, int(memory["kv_tokens"] // context))
+    steps = {b: sizer.decode_step_s(layout, b, context) for b in batches(min(MAX_NUM_SEQS, kv_batch))}
+    within = [b for b, st in steps.items() if st["step_s"] <= slo.itl_s]
+    batch = max(within) if within else 1
+    per_worker = batch / steps[batch]["step_s"]
+    demand = load.rate * load.output_len
+    workers = max(1, math.ceil(demand / per_worker))
+    operating = next((b for b in sorted(steps) if b / steps[b]["step_s"] >= demand / workers), batch)
+    return DecodePool(batch, operating, steps[operating]["step_s"], per_worker, workers, kv_batch, steps,
+                      bool(within))
+
+
+def prefill_pool(sizer: Sizer, layout: Layout, load: Load, slo: Slo, itl_s: float) -> PrefillPool:
+    """The smallest pool whose TTFT (a prompt alone, the queue as M/G/1 on the pool seen as
+    one server n times as fast — Pollaczek-Khinchine's mean wait, the service time varying as
+    the prompt length does — the KV hand-over over the device link, a decode step) meets the
+    target; 1,024 workers at most."""
+    chunk = sizer.prefill_chunk_s(layout, sizer.chunk, load.input_len / 2)
+    rate = sizer.chunk / chunk["step_s"]  # prompt tokens/s of one busy worker
+    alone = sum(sizer.prefill_chunk_s(layout, min(sizer.chunk, load.input_len - i), (i + load.input_len) / 2)
+                ["step_s"] for i in range(0, math.ceil(load.input_len), sizer.chunk))
+    service = load.input_len / rate
+    handover = load.input_len * sizer.shape.kv_bytes_per_token(sizer.dtype) / sizer.hw.link_bandwidth
+    ttft = math.inf
+    for workers in range(1, 1025):
+        rho = load.rate * service / workers
+        if rho < 1:
+            ttft = alone + rho * (service / workers) * (1 + load.input_cv2) / (2 * (1 - rho)) + handover + itl_s
+            if ttft <= slo.ttft_s:
+                break
+    return PrefillPool(rate, alone, handover, workers, ttft, chunk)
