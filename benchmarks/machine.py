@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import torch
@@ -41,20 +40,6 @@ def commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("-dirty" if dirty else "")
-
-
-def read_bandwidth(repeats: int = 5, buffer: torch.Tensor | None = None) -> float:
-    """Bytes per second this machine streams now: a sum over a 1 GiB float32 ``buffer`` (made
-    here when not given), far past the caches, the best of ``repeats``. A decode step mostly
-    reads its weights and KV, so this, not a copy's read-plus-write rate, is its ceiling."""
-    x = torch.ones(1 << 28) if buffer is None else buffer
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best
 
 
 def write_report(report: dict, path: str | None, args: argparse.Namespace | None = None) -> None:

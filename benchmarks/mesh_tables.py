@@ -4,6 +4,7 @@ prefix placement, the mesh against engines, the ``Place`` path and the registry'
 from __future__ import annotations
 
 from benchmarks import cells
+from benchmarks.stats import spread
 
 
 def interference() -> str:
@@ -73,7 +74,7 @@ def _vs_rounds(entry: dict, name: str, base: str) -> str:
     if isinstance(entry.get(f"{name}_vs_{base}_throughput"), dict):
         return cells.ratio(entry[f"{name}_vs_{base}_throughput"])
     old = entry.get(f"{name}_vs_{base}_rounds")
-    return cells.ratio({"median": sorted(old)[len(old) // 2], "min": min(old), "max": max(old)}) if old else "–"
+    return cells.ratio(spread(old)) if old else "–"
 
 
 def mesh_throughput() -> str:

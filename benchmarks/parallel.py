@@ -39,9 +39,10 @@ from typing import NamedTuple
 
 import torch
 
-from benchmarks.machine import add_dtype_argument, machine, read_bandwidth, write_report
+from benchmarks.machine import add_dtype_argument, machine, write_report
 from benchmarks.models import ensure_random_model
 from benchmarks.stats import spread
+from control_plane.plan.hardware import read_bandwidth
 from worker import Engine, SamplingParams
 from worker.parallel.state import TRAFFIC
 
@@ -57,9 +58,9 @@ class Bucket(NamedTuple):
     read_gb_s: float  # the machine's read bandwidth, the median of those measured between the steps
 
 
-def decode_step_ms(engine: Engine, batch: int, steps: int, vocab: int, bandwidth: bool = False) -> Bucket:
-    """Time decode steps of ``batch`` sequences of CONTEXT tokens; with ``bandwidth``, measure
-    the read bandwidth before the first timed step and after every BANDWIDTH_EVERY."""
+def decode_step_ms(engine: Engine, batch: int, steps: int, vocab: int, buffer: torch.Tensor | None = None) -> Bucket:
+    """Time decode steps of ``batch`` sequences of CONTEXT tokens; with a 1 GiB ``buffer``,
+    measure the read bandwidth on it before the first timed step and after every BANDWIDTH_EVERY."""
     g = torch.Generator().manual_seed(batch)
     for _ in range(batch):
         prompt = torch.randint(3, vocab, (CONTEXT,), generator=g).tolist()
@@ -70,7 +71,6 @@ def decode_step_ms(engine: Engine, batch: int, steps: int, vocab: int, bandwidth
         engine.step()
     TRAFFIC.clear()
     times, rates = [], []
-    buffer = torch.ones(1 << 28) if bandwidth else None  # 1 GiB, read between the steps
     for i in range(steps):
         if buffer is not None and i % BANDWIDTH_EVERY == 0:
             rates.append(read_bandwidth(repeats=2, buffer=buffer) / 1e9)
@@ -112,8 +112,10 @@ def run(model_dir, dtype: str, buckets: list[int], steps: int, threads: int, voc
                                     max_num_seqs=max(buckets), **options)
     try:
         decode_step_ms(engine, 1, 3, vocab)  # warm-up: first-call costs, oneDNN kernels
-        measured = [{str(b): decode_step_ms(engine, b, steps, vocab, bandwidth) for b in buckets}
+        buffer = torch.ones(1 << 28) if bandwidth else None  # 1 GiB, read between the steps
+        measured = [{str(b): decode_step_ms(engine, b, steps, vocab, buffer) for b in buckets}
                     for _ in range(rounds)]
+        del buffer
         parameters, weight_bytes = weights(engine)
         step_ms = {b: statistics.median(r[b].step_ms for r in measured) for b in measured[0]}
         out = {"decode_step_ms": step_ms, "parameters": parameters,

@@ -43,11 +43,10 @@ from control_plane.bench.load import run_open_loop
 from control_plane.bench.report import summarize
 from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
 from control_plane.plan.choice import Plan, plan
+from control_plane.plan.command import model_shape
 from control_plane.plan.hardware import measure_this
-from control_plane.plan.model_shape import ModelShape
 from control_plane.plan.profile import Profile
 from control_plane.plan.sizing import Load, Slo
-from worker.config import ModelConfig
 from worker.default_model import ensure_default_model
 from worker.pull import resolve_model
 
@@ -113,13 +112,11 @@ async def measure_load(address: str, rate: float, args, seed: int) -> dict:
 
 def check_model(name: str, args) -> dict:
     path = model_dir(name)
-    config = ModelConfig.from_dir(path)
-    args.vocab = config.vocab_size
-    shape = ModelShape.from_config(name, config)
+    shape, held, _ = model_shape(str(path))
+    args.vocab = shape.vocab_size
     profile = profile_on_one_core(path, args.dtype, core=max(os.sched_getaffinity(0)))
     hw = measure_this(per_core=True)
-    weights = "gguf-q4_1" if (path / "KERVAN_SOURCE.json").is_file() and json.loads(
-        (path / "KERVAN_SOURCE.json").read_text()).get("weights") == "gguf" else profile.dtype
+    weights = held if held.startswith("gguf") else profile.dtype  # float weights are served in the dtype
     capacity = one_to_one_rate(shape, weights, profile.dtype, hw, profile, args)
     points = []
     for share in args.loads:

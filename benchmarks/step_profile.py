@@ -25,7 +25,8 @@ from statistics import median
 
 import torch
 
-from benchmarks.machine import machine, read_bandwidth, write_report
+from benchmarks.machine import machine, write_report
+from control_plane.plan.hardware import matmul_rate, read_bandwidth
 from worker import Engine, SamplingParams
 from worker.default_model import ensure_default_model
 from worker.pull import resolve_model
@@ -37,19 +38,6 @@ OP_CLASSES = {  # op name -> class; anything else is "other" (allocations, views
     "kervan::silu_and_mul": "activation", "kervan::rotary": "rotary", "kervan::argmax_rows": "sampling",
     "aten::argmax": "sampling", "aten::embedding": "embedding",
 }
-
-
-def matmul_peak(dtype: torch.dtype) -> float:
-    """FLOP/s of a 2048^3 matmul in ``dtype`` (the best of five)."""
-    a, b = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
-    a @ b
-    return 2 * 2048 ** 3 / min(_timed(lambda: a @ b) for _ in range(5))
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def model_costs(engine: Engine) -> dict:
@@ -159,7 +147,7 @@ def main() -> None:
     model_dir = resolve_model(args.model) if args.model else ensure_default_model()
     engine = Engine.from_pretrained(model_dir, dtype=args.dtype, kv_cache_memory_bytes=2 << 30)
     dtype = engine.config.dtype
-    bandwidth, peak = read_bandwidth(), matmul_peak(dtype)
+    bandwidth, peak = read_bandwidth(), matmul_rate(dtype, n=2048, repeats=5)
     print(f"memory {bandwidth / 1e9:.1f} GB/s, {dtype} matmul {peak / 1e12:.2f} TFLOP/s", flush=True)
     costs = model_costs(engine)
     points = [decode_point(engine, int(b), args.context, costs, bandwidth, peak, args.steps)

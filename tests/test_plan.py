@@ -184,3 +184,28 @@ def test_aggregated_workers_are_recommended_only_where_they_need_fewer_devices()
     assert tight.decode["itl_s"] <= 0.009 and tight.recommended == "disaggregated"
     assert tight.aggregated is None
     assert any(r.startswith("aggregated") for r in tight.reasons)
+
+
+def test_a_load_s_lengths_give_the_plan_their_mean_longest_and_spread():
+    from control_plane.bench.workload import Lengths
+
+    uniform, normal, fixed = Lengths.parse("uniform:128:512"), Lengths.parse("normal:300:50"), Lengths.parse("64")
+    assert (uniform.mean, uniform.upper, uniform.cv2) == (320, 512, pytest.approx(384 ** 2 / 12 / 320 ** 2))
+    assert (normal.mean, normal.upper, normal.cv2) == (300, 450, pytest.approx((50 / 300) ** 2))
+    assert (fixed.mean, fixed.upper, fixed.cv2) == (64, 64, 0)
+    # prompts of varying length queue longer than prompts all alike (Pollaczek-Khinchine)
+    h100 = CATALOG["h100-sxm"]
+    busy = replace(CHAT, rate=6)
+    alike = plan(LLAMA_8B, "bfloat16", "bfloat16", h100, busy, SLO)
+    varied = plan(LLAMA_8B, "bfloat16", "bfloat16", h100, replace(busy, input_cv2=1.0), SLO)
+    assert varied.prefill["ttft_s"] > alike.prefill["ttft_s"] and varied.pools == alike.pools
+
+
+def test_hardware_figures_given_on_the_command_line_replace_the_datasheet_s(hf_models):
+    _, path = hf_models("llama")
+    result = CliRunner().invoke(main, ["plan", "--model", str(path), "--hardware", "h100-sxm", "--memory-gb",
+                                       "0.5", "--rate", "1"])  # less than the runtime's own 2 GB a device
+    assert result.exit_code == 2 and "fits no layout" in result.output
+    result = CliRunner().invoke(main, ["plan", "--model", str(path), "--hardware", "h100-sxm", "--bandwidth-gb-s",
+                                       "10", "--rate", "1"])
+    assert result.exit_code == 0 and "10 GB/s" in result.output

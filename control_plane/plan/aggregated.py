@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from control_plane.plan.sizing import MAX_NUM_SEQS, Layout, Load, Sizer, Slo, batches
+from control_plane.plan.sizing import Layout, Load, Sizer, Slo, batch_cap, batches, mg1_wait_s, operating_batch
 
 CHUNKS = (2048, 1024, 512, 256, 128, 64)
 
@@ -28,8 +28,7 @@ def aggregated_pool(sizer: Sizer, layout: Layout, memory: dict, load: Load, slo:
                     context: float) -> AggregatedPool | None:
     """The fewest aggregated workers (then the lowest TTFT) over the chunk sizes; None when
     no chunk fits a step within the ITL target."""
-    cap = min(MAX_NUM_SEQS, max(1, int(memory["kv_tokens"] // context)))
-    decode = {b: sizer.decode_step_s(layout, b, context)["step_s"] for b in batches(cap)}
+    decode = {b: sizer.decode_step_s(layout, b, context)["step_s"] for b in batches(batch_cap(memory, context))}
     best = None
     for chunk in (c for c in CHUNKS if c <= sizer.chunk):
         # the chunk's own time; the step's fixed cost is counted once, in the decode step
@@ -43,14 +42,12 @@ def aggregated_pool(sizer: Sizer, layout: Layout, memory: dict, load: Load, slo:
         step = decode[batch] + extra
         out_demand, in_demand = load.rate * load.output_len, load.rate * load.input_len
         workers = max(1, math.ceil(out_demand / (batch / step)), math.ceil(in_demand / (chunk / step)))
-        operating = next((b for b in sorted(decode) if b / (decode[b] + extra) >= out_demand / workers), batch)
+        operating = operating_batch({b: t + extra for b, t in decode.items()}, out_demand / workers, batch)
         op_step = decode[operating] + extra
         service = load.input_len / (chunk / op_step)  # a prompt's share of a worker's steps
-        rho = load.rate * service / workers
-        if rho >= 1:
+        ttft = math.ceil(load.input_len / chunk) * op_step + mg1_wait_s(load.rate, service, workers, load.input_cv2)
+        if math.isinf(ttft):
             continue
-        queue = rho * (service / workers) * (1 + load.input_cv2) / (2 * (1 - rho))
-        ttft = math.ceil(load.input_len / chunk) * op_step + queue
         candidate = AggregatedPool(chunk, batch, operating, op_step, workers, ttft, ttft <= slo.ttft_s)
         if best is None or (candidate.meets, -candidate.workers, -candidate.ttft_s) > (
                 best.meets, -best.workers, -best.ttft_s):

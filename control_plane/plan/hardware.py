@@ -76,6 +76,34 @@ def get_hardware(name: str) -> Hardware:
     return CATALOG[name]
 
 
+def _best_s(fn, repeats: int) -> float:
+    fn()  # first call: allocation, kernel choice
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def read_bandwidth(repeats: int = 5, buffer=None) -> float:
+    """Bytes per second this machine streams now: a sum over a 1 GiB float32 ``buffer`` (made
+    here when not given), far past the caches, the best of ``repeats``. A decode step mostly
+    reads its weights and KV, so this, not a copy's read-plus-write rate, is its ceiling."""
+    import torch
+
+    x = torch.ones(1 << 28) if buffer is None else buffer
+    return x.numel() * x.element_size() / _best_s(x.sum, repeats)
+
+
+def matmul_rate(dtype, n: int = 1024, repeats: int = 3) -> float:
+    """FLOP/s of an ``n``^3 matmul in ``dtype`` (a torch dtype or its name), the best of ``repeats``."""
+    import torch
+
+    a = torch.randn(n, n).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    return 2 * n ** 3 / _best_s(lambda: a @ a, repeats)
+
+
 def measure_this(per_core: bool = False) -> Hardware:
     """This machine's CPU as one device per host (``per_core``: each core a device with its
     share of the memory, measured on one thread): its memory, the bandwidth of a 1 GiB
@@ -86,24 +114,11 @@ def measure_this(per_core: bool = False) -> Hardware:
     threads = torch.get_num_threads()
     if per_core:
         torch.set_num_threads(1)
-
-    def best(fn, repeats: int = 3) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    x = torch.ones(1 << 28)
-    bandwidth = x.numel() * 4 / best(x.sum)
-    del x
-    flops = {}
-    for dtype in ("bfloat16", "float32"):
-        a = torch.randn(1024, 1024).to(getattr(torch, dtype))
-        flops[dtype] = 2 * 1024 ** 3 / best(lambda a=a: a @ a)
-    torch.set_num_threads(threads)
+    try:
+        bandwidth = read_bandwidth(repeats=3)
+        flops = {dtype: matmul_rate(dtype) for dtype in ("bfloat16", "float32")}
+    finally:
+        torch.set_num_threads(threads)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Hardware(name="this-core" if per_core else "this", kind="cpu",
                     memory_bytes=memory / cores if per_core else memory, bandwidth=bandwidth, peak_flops=flops,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from control_plane.plan.sizing import MAX_NUM_SEQS, Layout, Load, Sizer, Slo, batches
+from control_plane.plan.sizing import Layout, Load, Sizer, Slo, batch_cap, batches, mg1_wait_s, operating_batch
 
 
 class DecodePool(NamedTuple):
@@ -32,16 +32,15 @@ class PrefillPool(NamedTuple):
 
 
 def decode_pool(sizer: Sizer, layout: Layout, memory: dict, load: Load, slo: Slo, context: float) -> DecodePool:
-    kv_batch = max(1, int(memory["kv_tokens"] // context))
-    steps = {b: sizer.decode_step_s(layout, b, context) for b in batches(min(MAX_NUM_SEQS, kv_batch))}
+    steps = {b: sizer.decode_step_s(layout, b, context) for b in batches(batch_cap(memory, context))}
     within = [b for b, st in steps.items() if st["step_s"] <= slo.itl_s]
     batch = max(within) if within else 1
     per_worker = batch / steps[batch]["step_s"]
     demand = load.rate * load.output_len
     workers = max(1, math.ceil(demand / per_worker))
-    operating = next((b for b in sorted(steps) if b / steps[b]["step_s"] >= demand / workers), batch)
-    return DecodePool(batch, operating, steps[operating]["step_s"], per_worker, workers, kv_batch, steps,
-                      bool(within))
+    operating = operating_batch({b: st["step_s"] for b, st in steps.items()}, demand / workers, batch)
+    return DecodePool(batch, operating, steps[operating]["step_s"], per_worker, workers,
+                      max(1, int(memory["kv_tokens"] // context)), steps, bool(within))
 
 
 def prefill_pool(sizer: Sizer, layout: Layout, load: Load, slo: Slo, itl_s: float) -> PrefillPool:
@@ -55,11 +54,8 @@ def prefill_pool(sizer: Sizer, layout: Layout, load: Load, slo: Slo, itl_s: floa
                 ["step_s"] for i in range(0, math.ceil(load.input_len), sizer.chunk))
     service = load.input_len / rate
     handover = load.input_len * sizer.shape.kv_bytes_per_token(sizer.dtype) / sizer.hw.link_bandwidth
-    ttft = math.inf
     for workers in range(1, 1025):
-        rho = load.rate * service / workers
-        if rho < 1:
-            ttft = alone + rho * (service / workers) * (1 + load.input_cv2) / (2 * (1 - rho)) + handover + itl_s
-            if ttft <= slo.ttft_s:
-                break
+        ttft = alone + mg1_wait_s(load.rate, service, workers, load.input_cv2) + handover + itl_s
+        if ttft <= slo.ttft_s:
+            break
     return PrefillPool(rate, alone, handover, workers, ttft, chunk)

@@ -142,3 +142,22 @@ def batches(cap: int) -> list[int]:
     """1, 2, 3, ... 16, then every 8th, up to ``cap`` (and ``cap`` itself)."""
     out = list(range(1, min(cap, 16) + 1)) + list(range(24, cap + 1, 8))
     return sorted(set(out + [cap]))
+
+
+def batch_cap(memory: dict, context: float) -> int:
+    """The most sequences of ``context`` tokens a worker runs: its KV cache's room, the engine's cap."""
+    return min(MAX_NUM_SEQS, max(1, int(memory["kv_tokens"] // context)))
+
+
+def operating_batch(step_s: dict[int, float], tokens_per_s: float, default: int) -> int:
+    """The smallest batch whose steps (``step_s``: batch -> seconds) deliver ``tokens_per_s``."""
+    return next((b for b in sorted(step_s) if b / step_s[b] >= tokens_per_s), default)
+
+
+def mg1_wait_s(rate: float, service_s: float, workers: int, cv2: float) -> float:
+    """The mean wait in a pool of ``workers`` seen as one server ``workers`` times as fast:
+    Pollaczek-Khinchine's M/G/1, the service time varying with squared coefficient ``cv2``;
+    infinite when the pool cannot keep up."""
+    rho = rate * service_s / workers
+    return math.inf if rho >= 1 else rho * (service_s / workers) * (1 + cv2) / (2 * (1 - rho))
+
