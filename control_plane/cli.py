@@ -24,6 +24,7 @@ import time
 
 import click
 
+from control_plane.planner.options import planner_options
 from kervan.envs import KERVAN_API_KEY, KERVAN_TLS_CA
 from kervan.speculative import SPECULATIVE_METHODS
 
@@ -43,6 +44,7 @@ def main() -> None:
     """Kervan: serve large language models across many processes and machines."""
 
 
+PLANNER_DRAIN_S = 20.0  # with --planner: how long a drained worker's streams may take to finish
 MODEL_HELP = ("a Hugging Face model directory, or the name of a pulled model (kervan models); "
               "default: the embedded model")
 
@@ -229,12 +231,17 @@ def generate(prompt, addr, token_ids, chat, model_dir, max_tokens, temperature, 
                    "or the EAGLE head of --speculative eagle")
 @click.option("--speculative-disable-by-batch-size", type=int, default=None,
               help="no guesses in a step whose batch holds more sequences than this (default 2; 0: always guess)")
+@click.option("--planner", is_flag=True, help="scale the prefill and decode pools to the SLO targets (the SLA "
+              "planner: metrics on; the pools start at --prefill/--decode, which are their minimums)")
+@planner_options
 def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens, chat,
        http_port, metrics, num_routers, num_schedulers, redis_persistent, tls, api_key_file, pin_cores, tensor_parallel,
        expert_parallel, pipeline_parallel, kv_host_bytes, kv_disk_dir, kv_disk_bytes, deterministic,
        quantization, speculative, num_speculative_tokens, speculative_model,
-       speculative_disable_by_batch_size) -> None:
-    """Start a local Kervan cluster and keep it running until Ctrl-C."""
+       speculative_disable_by_batch_size, planner, **planner_opts) -> None:
+    """Start a local Kervan cluster and keep it running until Ctrl-C. With --planner, the
+    prefill and decode pools scale between their starting sizes and --max-prefill/--max-decode
+    to meet --slo-ttft-ms and --slo-itl-ms."""
     import asyncio
     from pathlib import Path
 
@@ -249,7 +256,7 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
     model = Path(model_path(model_dir))
     try:
         spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, dtype=dtype,
-                           http_port=http_port, metrics=metrics, tls=tls, num_routers=num_routers,
+                           http_port=http_port, metrics=metrics or planner, tls=tls, num_routers=num_routers,
                            num_schedulers=num_schedulers, redis_persistent=redis_persistent,
                            api_key_file=Path(api_key_file) if api_key_file else None, pin_cores=pin_cores,
                            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
@@ -258,9 +265,15 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
                            kv_disk_bytes=kv_disk_bytes, quantization=quantization, speculative=speculative,
                            num_speculative_tokens=num_speculative_tokens,
                            speculative_model=Path(speculative_model) if speculative_model else None,
-                           speculative_disable_by_batch_size=speculative_disable_by_batch_size)
+                           speculative_disable_by_batch_size=speculative_disable_by_batch_size,
+                           worker_args=("--drain-grace", str(PLANNER_DRAIN_S)) if planner else ())
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    policy = None
+    if planner:
+        from control_plane.planner.options import build_policy, planner_config
+        policy = build_policy(str(model), planner_config(num_prefill, num_decode, planner_opts),
+                              planner_opts["planner_hardware"], planner_opts["planner_profile"])
     cluster = Cluster(spec, new_log_dir())
     click.echo(f"starting {num_prefill} prefill, {num_decode} decode, {num_both} aggregated worker(s) "
                f"on {model}; logs in {cluster.log_dir}", err=True)
@@ -287,8 +300,16 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
             key = "KERVAN_API_KEY=<key> " if api_key_file else ""  # not --api-key: a command line shows in ps
             click.echo(f'try: {key}kervan generate --addr {cluster.router_addresses}{flags} "Once upon a time"',
                        err=True)
+            tick = None
+            if policy is not None:
+                from control_plane.planner.scaler import LauncherScaler
+                from control_plane.planner.sla_planner import SlaPlanner
+                scaler = LauncherScaler(cluster, drain_grace_s=PLANNER_DRAIN_S + 10)
+                tick = SlaPlanner(policy, scaler, scaler.metrics_targets, cluster.log_dir / "planner.jsonl").tick
+                click.echo(f"planner on: every {policy.config.interval_s:g}s, decisions in "
+                           f"{cluster.log_dir / 'planner.jsonl'}", err=True)
             cluster.supervise_until_signal(ready=lambda: click.echo(
-                "Ctrl-C stops the cluster (crashed services are restarted until then)", err=True))
+                "Ctrl-C stops the cluster (crashed services are restarted until then)", err=True), tick=tick)
             return
         completion = Completion()
 

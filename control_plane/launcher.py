@@ -159,6 +159,8 @@ class Cluster:
     _tls_flags: dict[str, list[str]] = field(default_factory=dict)  # role -> its --tls-* flags
     _restart_due: dict[str, float] = field(default_factory=dict)
     _lifeline: tuple[int, int] | None = None  # the pipe whose closing tells children the launcher is gone
+    # workers told to drain and not yet gone: name -> (process, when it is killed if still there)
+    draining: dict[str, tuple[subprocess.Popen, float]] = field(default_factory=dict)
 
     @property
     def router_address(self) -> str:
@@ -286,6 +288,30 @@ class Cluster:
             proc.kill()
             return proc.wait()
 
+    def drain_worker(self, name: str, grace: float = 30.0) -> None:
+        """SIGTERM a worker without waiting: it leaves the mesh and finishes what it runs;
+        ``reap_drained`` kills it if it is still there after ``grace``. It is never restarted."""
+        proc = self.procs.pop(name)
+        proc.send_signal(signal.SIGTERM)
+        self.draining[name] = (proc, time.monotonic() + grace)
+
+    def reap_drained(self, now: float | None = None) -> list[str]:
+        """Forget the drained workers that exited, kill those past their grace; returns the
+        names gone, with their exit codes in the log."""
+        now = time.monotonic() if now is None else now
+        gone = []
+        for name, (proc, deadline) in list(self.draining.items()):
+            if proc.poll() is None and now < deadline:
+                continue
+            if proc.poll() is None:
+                proc.kill()
+            code = proc.wait()
+            with open(self.log_dir / f"{name}.log", "ab") as log:
+                log.write(f"--- drained, exited with {code} ---\n".encode())
+            del self.draining[name]
+            gone.append(name)
+        return gone
+
     def _start_redis(self) -> str:
         port = free_port()
         password = self.redis_password = secrets.token_hex(16)
@@ -352,10 +378,12 @@ class Cluster:
             restarted.append(name)
         return restarted
 
-    def supervise_until_signal(self, poll_s: float = 0.5, ready: Callable[[], None] | None = None) -> None:
+    def supervise_until_signal(self, poll_s: float = 0.5, ready: Callable[[], None] | None = None,
+                               tick: Callable[[float], object] | None = None) -> None:
         """Restart crashed services until SIGINT, SIGTERM or SIGHUP. ``ready`` runs once the
         signals are caught (what tells the user they may stop it: a signal sent on seeing it
-        must not find the default action, which kills this process and leaves no stop)."""
+        must not find the default action, which kills this process and leaves no stop).
+        ``tick(now)`` runs every poll (the planner: it acts when its interval is due)."""
         received: list[int] = []
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, lambda s, f: received.append(s))
@@ -365,6 +393,9 @@ class Cluster:
             for name in self.restart_crashed():
                 print(f"kervan: {name} exited; restarted it (restart {self.restarts[name]})", file=sys.stderr,
                       flush=True)
+            self.reap_drained()
+            if tick is not None:
+                tick(time.monotonic())
             time.sleep(poll_s)
 
     def _wait_serving(self, names: list[str], timeout: float) -> None:
@@ -397,8 +428,10 @@ class Cluster:
         The whole stop is bounded too, by twice ``grace``: a service that waits out its
         grace eats into the next ones' (each keeps at least 1 s)."""
         deadline = time.monotonic() + 2 * grace
-        for name in reversed(list(self.procs)):
-            proc = self.procs[name]
+        procs = {**self.procs, **{name: proc for name, (proc, _) in self.draining.items()}}  # draining first
+        self.draining.clear()
+        for name in reversed(list(procs)):
+            proc = procs[name]
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
             wait_s = max(1.0, min(grace, deadline - time.monotonic()))

@@ -116,10 +116,12 @@ def kervan(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def test_kervan_up_serves_kervan_generate_text_token_ids_stop_strings_and_json_until_ctrl_c():
     """The README's cluster commands: ``kervan up`` in the background, ``kervan generate``
-    against it, Ctrl-C stops every process."""
+    against it, Ctrl-C stops every process. With the planner on (its bounds keep the pools
+    as they are: a minimal planner, logging its decisions from the metrics it scrapes)."""
     up = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "up", "--port", "0", "--http-port", "0",
-                           "--metrics", "--pin-cores"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                          start_new_session=True)
+                           "--metrics", "--pin-cores", "--planner", "--planner-interval", "0.5", "--max-prefill", "1",
+                           "--max-decode", "1", "--planner-hardware", "l40s"],
+                          stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         lines = []
         while not lines or "Ctrl-C stops the cluster" not in lines[-1]:
@@ -171,6 +173,10 @@ def test_kervan_up_serves_kervan_generate_text_token_ids_stop_strings_and_json_u
         assert res.returncode == 0 and json.loads(res.stdout)["token_ids"] == json.loads(rendered.stdout)["token_ids"]
         bad = kervan("generate", "--addr", addr, "--token-ids", "1,999999", "--json")
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "vocabulary" in bad.stderr
+        assert "planner on: every 0.5s" in printed
+        decided = [json.loads(line) for line in (log_dir / "planner.jsonl").read_text().splitlines()]
+        assert [r for r in decided if r.get("observed", {}).get("rate")], decided[-3:]  # it saw the requests
+        assert all(r.get("target", {"prefill": 1, "decode": 1}) == {"prefill": 1, "decode": 1} for r in decided)
     finally:
         up.send_signal(signal.SIGINT)  # Ctrl-C
         rest = up.communicate(timeout=60)[1]

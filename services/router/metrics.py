@@ -16,6 +16,7 @@ TIME_PER_OUTPUT_TOKEN = Histogram("kervan_time_per_output_token_seconds",
                                   buckets=LATENCY_BUCKETS)
 E2E_LATENCY = Histogram("kervan_e2e_request_latency_seconds", "From the request's arrival to a sample's end",
                         buckets=LATENCY_BUCKETS)
+REQUESTS_ADMITTED = Counter("kervan_requests_admitted", "Requests the router admitted (the load's arrival rate)")
 PROMPT_TOKENS = Counter("kervan_prompt_tokens", "Prompt tokens of requests the router admitted")
 GENERATION_TOKENS = Counter("kervan_generation_tokens", "Output tokens the router streamed")
 REQUEST_SUCCESS = Counter("kervan_request_success", "Samples that ended, by finish reason", ["finished_reason"])

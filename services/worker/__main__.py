@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds a KV handoff may take, and the longest received KV waits for its Decode")
     ap.add_argument("--max-concurrent-pushes", type=int, default=16,
                     help="KV pushes received at once beyond which more get RESOURCE_EXHAUSTED")
+    ap.add_argument("--drain-grace", type=float, default=5.0,
+                    help="seconds a drain (SIGTERM) lets streams in flight finish; the router moves the rest "
+                         "to another worker (keep it under the orchestrator's kill grace)")
     ap.add_argument("--registry", default=None, help="HOST:PORT of the kv-registry to join (optional)")
     ap.add_argument("--advertise-address", default=None,
                     help="HOST:PORT others reach this worker at, when not the one it binds (a proxy, a Service)")
@@ -172,7 +175,7 @@ async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: 
             await registry_channel.close()
         await servicer.close()
 
-    await serve_until_signal(handle, on_stop, stop=stop, on_drain=on_drain)
+    await serve_until_signal(handle, on_stop, grace=args.drain_grace, stop=stop, on_drain=on_drain)
 
 
 async def _sweep_segments(interval_s: float = 5.0) -> None:
