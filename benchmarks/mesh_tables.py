@@ -163,3 +163,21 @@ def plan_check() -> str:
                             f"| {pred['itl_ms']:.1f} / {got['itl_ms']:.1f} "
                             f"| {_ms(p.get('decode_engine_step_ms_mean'))} | {ratios} |")
     return "\n".join(rows) + "\n"
+
+
+def planner_ramp() -> str:
+    """Per report, configuration and round: SLO attainment (whole ramp and per phase),
+    worker-seconds, peak workers, failures; the summary rows are medians with their range."""
+    rows = ["| report | configuration | round | SLO attainment | per phase (low / high / low) | worker-seconds "
+            "| peak workers | failed |", "|---|---|---|---|---|---|---|---|"]
+    for label, report in cells.reports("planner_ramp"):
+        for name, summary in report["summary"].items():
+            att, ws = summary["slo_attainment"], summary["worker_seconds"]
+            rows.append(f"| {label} | **{name}** | median (min–max) | **{att[0]:.2f}** ({att[1]:.2f}–{att[2]:.2f}) | "
+                        f"| **{ws[0]:,.0f}** ({ws[1]:,.0f}–{ws[2]:,.0f}) | | {summary['failed']} |")
+        for i, rnd in enumerate(report["rounds"]):
+            for name, run in rnd.items():
+                phases = " / ".join(f"{p['slo_attainment']:.2f}" for p in run["phases"])
+                rows.append(f"| {label} | {name} | {i + 1} | {run['slo_attainment']:.2f} | {phases} "
+                            f"| {run['worker_seconds']:,.0f} | {run['peak_workers']} | {run['failed']} |")
+    return "\n".join(rows) + "\n"

@@ -1,9 +1,15 @@
 """The SLA planner against fixed pools under a load ramp, through ``kervan bench``'s ramp.
 
-One ramp (low, high, low; the rates are fractions of the highest rate ``kervan plan`` serves
-with one prefill and one decode worker on this machine, from a ``kervan profile`` taken on
-one core) is sent, round after round, to three clusters of the same model, pinned as
-``kervan up --pin-cores`` pins them:
+One ramp (low, high, low, in requests per second: ``--rates``) is sent, round after round,
+to three clusters of the same model, pinned as ``kervan up --pin-cores`` pins them (on two
+cores: the prefill worker and a second decode worker share one). The workload is decode-heavy
+(short prompts, 128 tokens out), so that a second decode worker adds capacity on a machine
+whose two cores the smallest cluster already uses: the prefill worker leaves most of its core
+idle. The default rates are for SmolLM2-135M on a 2-core Xeon: plan_check measured a decode
+worker there at about 110 tokens/s within the 100 ms ITL target, so the low phase (0.35/s,
+45 tokens/s) needs one and the high phase (1.4/s, 180 tokens/s) two. ``kervan plan``'s rate
+for one prefill and one decode worker (from a ``kervan profile`` on one core) is reported
+beside them.
 
 - ``smallest``: 1 prefill + 1 decode worker, fixed;
 - ``largest``: ``--max-prefill`` prefill + ``--max-decode`` decode workers, fixed;
@@ -17,7 +23,7 @@ it exited); and the planner's decisions. The three configurations run in turn wi
 round, their order rotated each round.
 
     python -m benchmarks.planner_ramp --json-out benchmarks/results/planner_ramp-amx-smollm2.json   # ~35 min
-    python -m benchmarks.planner_ramp --model embedded --rounds 1 --phases 10,20,10                   # a smoke run
+    python -m benchmarks.planner_ramp --model embedded --rounds 1 --phases 10,20,10 --rates 2,10,2    # a smoke run
 """
 
 from __future__ import annotations
@@ -134,12 +140,11 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m", help="embedded, moe, or a pulled catalog name")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--phases", default="40,60,40", help="seconds of the low, high and low phases")
-    ap.add_argument("--rates", default="0.3,1.3,0.3",
-                    help="each phase's rate as a fraction of what 1 prefill + 1 decode worker serve (by the plan)")
-    ap.add_argument("--max-prefill", type=int, default=2)
+    ap.add_argument("--rates", default="0.35,1.4,0.35", help="each phase's requests per second")
+    ap.add_argument("--max-prefill", type=int, default=1)
     ap.add_argument("--max-decode", type=int, default=2)
-    ap.add_argument("--input-len", default="uniform:128:512")
-    ap.add_argument("--output-len", default="fixed:64")
+    ap.add_argument("--input-len", default="uniform:32:96")
+    ap.add_argument("--output-len", default="fixed:128")
     ap.add_argument("--ttft-ms", type=float, default=2000.0)
     ap.add_argument("--itl-ms", type=float, default=100.0)
     ap.add_argument("--interval", type=float, default=5.0, help="the planner's interval")
@@ -156,8 +161,7 @@ def main() -> None:
     hw = measure_this(per_core=True)
     weights = held if held.startswith("gguf") else profile.dtype
     capacity = one_to_one_rate(shape, weights, profile.dtype, hw, profile, args)
-    phases = tuple((float(s), round(capacity * float(r), 3)) for s, r in zip(args.phases.split(","),
-                                                                          args.rates.split(",")))
+    phases = tuple((float(s), float(r)) for s, r in zip(args.phases.split(","), args.rates.split(",")))
     ramp = Ramp(phases)
     config = PlannerConfig(Slo(args.ttft_ms / 1e3, args.itl_ms / 1e3), min_prefill=1, max_prefill=args.max_prefill,
                            min_decode=1,
@@ -167,7 +171,7 @@ def main() -> None:
     def policy_for() -> Policy:
         return Policy(Sizer(shape, weights, profile.dtype, hw, chunk=args.chunk, profile=profile), config)
 
-    print(f"capacity of 1P+1D by the plan: {capacity:.3f} req/s; ramp {phases}", file=sys.stderr, flush=True)
+    print(f"1P+1D serves {capacity:.3f} req/s by the plan; ramp {phases}", file=sys.stderr, flush=True)
     rounds = []
     for r in range(args.rounds):
         order = CONFIGS[r % 3:] + CONFIGS[:r % 3]
@@ -180,7 +184,8 @@ def main() -> None:
                          "worker_seconds": [statistics.median(ws), min(ws), max(ws)],
                          "failed": sum(rd[name]["failed"] for rd in rounds)}
     report = {"benchmark": "planner_ramp", "machine": machine(args.dtype), "model": str(path),
-              "one_to_one_rate": capacity, "ramp": [list(p) for p in phases],
+              "one_to_one_rate_by_plan": capacity, "workload": {"input_len": args.input_len,
+                                                                "output_len": args.output_len}, "ramp": [list(p) for p in phases],
               "slo_ms": {"ttft": args.ttft_ms, "tpot": args.itl_ms},
               "planner": {"interval_s": args.interval, "scale_down_cooldown_s": args.cooldown,
                           "max_prefill": args.max_prefill, "max_decode": args.max_decode,

@@ -151,6 +151,10 @@ def test_a_profile_reads_step_times_off_its_curves():
     assert p.decode_step_s(16, 320) == pytest.approx(0.025)  # halfway between contexts
     assert p.decode_step_s(31, 128) == pytest.approx(0.030)  # past the last batch: along the last segment
     assert p.prefill_step_s(320) == pytest.approx(0.10)
+    # two noisy medians that fall (batch 16 measured faster than 4) extrapolate flat, never to no time
+    noisy = Profile(model="m", dtype="bfloat16", machine={}, decode_s={128: {1: 0.010, 4: 0.030, 16: 0.025}},
+                    prefill_s={128: 0.05})
+    assert noisy.decode_step_s(256, 128) == pytest.approx(0.025) and noisy.decode_step_s(8, 128) < 0.030
 
 
 def test_the_engine_profiled_here_drives_the_plan(hf_models, tmp_path):

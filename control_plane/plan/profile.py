@@ -53,12 +53,18 @@ class Profile:
 
 
 def _along(points: list[tuple[int, float]], x: float) -> float:
-    """Linear through ``points`` (sorted by x), extended along the end segments."""
+    """Linear through ``points`` (sorted by x), extended along the end segments where they
+    rise and flat where they fall: a step is never faster for more sequences or a longer
+    context, and two noisy medians must not extrapolate to a step of no time at all."""
     if len(points) == 1:
         return points[0][1]
     xs = [p[0] for p in points]
     i = min(max(bisect.bisect_left(xs, x), 1), len(points) - 1)
     (x0, y0), (x1, y1) = points[i - 1], points[i]
+    if x > x1 and y1 < y0:
+        return y1
+    if x < x0 and y1 < y0:
+        return y0
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 

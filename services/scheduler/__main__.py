@@ -60,9 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="how long a placement counts against a worker's load before its reports can show it")
     ap.add_argument("--prefix-window-s", type=float, default=3.0,
                     help="how long a placed prompt's blocks count as the worker's before its KV events can show them")
+    ap.add_argument("--no-shortlist", dest="shortlist", action="store_false",
+                    help="price every worker on each placement, not only the shortlist's (the same choice, slower at "
+                         "fleet scale; for comparison)")
     ap.add_argument("--workers-cache-s", type=float, default=0.05,
-                    help="placements within this long of a listing of live workers reuse it (concurrent ones "
-                         "always share one in flight)")
+                    help="placements within this long of a listing of live workers reuse it; later ones start "
+                         "a new listing and, within twice a listing's time more, take the old one meanwhile "
+                         "(0: every placement lists afresh; concurrent ones share one in flight)")
     ap.add_argument("--max-ejection-share", type=float, default=0.5,
                     help="at most this share of the candidate workers is avoided as suspect (found unreachable "
                          "lately by a router)")
@@ -83,7 +87,8 @@ async def serve(args: argparse.Namespace) -> None:
                                role="kv-registry")
     servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(channel), placement_config(args),
                                  RecentPlacements(args.load_window_s, args.prefix_window_s), args.seed,
-                                 args.max_ejection_share, args.panic_threshold, args.workers_cache_s)
+                                 args.max_ejection_share, args.panic_threshold, args.workers_cache_s,
+                                 args.shortlist)
     handle = await start_server([Service(SERVICE_NAME, lambda s: (
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)), {"*": ("router", "admin")})],
         args.host, args.port, security=security)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 PLACEMENTS = Counter("kervan_placements", "Requests placed, by where the prompt is prefilled and why "
                      "(remote, short, forked, fallback, overflow, ...)", ["reason"])
 REFUSALS = Counter("kervan_placement_refusals", "Requests refused because every worker that could take them is busy")
 PANICS = Counter("kervan_placement_panics", "Placements that ignored the caller's suspect workers because too few "
                  "others remained (panic threshold)")
+DECISION_TIME = Histogram("kervan_placement_decision_seconds", "The scheduler's own work for one placement (pricing "
+                          "the workers and choosing), without the registry calls", buckets=(
+                              0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1))

@@ -24,6 +24,8 @@ class RecentPlacements:
         self.clock = clock
         self._placed: dict[str, deque[tuple[float, int, int]]] = {}  # worker -> (when, prefill tokens, blocks)
         self._prefixes: dict[str, dict[bytes, float]] = {}  # worker -> block hash -> when placed
+        self._holders: dict[bytes, set[str]] = {}  # block hash -> the workers it was placed on (not yet expired)
+        self._swept = clock()  # when every worker's prefixes were last expired
 
     def add(self, worker_id: str, prefill_tokens: int = 0, blocks: int = 0, block_hashes: list[bytes] = ()) -> None:
         now = self.clock()
@@ -33,6 +35,19 @@ class RecentPlacements:
             for h in block_hashes:
                 predicted.pop(h, None)  # re-insert: the dict stays in placement order
                 predicted[h] = now
+                self._holders.setdefault(h, set()).add(worker_id)
+        if now - self._swept > self.prefix_window_s:  # a worker no placement asks about still forgets
+            self._swept = now
+            for worker in list(self._prefixes):
+                self._predicted(worker)
+
+    def loaded_workers(self) -> list[str]:
+        """The workers with placements within the load window."""
+        return [w for w in list(self._placed) if self.pending(w) != (0, 0)]
+
+    def holders(self, block_hash: bytes) -> list[str]:
+        """The workers a prompt starting with ``block_hash`` was placed on within the prefix window."""
+        return [w for w in list(self._holders.get(block_hash, ())) if self._predicted(w).get(block_hash) is not None]
 
     def pending(self, worker_id: str) -> tuple[int, int]:
         """(prefill tokens, KV blocks) placed on the worker within the load window."""
@@ -68,4 +83,11 @@ class RecentPlacements:
             if predicted[oldest] >= horizon:
                 break
             del predicted[oldest]
+            holders = self._holders.get(oldest)
+            if holders is not None:
+                holders.discard(worker_id)
+                if not holders:
+                    del self._holders[oldest]
+        if not predicted:
+            self._prefixes.pop(worker_id, None)
         return predicted

@@ -22,6 +22,7 @@ from services.scheduler import metrics
 from services.scheduler.placement import AllBusy, Candidate, PlacementConfig, Size, place
 from services.scheduler.policies import make_policy
 from services.scheduler.recent import RecentPlacements
+from services.scheduler.shortlist import best_plain, plain_order
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, registry: kv_registry_pb2_grpc.KvRegistryServiceStub, config: PlacementConfig,
                  recent: RecentPlacements | None = None, seed: int | None = None, max_ejection_share: float = 0.5,
-                 panic_threshold: float = 0.5, workers_cache_s: float = 0.05):
+                 panic_threshold: float = 0.5, workers_cache_s: float = 0.05, shortlist: bool = True):
         self.registry = registry
         self.config = config
         self.recent = recent or RecentPlacements()
@@ -44,8 +45,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         # worker in Redis and a message of them all: at 1,000 workers, a per-call listing made
         # the scheduler serve 8 placements a second; benchmarks/place_path.py)
         self.workers_cache_s = workers_cache_s
+        self.shortlist = shortlist  # price only the shortlist's workers where the policy allows (shortlist.py)
         self._listing: asyncio.Future | None = None
-        self._reported_for: tuple = (None, [])  # (a listing, its workers as candidates)
+        self._listing_s = 0.0  # how long the last listing took
+        self._reported_for: tuple = (None, [], [])  # (a listing, its workers as candidates, in the shortlist's order)
         self.placements = 0
         self.refused = 0  # requests refused because every decode worker was at its limit
         self.by_reason: Counter[str] = Counter()
@@ -57,18 +60,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         workers, match = await self._registry_view(request, context.time_remaining())
         hashes = list(request.block_hashes)
         excluded = set(request.exclude_addresses)
-        pool = [c for c in self._reported(workers) if c.address not in excluded]
+        reported = self._reported(workers)
+        pool = [c for c in reported if c.address not in excluded] if excluded else reported
         pool = self._avoiding(pool, list(request.avoid_addresses))
-        candidates = self._candidates(pool, hashes, match)
         num_blocks = len(hashes)
+        size = Size(num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens, n=request.n or 1)
+        started = time.perf_counter()
+        candidates = self._candidates(pool, hashes, match, request.model, size, len(pool) < len(reported))
         try:
-            decision = place(candidates, num_blocks, self.policy, model=request.model,
-                             size=Size(num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens,
-                                       n=request.n or 1), block_hashes=hashes, turn=self.placements)
+            decision = place(candidates, num_blocks, self.policy, model=request.model, size=size, block_hashes=hashes,
+                             turn=self.placements)
         except AllBusy as busy:
             self.refused += not request.dry_run
             metrics.REFUSALS.inc(not request.dry_run)
             raise Overloaded(f"{busy}; retry later") from None
+        finally:
+            metrics.DECISION_TIME.observe(time.perf_counter() - started)
         if decision is None:
             model = f" for model {request.model!r}" if request.model else ""
             raise Unavailable(f"no healthy decode or aggregated worker is registered{model}")
@@ -107,15 +114,39 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             prefill_worker_id=decision.prefill.worker_id if decision.prefill else "",
             unknown_workers=match.unknown_workers)
 
-    def _candidates(self, pool: list[Candidate], hashes: list[bytes], match: kv_registry_pb2.MatchResponse
-                    ) -> list[Candidate]:
-        remembered = [self.policy.remembered_blocks(c.worker_id, hashes) for c in pool]
-        if all(r is not None for r in remembered):  # the policy's own memory, never what workers report
-            return [self._candidate(c, r) for c, r in zip(pool, remembered)]
+    def _candidates(self, pool: list[Candidate], hashes: list[bytes], match: kv_registry_pb2.MatchResponse,
+                    model: str, size: Size, cut: bool) -> list[Candidate]:
+        """The workers placement prices: with the policy's own memory, every one; else the
+        touched ones (holding part of the prompt, or placed on lately) with what they hold
+        and have pending, and — where the policy allows (``shortlist.py``) — of the plain
+        rest only each role's best, else all. ``cut``: the pool lacks listed workers."""
+        if self.policy.remembers:
+            remembered = [self.policy.remembered_blocks(c.worker_id, hashes) for c in pool]
+            if all(r is not None for r in remembered):  # the policy's own memory, never what workers report
+                return [self._candidate(c, r) for c, r in zip(pool, remembered)]
         matched, host, disk = dict(match.matched_blocks), dict(match.host_blocks), dict(match.disk_blocks)
-        return [self._candidate(c, max(matched.get(c.worker_id, 0), self.recent.predicted_blocks(c.worker_id, hashes)),
-                                host.get(c.worker_id, 0), disk.get(c.worker_id, 0))
-                for c in pool]
+        touched = {w for w, n in matched.items() if n} | set(self.recent.loaded_workers())
+        if hashes:
+            touched.update(self.recent.holders(hashes[0]))
+        if self.config.new_prefix == "content":  # every worker's recent content counts
+            touched.update(c.worker_id for c in pool if self.recent.sent_blocks(c.worker_id))
+
+        def priced(c: Candidate) -> Candidate:
+            held = max(matched.get(c.worker_id, 0), self.recent.predicted_blocks(c.worker_id, hashes))
+            return self._candidate(c, held, host.get(c.worker_id, 0), disk.get(c.worker_id, 0))
+        if not (self.shortlist and self.policy.prunable):
+            return [priced(c) if c.worker_id in touched else c for c in pool]
+        skip = set(touched)
+        if cut:  # excluded or avoided workers are no candidates either
+            skip |= {c.worker_id for c in self._reported_for[1]} - {c.worker_id for c in pool}
+        order = self._reported_for[2]
+        decode = best_plain(order, skip, len(hashes), self.config, model, size, prefill=False)
+        prefill = best_plain(order, skip, len(hashes), self.config, model,
+                             Size(num_prompt_tokens=size.num_prompt_tokens, max_tokens=1), prefill=True)
+        if decode.worker is None or prefill.lacked_room and prefill.worker is None:  # errors, refusals, no room
+            return [priced(c) if c.worker_id in touched else c for c in pool]
+        return [priced(c) for c in pool if c.worker_id in touched] + [
+            best.worker for best in (decode, prefill) if best.worker is not None]
 
     def _avoiding(self, pool: list[Candidate], avoid: list[str]) -> list[Candidate]:
         """``pool`` without the suspects the caller asked to avoid: at most
@@ -151,17 +182,27 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         return workers, match
 
     async def _live_workers(self, timeout: float) -> kv_registry_pb2.ListWorkersResponse:
+        """The live set: a listing younger than ``workers_cache_s`` as it is; an older one
+        starts a new listing, and while that runs a placement takes the old one if it is
+        no older than twice a listing's own time past the window (a large mesh's listing
+        takes tens of ms: placements then never wait for one while they keep coming, and a
+        live set is never staler than about three listings); else it waits for the new one.
+        ``workers_cache_s`` 0: every placement waits for a listing of its own."""
         workers, at = self._last_workers
-        if time.monotonic() - at <= self.workers_cache_s:
+        age = time.monotonic() - at
+        if age <= self.workers_cache_s:
             return workers
         if self._listing is None:
             self._listing = asyncio.ensure_future(self._list(timeout))
             self._listing.add_done_callback(self._listed)
+        if self.workers_cache_s > 0 and age <= self.workers_cache_s + 2 * self._listing_s:
+            return workers
         return await asyncio.shield(self._listing)  # a caller that gives up does not cancel the others' call
 
     async def _list(self, timeout: float) -> kv_registry_pb2.ListWorkersResponse:
         started = time.monotonic()
         workers = await self.registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), timeout=timeout)
+        self._listing_s = time.monotonic() - started
         self._last_workers = (workers, started)  # as old as the request that fetched it
         return workers
 
@@ -192,8 +233,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         """Every listed worker as its own report shows it (no match, nothing pending): made
         once per listing, which placements share (protobuf reads cost ~8 us a worker)."""
         if self._reported_for[0] is not workers:
-            self._reported_for = (workers, [Candidate.reported(worker_info_from_proto(w.info), load_from_proto(w.load))
-                                            for w in workers.workers])
+            reported = [Candidate.reported(worker_info_from_proto(w.info), load_from_proto(w.load))
+                        for w in workers.workers]
+            self._reported_for = (workers, reported, plain_order(reported))
         return self._reported_for[1]
 
     def _candidate(self, reported: Candidate, matched_blocks: int, host_blocks: int = 0,

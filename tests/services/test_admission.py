@@ -7,6 +7,7 @@ places a request a worker refused on another one."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -101,6 +102,38 @@ async def test_the_scheduler_skips_full_workers_and_refuses_when_all_are_full(re
         await to_registry.close()
         await scheduler.stop(0)
         await registry.stop(0)
+
+
+async def test_a_placement_past_the_window_takes_the_last_listing_while_a_new_one_runs():
+    """A large mesh's listing takes tens of ms: a placement just past ``workers_cache_s``
+    does not wait for it (within twice a listing's time), and the next one sees the new set."""
+    from services.proto import kv_registry_pb2
+
+    def worker(wid: str, port: int):
+        return kv_registry_pb2.LiveWorker(info=kv_registry_pb2.WorkerInfo(
+            worker_id=wid, address=f"127.0.0.1:{port}", role=kv_registry_pb2.WORKER_ROLE_BOTH, model="m",
+            limits=kv_registry_pb2.RequestLimits(max_model_len=4096, max_n=4)))
+    listings = [[worker("a", 7)], [worker("b", 8)]]
+    calls = []
+
+    class SlowRegistry:
+        async def ListWorkers(self, request, timeout=None):
+            calls.append(time.monotonic())
+            await asyncio.sleep(0.2)
+            return kv_registry_pb2.ListWorkersResponse(workers=listings[min(len(calls), 2) - 1])
+
+        async def Match(self, request, timeout=None):
+            return kv_registry_pb2.MatchResponse()
+
+    servicer = SchedulerServicer(SlowRegistry(), PlacementConfig(), workers_cache_s=0.05)
+    request = scheduler_pb2.PlaceRequest(request_id="r", num_prompt_tokens=8)
+    assert (await servicer.Place(request, _Context())).decode_worker_id == "a"  # waited for the first listing
+    await asyncio.sleep(0.1)  # past the window, within it plus twice the 0.2 s listing
+    started = time.monotonic()
+    assert (await servicer.Place(request, _Context())).decode_worker_id == "a"  # the old set, at once
+    assert time.monotonic() - started < 0.15 and len(calls) == 2  # while the new listing runs
+    await asyncio.sleep(0.25)
+    assert (await servicer.Place(request, _Context())).decode_worker_id == "b"  # the new set
 
 
 class FirstNotExcluded:

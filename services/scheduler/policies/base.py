@@ -31,6 +31,17 @@ class PlacementPolicy(ABC):
     @abstractmethod
     def choose(self, pool: list[Candidate], ask: Ask) -> Choice: ...
 
+    @property
+    def remembers(self) -> bool:
+        """Whether it keeps its own memory of what workers hold (``remembered_blocks``)."""
+        return type(self).remembered_blocks is not PlacementPolicy.remembered_blocks
+
+    @property
+    def prunable(self) -> bool:
+        """Whether it chooses the lowest ``placement.cost`` (ties by active blocks, then id), so
+        that placement may price only the workers the shortlist leaves (``shortlist.py``)."""
+        return False
+
     def remembered_blocks(self, worker_id: str, block_hashes: Sequence[bytes]) -> int | None:
         """Leading prompt blocks this policy itself remembers sending to the worker, or None:
         the registry's match (the workers' KV events) says what it holds."""

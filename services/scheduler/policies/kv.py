@@ -20,13 +20,18 @@ def held_blocks(c: Candidate) -> int:
 class KvPolicy(PlacementPolicy):
     name = "kv"
 
+    @property
+    def prunable(self) -> bool:
+        return self.config.temperature <= 0 and self.config.new_prefix == "cost"
+
     def choose(self, pool: list[Candidate], ask: Ask) -> Choice:
         scores = self.costs(pool, ask)
         cfg = self.config
         if cfg.temperature <= 0:
             if cfg.new_prefix == "content" and not any(c.matched_blocks for c in pool):
                 return Choice(min(pool, key=lambda c: (held_blocks(c), c.worker_id)), scores)
-            return Choice(min(pool, key=lambda c: (scores[c.worker_id], c.worker_id)), scores)
+            # a tie goes to the less loaded, then the first by id: the shortlist's walk order
+            return Choice(min(pool, key=lambda c: (scores[c.worker_id], c.active_blocks, c.worker_id)), scores)
         best = min(scores.values())
         weights = [math.exp(-(scores[c.worker_id] - best) / cfg.temperature) for c in pool]
         return Choice(self.rng.choices(pool, weights)[0], scores)

@@ -1,0 +1,56 @@
+"""The plain workers worth pricing, at fleet scale.
+
+Of a thousand workers, a prompt's placement is decided among few: those that hold part of
+the prompt or were placed on lately (the *touched*, priced in full) and the plain rest, whose
+cost under the ``kv`` policy is the same formula with nothing cached:
+
+    cost(plain) = (overlap_weight + 1) * prompt_blocks + active_blocks + eviction_weight * evicted
+               >= (overlap_weight + 1) * prompt_blocks + active_blocks          (the bound)
+
+So the plain workers are walked in order of (active blocks, id), kept once per listing, and
+the walk stops at the first whose bound reaches the best cost found: none after it can win,
+ties included (the ``kv`` policy breaks a tie by active blocks, then id, the walk's own
+order). Each role's best plain worker joins the touched ones, and placement runs on those
+few: the same choice as pricing every worker (tests/services/test_shortlist.py checks it
+against the full pool). Where no plain worker that could take the request has room for
+its prompt, placement prices the whole pool, as before."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kervan.worker_info import WorkerRole
+from services.scheduler.placement import Candidate, PlacementConfig, Size, cost, has_room
+
+
+class Best(NamedTuple):
+    worker: Candidate | None  # None: no plain worker of the role can take the request with room
+    lacked_room: bool  # a plain worker could have taken it but has no room for the prompt
+
+
+def plain_order(reported: list[Candidate]) -> list[Candidate]:
+    """A listing's workers in the walk's order (made once per listing)."""
+    return sorted(reported, key=lambda c: (c.active_blocks, c.worker_id))
+
+
+def best_plain(order: list[Candidate], skip: set[str], num_prompt_blocks: int, cfg: PlacementConfig, model: str,
+               size: Size, prefill: bool) -> Best:
+    """The plain worker of one role (``prefill``: the prefill pool, else the workers that
+    decode) with the lowest (cost, active blocks, id) among those that may take the
+    request and have room for it. ``skip``: ids not plain here (touched, excluded, avoided)."""
+    base = (cfg.overlap_weight + 1) * num_prompt_blocks
+    best, best_cost, lacked_room = None, float("inf"), False
+    for c in order:
+        if base + c.active_blocks >= best_cost:
+            break
+        if c.worker_id in skip or c.full or (model and c.model != model):
+            continue
+        if (c.role is WorkerRole.PREFILL) != prefill or not size.fits(c):
+            continue
+        if not has_room(c, num_prompt_blocks):
+            lacked_room = True
+            continue
+        price = cost(c, num_prompt_blocks, cfg)
+        if price < best_cost:
+            best, best_cost = c, price
+    return Best(best, lacked_room)
