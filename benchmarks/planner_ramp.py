@@ -5,11 +5,10 @@ to three clusters of the same model, pinned as ``kervan up --pin-cores`` pins th
 cores: the prefill worker and a second decode worker share one). The workload is decode-heavy
 (short prompts, 128 tokens out), so that a second decode worker adds capacity on a machine
 whose two cores the smallest cluster already uses: the prefill worker leaves most of its core
-idle. The default rates are for SmolLM2-135M on a 2-core Xeon: plan_check measured a decode
-worker there at about 110 tokens/s within the 100 ms ITL target, so the low phase (0.35/s,
-45 tokens/s) needs one and the high phase (1.4/s, 180 tokens/s) two. ``kervan plan``'s rate
-for one prefill and one decode worker (from a ``kervan profile`` on one core) is reported
-beside them.
+idle. The default rates are for SmolLM2-135M on a 2-core Xeon, where ``kervan plan`` (from a
+``kervan profile`` on one core) gives one decode worker about 76 tokens/s of this workload
+within the 100 ms ITL target (0.59 requests/s): the low phase (0.25/s, 32 tokens/s) needs one
+and the high phase (1.0/s, 128 tokens/s) two. The plan's rate is reported beside them.
 
 - ``smallest``: 1 prefill + 1 decode worker, fixed;
 - ``largest``: ``--max-prefill`` prefill + ``--max-decode`` decode workers, fixed;
@@ -140,7 +139,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m", help="embedded, moe, or a pulled catalog name")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--phases", default="40,60,40", help="seconds of the low, high and low phases")
-    ap.add_argument("--rates", default="0.35,1.4,0.35", help="each phase's requests per second")
+    ap.add_argument("--rates", default="0.25,1.0,0.25", help="each phase's requests per second")
     ap.add_argument("--max-prefill", type=int, default=1)
     ap.add_argument("--max-decode", type=int, default=2)
     ap.add_argument("--input-len", default="uniform:32:96")
@@ -184,8 +183,8 @@ def main() -> None:
                          "worker_seconds": [statistics.median(ws), min(ws), max(ws)],
                          "failed": sum(rd[name]["failed"] for rd in rounds)}
     report = {"benchmark": "planner_ramp", "machine": machine(args.dtype), "model": str(path),
-              "one_to_one_rate_by_plan": capacity, "workload": {"input_len": args.input_len,
-                                                                "output_len": args.output_len}, "ramp": [list(p) for p in phases],
+              "one_to_one_rate_by_plan": capacity, "ramp": [list(p) for p in phases],
+              "workload": {"input_len": args.input_len, "output_len": args.output_len},
               "slo_ms": {"ttft": args.ttft_ms, "tpot": args.itl_ms},
               "planner": {"interval_s": args.interval, "scale_down_cooldown_s": args.cooldown,
                           "max_prefill": args.max_prefill, "max_decode": args.max_decode,

@@ -1,0 +1,307 @@
+"""The control plane at fleet scale, simulated: Redis, the kv-registry and the scheduler
+(real processes on loopback, started as ``kervan up`` starts them) against 1,000 simulated
+workers and 10M registered KV blocks.
+
+Each simulated worker is registered through the registry's own write path (``PrefixIndex``:
+its Lua scripts) with a load report and 10,000 blocks: random depths of 32 shared 128-block
+"system prompt" chains, the rest its own. Then, in order:
+
+1. **Redis memory**: ``used_memory`` before and after the blocks, per registered block (a
+   block's owner bitmap, ``blk:{hash}``, and its entry in its worker's ownership hash), and
+   the load rate.
+2. **Events one registry sustains**: ``--publishers`` simulated workers each publish KV
+   events through ``PublishEvents`` as fast as they are answered (16 blocks stored, then the
+   same 16 removed, per call) for ``--seconds``; events and blocks per second, and the CPU
+   the registry and Redis used meanwhile (from /proc).
+3. **Place at fleet scale**: 1,000 placements of a chain's 128 hashes, one at a time and 16
+   in flight, while the fleet's background traffic runs: every worker's heartbeat once a
+   second (1,000/s) and KV events at ``--event-share`` of the rate step 2 measured. The whole
+   ``Place`` as a router sees it (p50, p99), and the scheduler's own decision from its
+   ``kervan_placement_decision_seconds`` histogram (the share under 1 ms; p50 and p99 read
+   within their buckets); with the shortlist, then with the scheduler restarted
+   ``--no-shortlist`` (pricing every worker, as before), in alternating passes.
+
+    python -m benchmarks.fleet --json-out benchmarks/results/fleet-amx.json   # ~12 min, ~3 GB of Redis
+    python -m benchmarks.fleet --workers 100 --blocks-per-worker 1000 --seconds 5   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import redis.asyncio as redis
+
+from benchmarks.machine import machine, write_report
+from control_plane.planner.metrics import Scrape, quantile
+from control_plane.redis_server import running_redis
+from kervan.block_hash import HASH_NAME
+from kervan.kv_events import BlockRemoved, BlockStored
+from kervan.sampling import RequestLimits
+from kervan.worker_info import WorkerInfo, WorkerRole
+from services.common.convert import event_to_proto, load_to_proto
+from services.common.load import Load
+from services.kv_registry.index import PrefixIndex
+from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+CHAINS, CHAIN_BLOCKS = 32, 128
+DECISION = "kervan_placement_decision_seconds"
+
+
+def start(module: str, *args: str) -> tuple[subprocess.Popen, str, str | None]:
+    """A service process; (it, its gRPC address, its metrics address or None)."""
+    proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    metrics = None
+    for _ in range(10):
+        line = proc.stdout.readline()
+        if "metrics on http://" in line:
+            metrics = line.split("http://", 1)[1].split("/", 1)[0]
+        if "ready on" in line:
+            return proc, line.rsplit(" ", 1)[1].strip(), metrics
+    proc.kill()
+    raise RuntimeError(f"{module} did not start")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def populate(index: PrefixIndex, rng: random.Random, num_workers: int, per_worker: int,
+                   chains: list[list[bytes]]) -> tuple[list[tuple[str, str]], int]:
+    workers, registered = [], 0
+    for w in range(num_workers):
+        wid = f"{'prefill' if w % 4 == 0 else 'decode'}@10.{w // 250}.{w % 250}.1:50051"
+        token = await index.register(WorkerInfo(
+            worker_id=wid, address=wid.split("@")[1], role=WorkerRole.PREFILL if w % 4 == 0 else WorkerRole.DECODE,
+            model="", block_size=16, hash_name=HASH_NAME, limits=RequestLimits(max_model_len=4096, max_n=16),
+            kv_capacity_blocks=2 * per_worker))
+        held = [h for chain in rng.sample(chains, 8) for h in chain[:rng.randint(0, len(chain))]]
+        held += [rng.randbytes(32) for _ in range(per_worker - len(held))]
+        await index.apply(wid, token, [BlockStored(1, held, None, [], 16)])
+        await index.heartbeat(wid, token, fleet_load(rng))
+        workers.append((wid, token))
+        registered += len(held)
+    return workers, registered
+
+
+def fleet_load(rng: random.Random) -> Load:
+    return Load(num_running=rng.randint(0, 8), num_free_blocks=rng.randint(0, 4096), num_blocks=4096,
+                num_requests=rng.randint(0, 8), max_requests=64)
+
+
+class Publisher:
+    """Simulated workers' KV events: 16 fresh blocks stored, then removed, per call."""
+
+    def __init__(self, stub, workers: list[tuple[str, str]], rng: random.Random):
+        self.stub, self.workers, self.rng = stub, workers, rng
+        self.seqs = {wid: 1 for wid, _ in workers}
+        self.events = 0
+
+    async def publish(self, k: int) -> None:
+        wid, token = self.workers[k % len(self.workers)]
+        blocks = [self.rng.randbytes(32) for _ in range(16)]
+        seq = self.seqs[wid]
+        self.seqs[wid] = seq + 2
+        events = [BlockStored(seq + 1, blocks, None, [], 16), BlockRemoved(seq + 2, blocks)]
+        await self.stub.PublishEvents(kv_registry_pb2.PublishEventsRequest(
+            worker_id=wid, incarnation=token, events=[event_to_proto(e) for e in events]), timeout=30)
+        self.events += 2
+
+
+async def closed_loop(call, lanes: int, seconds: float) -> int:
+    done, deadline = 0, time.monotonic() + seconds
+
+    async def lane(first: int):
+        nonlocal done
+        k = first
+        while time.monotonic() < deadline:
+            await call(k)
+            k += lanes
+            done += 1
+    await asyncio.gather(*(lane(i) for i in range(lanes)))
+    return done
+
+
+async def open_loop(call, rate: float, stop: asyncio.Event, limit: int = 1_000_000) -> int:
+    """``call(k)`` at ``rate`` per second until ``stop`` (bounded), none waiting for another."""
+    tasks: set[asyncio.Task] = set()
+    start = time.monotonic()
+    for k in range(limit):
+        if stop.is_set():
+            break
+        delay = start + k / rate - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(call(k))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return k
+
+
+async def sustained_events(stub, workers, rng, lanes: int, seconds: float, pids: dict[str, int]) -> dict:
+    publisher = Publisher(stub, workers, rng)
+    cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    t0 = time.monotonic()
+    calls = await closed_loop(publisher.publish, lanes, seconds)
+    wall = time.monotonic() - t0
+    return {"publishers": lanes, "calls": calls, "events_per_s": round(publisher.events / wall, 1),
+            "blocks_per_s": round(publisher.events / 2 * 16 * 2 / wall, 1),
+            "cpu_share": {name: round((cpu_seconds(pid) - cpu0[name]) / wall, 2) for name, pid in pids.items()}}
+
+
+def decision_histogram(address: str) -> dict[float, float]:
+    scrape = Scrape()
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+        scrape.add_text(resp.read().decode())
+    return scrape.buckets.get(DECISION, {})
+
+
+def stats(samples: list[float]) -> dict:
+    a = np.asarray(samples)
+    return {"p50": round(float(np.percentile(a, 50)), 3), "p99": round(float(np.percentile(a, 99)), 3),
+            "max": round(float(a.max()), 3)}
+
+
+async def placements(scheduler_addr: str, metrics_addr: str, queries, concurrency: int) -> dict:
+    async with grpc.aio.insecure_channel(scheduler_addr) as ch:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        samples: list[float] = []
+        todo = iter(range(len(queries)))
+
+        async def lane():
+            for i in todo:
+                t0 = time.perf_counter()
+                reply = await stub.Place(scheduler_pb2.PlaceRequest(
+                    request_id=f"r{i}", block_hashes=queries[i], num_prompt_tokens=2048, max_tokens=16, n=1),
+                    timeout=30)
+                samples.append((time.perf_counter() - t0) * 1000)
+                assert reply.decode_address
+        before = decision_histogram(metrics_addr)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+        after = decision_histogram(metrics_addr)
+    buckets = {le: n - before.get(le, 0.0) for le, n in after.items()}
+    total = max(buckets.values(), default=0.0)
+    under_1ms = sum(n for le, n in buckets.items() if le == 0.001)
+    return {"place_ms": stats(samples), "placements_per_s": round(len(queries) / wall, 1),
+            "decision_ms": {"p50": round((quantile(buckets, 0.5) or 0) * 1e3, 3),
+                            "p99": round((quantile(buckets, 0.99) or 0) * 1e3, 3),
+                            "share_under_1ms": round(under_1ms / total, 4) if total else None}}
+
+
+async def fleet_traffic(registry_stub, workers, rng, event_rate: float, stop: asyncio.Event) -> dict:
+    """Every worker's heartbeat once a second, and KV events at ``event_rate`` per second."""
+    loads = [load_to_proto(fleet_load(rng)) for _ in range(64)]
+
+    async def heartbeat(k: int) -> None:
+        wid, token = workers[k % len(workers)]
+        await registry_stub.Heartbeat(kv_registry_pb2.HeartbeatRequest(worker_id=wid, incarnation=token,
+                                                                       load=loads[k % len(loads)]), timeout=30)
+    publisher = Publisher(registry_stub, workers, rng)
+    t0 = time.monotonic()
+    beats, calls = await asyncio.gather(open_loop(heartbeat, len(workers), stop),
+                                        open_loop(publisher.publish, event_rate / 2, stop))
+    wall = time.monotonic() - t0
+    return {"heartbeats_per_s": round(beats / wall, 1), "events_per_s": round(publisher.events / wall, 1)}
+
+
+async def main_async(args) -> dict:
+    rng = random.Random(args.seed)
+    chains = [[rng.randbytes(32) for _ in range(CHAIN_BLOCKS)] for _ in range(CHAINS)]
+    report: dict = {"benchmark": "fleet", "machine": machine(), "workers": args.workers,
+                    "blocks_per_worker": args.blocks_per_worker, "prompt_blocks": CHAIN_BLOCKS}
+    with tempfile.TemporaryDirectory() as tmp, running_redis(Path(tmp)) as url:
+        r = redis.Redis.from_url(url)
+        redis_pid = int((await r.info("server"))["process_id"])
+        index = PrefixIndex(r, ttl_s=3600, max_blocks_per_worker=4 * args.blocks_per_worker)
+        empty = (await r.info("memory"))["used_memory"]
+        t0 = time.perf_counter()
+        workers, registered = await populate(index, rng, args.workers, args.blocks_per_worker, chains)
+        load_s = time.perf_counter() - t0
+        used = (await r.info("memory"))["used_memory"]
+        sample = [f"kervan:blk:{h.hex()}" for h in rng.sample(chains[0], 8)]
+        report["redis"] = {"blocks_registered": registered, "distinct_blocks": await r.dbsize(),
+                           "used_memory_mb": round(used / 2**20), "bytes_per_block": round((used - empty) / registered),
+                           "load_s": round(load_s, 1), "blocks_per_s_loading": round(registered / load_s),
+                           "bitmap_key_bytes_sampled": [await r.memory_usage(k) for k in sample]}
+        print(f"loaded {registered:,} blocks in {load_s:.0f}s: {report['redis']}", file=sys.stderr, flush=True)
+        gc.collect()
+        gc.freeze()  # the hashes built above are not garbage
+        registry, registry_addr, _ = start("services.kv_registry", "--redis", url, "--ttl", "3600")
+        procs = [registry]
+        try:
+            async with grpc.aio.insecure_channel(registry_addr) as reg:
+                registry_stub = kv_registry_pb2_grpc.KvRegistryServiceStub(reg)
+                report["events"] = [await sustained_events(registry_stub, workers, rng, lanes, args.seconds,
+                                                           {"registry": registry.pid, "redis": redis_pid})
+                                    for lanes in (8, 32)]
+                print(f"events: {report['events']}", file=sys.stderr, flush=True)
+                ceiling = max(e["events_per_s"] for e in report["events"])
+                event_rate = args.event_share * ceiling
+                queries = [rng.choice(chains) for _ in range(args.placements)]
+                runs: dict[str, list] = {}
+                for p in range(args.passes):
+                    for variant in ("shortlist", "price_all"):
+                        flags = ["--no-shortlist"] if variant == "price_all" else []
+                        scheduler, sched_addr, metrics_addr = start("services.scheduler", "--registry", registry_addr,
+                                                                    "--metrics-port", "0", *flags)
+                        procs.append(scheduler)
+                        try:
+                            await placements(sched_addr, metrics_addr, queries[:50], 4)  # warm-up
+                            stop = asyncio.Event()
+                            traffic = asyncio.create_task(fleet_traffic(registry_stub, workers, rng, event_rate, stop))
+                            await asyncio.sleep(1.0)  # the background traffic going
+                            serial = await placements(sched_addr, metrics_addr, queries[:args.placements // 2], 1)
+                            concurrent = await placements(sched_addr, metrics_addr, queries, 16)
+                            stop.set()
+                            background = await traffic
+                        finally:
+                            scheduler.terminate()
+                            scheduler.wait(timeout=30)
+                            procs.remove(scheduler)
+                        runs.setdefault(variant, []).append({"pass": p, "serial": serial, "concurrent": concurrent,
+                                                             "background": background})
+                        print(f"{variant} pass {p}: {runs[variant][-1]}", file=sys.stderr, flush=True)
+                report["placement"] = {"event_rate_asked": round(event_rate, 1), "runs": runs}
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(timeout=30)
+            await r.aclose()
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, default=1000)
+    ap.add_argument("--blocks-per-worker", type=int, default=10_000)
+    ap.add_argument("--seconds", type=float, default=15.0, help="each sustained-events run")
+    ap.add_argument("--event-share", type=float, default=0.5,
+                    help="background KV events during placement, as a share of the sustained rate measured")
+    ap.add_argument("--placements", type=int, default=1000, help="per condition per pass")
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json-out", default=None, help="also write the report here (with the commit)")
+    args = ap.parse_args()
+    import uvloop
+    write_report(uvloop.run(main_async(args)), args.json_out, args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
