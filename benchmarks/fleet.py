@@ -20,6 +20,12 @@ its Lua scripts) with a load report and 10,000 blocks: random depths of 32 share
    ``kervan_placement_decision_seconds`` histogram (the share under 1 ms; p50 and p99 read
    within their buckets); with the shortlist, then with the scheduler restarted
    ``--no-shortlist`` (pricing every worker, as before), in alternating passes.
+4. **The block index on a Redis Cluster**, as far as it runs here: three shards on loopback
+   (``redis-server --cluster-enabled``, joined by ``redis-cli --cluster create``) holding the
+   chains' owner bitmaps, spread by hash slot, and a match's read of a prompt's 128 bitmaps
+   split per shard by redis-py's cluster client (``mget_nonatomic``), against the same read
+   from one Redis. Three shards on two cores measure what splitting costs a lookup, not
+   what it gains in capacity.
 
     python -m benchmarks.fleet --json-out benchmarks/results/fleet-amx.json   # ~12 min, ~3 GB of Redis
     python -m benchmarks.fleet --workers 100 --blocks-per-worker 1000 --seconds 5   # a smoke run
@@ -163,6 +169,58 @@ async def sustained_events(stub, workers, rng, lanes: int, seconds: float, pids:
             "cpu_share": {name: round((cpu_seconds(pid) - cpu0[name]) / wall, 2) for name, pid in pids.items()}}
 
 
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def cluster_lookup(single: redis.Redis, chains: list[list[bytes]], tmp: Path, lookups: int) -> dict:
+    """A prompt's 128 owner bitmaps read from a 3-shard Redis Cluster and from one Redis."""
+    from redis.asyncio.cluster import RedisCluster
+
+    from control_plane.redis_server import redis_server_binary, wait_listening
+    ports, procs = [free_port() for _ in range(3)], []
+    try:
+        for port in ports:
+            d = tmp / f"shard-{port}"
+            d.mkdir()
+            procs.append(subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+                                           "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
+                                           "--save", "", "--appendonly", "no", "--dir", str(d)],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            wait_listening(port, procs[-1])
+        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas",
+                        "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        cluster = RedisCluster(host="127.0.0.1", port=ports[0])
+        for _ in range(100):  # the shards agree on the slots
+            try:
+                if (await cluster.cluster_info())["cluster_state"] == "ok":
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            await asyncio.sleep(0.1)
+        keys = [[f"kervan:blk:{h.hex()}" for h in chain] for chain in chains]
+        for chain in keys:
+            values = await single.mget(chain)
+            await cluster.mset_nonatomic({k: v or b"\0" for k, v in zip(chain, values)})
+        samples: dict[str, list[float]] = {"one_redis": [], "three_shards": []}
+        for i in range(lookups):
+            chain = keys[i % len(keys)]
+            for name, read in (("one_redis", single.mget), ("three_shards", cluster.mget_nonatomic)):
+                t0 = time.perf_counter()
+                got = await read(chain)
+                samples[name].append((time.perf_counter() - t0) * 1000)
+                assert len(got) == len(chain)
+        await cluster.aclose()
+        return {name: stats(v) for name, v in samples.items()}
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
 def decision_histogram(address: str) -> dict[float, float]:
     scrape = Scrape()
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
@@ -278,6 +336,8 @@ async def main_async(args) -> dict:
                                                              "background": background})
                         print(f"{variant} pass {p}: {runs[variant][-1]}", file=sys.stderr, flush=True)
                 report["placement"] = {"event_rate_asked": round(event_rate, 1), "runs": runs}
+            report["cluster_lookup_ms"] = await cluster_lookup(r, chains, Path(tmp), args.lookups)
+            print(f"cluster: {report['cluster_lookup_ms']}", file=sys.stderr, flush=True)
         finally:
             for proc in procs:
                 proc.terminate()
@@ -295,6 +355,7 @@ def main() -> None:
                     help="background KV events during placement, as a share of the sustained rate measured")
     ap.add_argument("--placements", type=int, default=1000, help="per condition per pass")
     ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--lookups", type=int, default=1000, help="bitmap reads per layout (step 4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", default=None, help="also write the report here (with the commit)")
     args = ap.parse_args()

@@ -181,3 +181,42 @@ def planner_ramp() -> str:
                 rows.append(f"| {label} | {name} | {i + 1} | {run['slo_attainment']:.2f} | {phases} "
                             f"| {run['worker_seconds']:,.0f} | {run['peak_workers']} | {run['failed']} |")
     return "\n".join(rows) + "\n"
+
+
+def fleet() -> str:
+    """Per report: Redis memory and load rate, sustained events, placement per variant and
+    pass (whole Place and the scheduler's decision), and the cluster lookup."""
+    out = []
+    for label, report in cells.reports("fleet"):
+        r = report["redis"]
+        out.append(f"{label}: {report['workers']:,} workers, {r['blocks_registered']:,} blocks registered "
+                   f"({r['distinct_blocks']:,} Redis keys)\n")
+        out.append("| Redis used memory | bytes per registered block | loaded at (blocks/s) "
+                   "| an owner bitmap (bytes, sampled) |\n|---|---|---|---|")
+        out.append(f"| {r['used_memory_mb']:,} MB | {r['bytes_per_block']} | {r['blocks_per_s_loading']:,} "
+                   f"| {', '.join(str(x) for x in r['bitmap_key_bytes_sampled'])} |\n")
+        out.append("| publishers in a closed loop | events/s one registry sustains | blocks/s "
+                   "| CPU: registry, Redis (cores) |\n|---|---|---|---|")
+        out += [f"| {e['publishers']} | **{e['events_per_s']:,.0f}** | {e['blocks_per_s']:,.0f} "
+                f"| {e['cpu_share']['registry']:.2f}, {e['cpu_share']['redis']:.2f} |" for e in report["events"]]
+        p = report["placement"]
+        out.append(f"\nPlacement with the fleet's traffic behind it (heartbeats from every worker each second, KV "
+                   f"events at {p['event_rate_asked']:,.0f}/s asked):\n")
+        out.append("| scheduler | pass | in flight | Place p50 / p99 ms | decision p50 / p99 ms (histogram) "
+                   "| decisions under 1 ms | placements/s | background: heartbeats/s, events/s |")
+        out.append("|---|---|---|---|---|---|---|---|")
+        for variant, runs in p["runs"].items():
+            for run in runs:
+                bg = run["background"]
+                for flight, key in ((1, "serial"), (16, "concurrent")):
+                    x = run[key]
+                    share = x["decision_ms"]["share_under_1ms"]
+                    out.append(f"| {variant} | {run['pass'] + 1} | {flight} | {x['place_ms']['p50']:.2f} / "
+                               f"{x['place_ms']['p99']:.2f} | {x['decision_ms']['p50']:.3f} / "
+                               f"{x['decision_ms']['p99']:.3f} | {'–' if share is None else f'{share:.1%}'} "
+                               f"| {x['placements_per_s']:,.0f} | {bg['heartbeats_per_s']:,.0f}, "
+                               f"{bg['events_per_s']:,.0f} |")
+        c = report["cluster_lookup_ms"]
+        out.append("\n| a prompt's 128 owner bitmaps read from | p50 ms | p99 ms |\n|---|---|---|")
+        out += [f"| {name.replace('_', ' ')} | {v['p50']:.3f} | {v['p99']:.3f} |" for name, v in c.items()]
+    return "\n".join(out) + "\n"

@@ -234,7 +234,7 @@ TABLES = {"engine_throughput": engine_throughput, "step_profile": step_profile, 
           "interference": mesh_tables.interference, "prefix_placement": mesh_tables.prefix_placement,
           "mesh_throughput": mesh_tables.mesh_throughput, "place_path": mesh_tables.place_path,
           "registry_lookup": mesh_tables.registry_lookup, "plan_check": mesh_tables.plan_check,
-          "planner_ramp": mesh_tables.planner_ramp,
+          "planner_ramp": mesh_tables.planner_ramp, "fleet": mesh_tables.fleet,
           "kv_tiers": lambda: measured("kv_tiers"), "long_reasoning": lambda: measured("long_reasoning"),
           "kv_pull": lambda: measured("kv_pull"), "http_front": lambda: measured("http_front", ("ttft_ms",
                                                                                           "overhead_vs_grpc_ms"))}

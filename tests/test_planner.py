@@ -127,17 +127,19 @@ def test_the_decode_pool_is_the_load_over_a_worker_s_tokens_within_the_itl_targe
     assert d.needed["decode"] == 8 and d.target["decode"] == 4
 
 
-def test_pools_grow_at_once_and_shrink_one_drain_at_a_time_after_the_cool_downs():
-    p = policy()
+def test_pools_grow_at_once_and_shrink_one_drain_at_a_time_once_their_window_is_quiet():
+    p = policy()  # scale-down window 5 s, scale-up cool-down 1 s
     assert p.decide(obs(10.0), {"prefill": 1, "decode": 1}, 0.0).target["decode"] == 4
-    d = p.decide(obs(0.5), {"prefill": 1, "decode": 4}, 1.0)
-    assert d.target["decode"] == 4 and any("scale-down cool-down" in r for r in d.reasons)
-    assert p.decide(obs(0.5), {"prefill": 1, "decode": 4}, 5.0).target["decode"] == 3  # 5 s after: one less
-    assert p.decide(obs(0.5), {"prefill": 1, "decode": 3}, 6.0).target["decode"] == 3  # its own cool-down again
-    assert p.decide(obs(0.5), {"prefill": 1, "decode": 3}, 10.0).target["decode"] == 2
-    d = p.decide(obs(10.0), {"prefill": 1, "decode": 2}, 10.5)  # growing again waits out the scale-up cool-down
-    assert d.target["decode"] == 2 and any("scale-up cool-down" in r for r in d.reasons)
-    assert p.decide(obs(10.0), {"prefill": 1, "decode": 2}, 11.0).target["decode"] == 4
+    d = p.decide(obs(0.5), {"prefill": 1, "decode": 4}, 1.0)  # one quiet interval: noise
+    assert d.target["decode"] == 4 and any("4 needed within the last 5s" in r for r in d.reasons)
+    assert p.decide(obs(0.5), {"prefill": 1, "decode": 4}, 5.0).target["decode"] == 4  # 4 still in the window
+    assert p.decide(obs(0.5), {"prefill": 1, "decode": 4}, 5.5).target["decode"] == 3  # quiet for 5 s: one less
+    assert p.decide(obs(0.5), {"prefill": 1, "decode": 3}, 6.0).target["decode"] == 2  # one per interval
+    assert p.decide(obs(3.0), {"prefill": 1, "decode": 2}, 7.0).target["decode"] == 3  # 3 req/s needs three
+    d = p.decide(obs(10.0), {"prefill": 1, "decode": 3}, 7.5)  # growing again waits out the scale-up cool-down
+    assert d.target["decode"] == 3 and any("scale-up cool-down" in r for r in d.reasons)
+    assert p.decide(obs(0.5), {"prefill": 1, "decode": 3}, 8.0).target["decode"] == 3  # 3 and 4 in the window
+    assert p.decide(obs(10.0), {"prefill": 1, "decode": 3}, 8.5).target["decode"] == 4
 
 
 def test_a_queue_or_a_full_kv_cache_grows_the_decode_pool_whatever_the_arithmetic():

@@ -26,7 +26,8 @@ OPTIONS = [
     click.option("--planner-interval", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
                  help="planner: seconds between decisions"),
     click.option("--planner-cooldown", type=click.FloatRange(min=0), default=60.0, show_default=True,
-                 help="planner: seconds after a pool's last change before it shrinks (by one worker)"),
+                 help="planner: a pool shrinks (by one worker an interval) only to the most it needed over this "
+                      "many seconds"),
     click.option("--planner-predictor", type=click.Choice(sorted(PREDICTORS)), default="constant", show_default=True,
                  help="planner: the next interval's request rate is the last one's (constant), the line "
                       "through the last four (trend) or their mean (average)"),

@@ -15,8 +15,10 @@ decode workers the next interval needs.
 A pool also grows by one when its workers report a queue (requests waiting for the decode
 pool, or its KV cache nearly full), whatever the arithmetic says. Then the bounds, and the
 cool-downs: a pool grows at once to what is needed (at most once per ``scale_up_cooldown_s``)
-and shrinks by one worker at a time, ``scale_down_cooldown_s`` after its last change (a
-drain is slow, and a flapping pool drains for nothing)."""
+and shrinks by one worker at a time, only to the most it needed over the last
+``scale_down_cooldown_s`` (the HorizontalPodAutoscaler's stabilization window: one quiet
+interval of a Poisson load is noise, and a flapping pool starts and drains workers for
+nothing)."""
 
 from __future__ import annotations
 
@@ -98,6 +100,7 @@ class Policy:
         self.predictors = {"rate": PREDICTORS[config.predictor](), "input_len": Average(), "output_len": Average()}
         self.corrections = {"decode": 1.0, "prefill": 1.0}
         self.last_change: dict[str, float] = {}
+        self.history: dict[str, list[tuple[float, int]]] = {"prefill": [], "decode": []}  # (when, needed)
 
     def decide(self, obs: Observation, current: dict[str, int], now: float) -> Decision:
         self.predictors["rate"].add(obs.rate)
@@ -161,13 +164,18 @@ class Policy:
         for pool in ("prefill", "decode"):
             lo, hi = cfg.bounds(pool)
             want, have = min(hi, max(lo, needed[pool])), current[pool]
-            since = now - self.last_change.get(pool, -math.inf)
-            if want > have and since < cfg.scale_up_cooldown_s:
+            history = self.history[pool]
+            history.append((now, want))
+            while history and history[0][0] < now - cfg.scale_down_cooldown_s:
+                history.pop(0)
+            if want > have and now - self.last_change.get(pool, -math.inf) < cfg.scale_up_cooldown_s:
                 reasons.append(f"{pool}: {have} -> {want} waits out the scale-up cool-down")
                 want = have
             elif want < have:
-                if since < cfg.scale_down_cooldown_s:
-                    reasons.append(f"{pool}: {have} -> {want} waits out the scale-down cool-down")
+                window = max(n for _, n in history)
+                if window >= have:
+                    reasons.append(f"{pool}: {have} -> {want} waits: {window} needed within the last "
+                                   f"{cfg.scale_down_cooldown_s:g}s")
                     want = have
                 else:
                     want = have - 1  # one drain at a time
