@@ -27,7 +27,7 @@ from tests.chaos.checker import check, record, stream, wait_baseline
 from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts
 
 OUTPUT_TOKENS = 24
-RAMP = Ramp(((6.0, 0.25), (14.0, 4.0), (12.0, 0.25)))
+RAMP = Ramp(((4.0, 0.25), (10.0, 4.0), (6.0, 0.25)))
 
 
 def synthetic_profile() -> Profile:
@@ -55,7 +55,7 @@ def test_the_planner_grows_the_decode_pool_with_the_ramp_and_drains_it_after_los
         shape, weights, _ = model_shape(str(llama[1]))
         sizer = Sizer(shape, weights, "float32", CATALOG["l40s"], profile=synthetic_profile())
         config = PlannerConfig(Slo(ttft_s=5.0, itl_s=0.1), min_prefill=1, max_prefill=1, min_decode=1,
-                               max_decode=3, interval_s=2.0, scale_up_cooldown_s=2.0, scale_down_cooldown_s=3.0,
+                               max_decode=3, interval_s=1.5, scale_up_cooldown_s=1.5, scale_down_cooldown_s=2.0,
                                correct=False)
         scaler = LauncherScaler(cluster, drain_grace_s=30)
         planner = SlaPlanner(Policy(sizer, config), scaler, scaler.metrics_targets, tmp_path / "planner.jsonl",
