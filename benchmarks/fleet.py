@@ -14,8 +14,9 @@ its Lua scripts) with a load report and 10,000 blocks: random depths of 32 share
    same 16 removed, per call) for ``--seconds``; events and blocks per second, and the CPU
    the registry and Redis used meanwhile (from /proc).
 3. **Place at fleet scale**: 1,000 placements of a chain's 128 hashes, one at a time and 16
-   in flight, while the fleet's background traffic runs: every worker's heartbeat once a
-   second (1,000/s) and KV events at ``--event-share`` of the rate step 2 measured. The whole
+   in flight, first with nothing else running, then while the fleet's background traffic
+   runs: every worker's heartbeat once a second (1,000/s) and KV events at ``--event-share``
+   of the rate step 2 measured (the registry then shares its core with them). The whole
    ``Place`` as a router sees it (p50, p99), and the scheduler's own decision from its
    ``kervan_placement_decision_seconds`` histogram (the share under 1 ms; p50 and p99 read
    within their buckets); with the shortlist, then with the scheduler restarted
@@ -169,11 +170,19 @@ async def sustained_events(stub, workers, rng, lanes: int, seconds: float, pids:
             "cpu_share": {name: round((cpu_seconds(pid) - cpu0[name]) / wall, 2) for name, pid in pids.items()}}
 
 
-def free_port() -> int:
+def cluster_port(rng: random.Random) -> int:
+    """A free port whose cluster bus port (10,000 above it) is free too."""
     import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(1000):
+        port = rng.randrange(20000, 30000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a Redis Cluster shard")
 
 
 async def cluster_lookup(single: redis.Redis, chains: list[list[bytes]], tmp: Path, lookups: int) -> dict:
@@ -181,7 +190,11 @@ async def cluster_lookup(single: redis.Redis, chains: list[list[bytes]], tmp: Pa
     from redis.asyncio.cluster import RedisCluster
 
     from control_plane.redis_server import redis_server_binary, wait_listening
-    ports, procs = [free_port() for _ in range(3)], []
+    rng = random.Random()
+    ports, procs = [], []
+    while len(ports) < 3:
+        port = cluster_port(rng)
+        ports += [port] if port not in ports else []
     try:
         for port in ports:
             d = tmp / f"shard-{port}"
@@ -321,19 +334,23 @@ async def main_async(args) -> dict:
                         procs.append(scheduler)
                         try:
                             await placements(sched_addr, metrics_addr, queries[:50], 4)  # warm-up
-                            stop = asyncio.Event()
-                            traffic = asyncio.create_task(fleet_traffic(registry_stub, workers, rng, event_rate, stop))
-                            await asyncio.sleep(1.0)  # the background traffic going
-                            serial = await placements(sched_addr, metrics_addr, queries[:args.placements // 2], 1)
-                            concurrent = await placements(sched_addr, metrics_addr, queries, 16)
-                            stop.set()
-                            background = await traffic
+                            run: dict = {"pass": p}
+                            for label, busy in (("quiet", False), ("with_traffic", True)):
+                                stop = asyncio.Event()
+                                traffic = asyncio.create_task(fleet_traffic(registry_stub, workers, rng, event_rate,
+                                                                            stop)) if busy else None
+                                await asyncio.sleep(1.0 if busy else 0.0)  # the background traffic going
+                                run[label] = {"serial": await placements(sched_addr, metrics_addr,
+                                                                         queries[:args.placements // 2], 1),
+                                              "concurrent": await placements(sched_addr, metrics_addr, queries, 16)}
+                                if traffic is not None:
+                                    stop.set()
+                                    run[label]["background"] = await traffic
                         finally:
                             scheduler.terminate()
                             scheduler.wait(timeout=30)
                             procs.remove(scheduler)
-                        runs.setdefault(variant, []).append({"pass": p, "serial": serial, "concurrent": concurrent,
-                                                             "background": background})
+                        runs.setdefault(variant, []).append(run)
                         print(f"{variant} pass {p}: {runs[variant][-1]}", file=sys.stderr, flush=True)
                 report["placement"] = {"event_rate_asked": round(event_rate, 1), "runs": runs}
             report["cluster_lookup_ms"] = await cluster_lookup(r, chains, Path(tmp), args.lookups)
@@ -351,7 +368,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1000)
     ap.add_argument("--blocks-per-worker", type=int, default=10_000)
     ap.add_argument("--seconds", type=float, default=15.0, help="each sustained-events run")
-    ap.add_argument("--event-share", type=float, default=0.5,
+    ap.add_argument("--event-share", type=float, default=0.25,
                     help="background KV events during placement, as a share of the sustained rate measured")
     ap.add_argument("--placements", type=int, default=1000, help="per condition per pass")
     ap.add_argument("--passes", type=int, default=2)

@@ -33,11 +33,17 @@ SHAPE = ModelShape(name="tiny", num_layers=2, hidden_size=64, num_heads=4, num_k
 
 def router_text(admitted: int, prompt_tokens: int, finished: int, out_tokens: int, ttfts: list[float],
                 itls: list[float]) -> str:
+    """What a router exports after ``admitted`` requests of ``prompt_tokens`` in all and
+    ``finished`` samples of ``out_tokens`` in all (the router's own metric names)."""
+    from services.router.metrics import TOKEN_BUCKETS
     reg = CollectorRegistry()
-    Counter("kervan_requests_admitted", "", registry=reg).inc(admitted)
-    Counter("kervan_prompt_tokens", "", registry=reg).inc(prompt_tokens)
-    Counter("kervan_generation_tokens", "", registry=reg).inc(out_tokens)
-    Counter("kervan_request_success", "", ["finished_reason"], registry=reg).labels("length").inc(finished)
+    prompts = Histogram("kervan_request_prompt_tokens", "", buckets=TOKEN_BUCKETS, registry=reg)
+    outputs = Histogram("kervan_request_generation_tokens", "", buckets=TOKEN_BUCKETS, registry=reg)
+    for _ in range(admitted):
+        prompts.observe(prompt_tokens / admitted)
+    for _ in range(finished):
+        outputs.observe(out_tokens / finished)
+    Counter("kervan_generation_tokens", "", registry=reg).inc(out_tokens + 999)  # streamed: not what lengths use
     ttft = Histogram("kervan_time_to_first_token_seconds", "", buckets=LATENCY_BUCKETS, registry=reg)
     itl = Histogram("kervan_inter_token_latency_seconds", "", buckets=LATENCY_BUCKETS, registry=reg)
     for v in ttfts:

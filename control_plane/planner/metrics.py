@@ -15,10 +15,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-ADMITTED = "kervan_requests_admitted_total"
-PROMPT_TOKENS = "kervan_prompt_tokens_total"
-GENERATION_TOKENS = "kervan_generation_tokens_total"
-FINISHED = "kervan_request_success_total"
+PROMPT_TOKENS = "kervan_request_prompt_tokens"  # a histogram per admitted request: its count is the arrivals
+GENERATION_TOKENS = "kervan_request_generation_tokens"  # a histogram per sample that ended
 TTFT = "kervan_time_to_first_token_seconds"
 ITL = "kervan_inter_token_latency_seconds"
 RUNNING = "kervan_num_requests_running"
@@ -84,7 +82,7 @@ class Observation:
     seconds: float
     rate: float  # requests admitted per second
     input_len: float  # mean prompt tokens of those requests (0: none)
-    output_len: float  # mean output tokens of the samples that ended (0: none)
+    output_len: float  # mean output tokens of the samples that ended in it, whole (0: none)
     ttft_mean_s: float | None  # None: no first token in the interval
     ttft_p99_s: float | None
     itl_mean_s: float | None
@@ -107,13 +105,13 @@ def observe(before: dict[str, Scrape], after: dict[str, Scrape], seconds: float)
         d = router_b.counters.get(name, 0.0) - router_a.counters.get(name, 0.0)
         return d if d >= 0 else router_b.counters.get(name, 0.0)
 
-    admitted, finished = delta(ADMITTED), delta(FINISHED)
+    admitted, finished = delta(PROMPT_TOKENS + "_count"), delta(GENERATION_TOKENS + "_count")
     decode, prefill = after["decode"], after["prefill"]
     running = decode.gauges.get(RUNNING, [])
     return Observation(
         seconds=seconds, rate=admitted / seconds if seconds > 0 else 0.0,
-        input_len=delta(PROMPT_TOKENS) / admitted if admitted else 0.0,
-        output_len=delta(GENERATION_TOKENS) / finished if finished else 0.0,
+        input_len=delta(PROMPT_TOKENS + "_sum") / admitted if admitted else 0.0,
+        output_len=delta(GENERATION_TOKENS + "_sum") / finished if finished else 0.0,
         ttft_mean_s=_mean(delta(TTFT + "_sum"), delta(TTFT + "_count")),
         ttft_p99_s=quantile(_bucket_delta(router_a, router_b, TTFT), 0.99),
         itl_mean_s=_mean(delta(ITL + "_sum"), delta(ITL + "_count")),

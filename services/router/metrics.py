@@ -16,7 +16,12 @@ TIME_PER_OUTPUT_TOKEN = Histogram("kervan_time_per_output_token_seconds",
                                   buckets=LATENCY_BUCKETS)
 E2E_LATENCY = Histogram("kervan_e2e_request_latency_seconds", "From the request's arrival to a sample's end",
                         buckets=LATENCY_BUCKETS)
-REQUESTS_ADMITTED = Counter("kervan_requests_admitted", "Requests the router admitted (the load's arrival rate)")
+# 1, 2, 5, 10, ... 100,000 tokens (vLLM's 1-2-5 series)
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5))[:-2]
+REQUEST_PROMPT_TOKENS = Histogram("kervan_request_prompt_tokens", "Prompt tokens of each request the router admitted "
+                                  "(its count: the arrivals)", buckets=TOKEN_BUCKETS)
+REQUEST_GENERATION_TOKENS = Histogram("kervan_request_generation_tokens", "Output tokens of each sample that ended",
+                                      buckets=TOKEN_BUCKETS)
 PROMPT_TOKENS = Counter("kervan_prompt_tokens", "Prompt tokens of requests the router admitted")
 GENERATION_TOKENS = Counter("kervan_generation_tokens", "Output tokens the router streamed")
 REQUEST_SUCCESS = Counter("kervan_request_success", "Samples that ended, by finish reason", ["finished_reason"])

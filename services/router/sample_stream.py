@@ -80,6 +80,7 @@ class SampleStream:
         if self.completion_tokens > 1:
             metrics.TIME_PER_OUTPUT_TOKEN.observe(tpot)
         metrics.E2E_LATENCY.observe(time.perf_counter() - self.start)
+        metrics.REQUEST_GENERATION_TOKENS.observe(self.completion_tokens)
         metrics.REQUEST_SUCCESS.labels(common_pb2.FinishReason.Name(finish_reason).removeprefix(
             "FINISH_REASON_").lower()).inc()
         return self._response(finished=router_pb2.Finished(sample_index=self.sample_index,

@@ -77,7 +77,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         internal = uuid.uuid4().hex
         self.in_flight.add(rid)
         metrics.IN_FLIGHT.inc()
-        metrics.REQUESTS_ADMITTED.inc()
+        metrics.REQUEST_PROMPT_TOKENS.observe(len(prompt))
         metrics.PROMPT_TOKENS.inc(len(prompt))
         span = trace.get_current_span()  # the gRPC server span (a no-op one without tracing)
         span.set_attributes({"gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.limits.name,
