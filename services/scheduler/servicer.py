@@ -19,10 +19,10 @@ from services.common.convert import load_from_proto, worker_info_from_proto
 from services.common.errors import Overloaded, Unavailable
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler import metrics
-from services.scheduler.placement import AllBusy, Candidate, PlacementConfig, Size, place
+from services.scheduler.placement import AllBusy, Candidate, PlacementConfig, Size, cost, place
 from services.scheduler.policies import make_policy
 from services.scheduler.recent import RecentPlacements
-from services.scheduler.shortlist import best_plain, plain_order
+from services.scheduler.shortlist import Touched, best_plain, plain_order, walk_touched
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.shortlist = shortlist  # price only the shortlist's workers where the policy allows (shortlist.py)
         self._listing: asyncio.Future | None = None
         self._listing_s = 0.0  # how long the last listing took
-        self._reported_for: tuple = (None, [], [])  # (a listing, its workers as candidates, in the shortlist's order)
+        # (a listing, its workers as candidates, in the shortlist's order by role, by id)
+        self._reported_for: tuple = (None, [], {}, {})
         self.placements = 0
         self.refused = 0  # requests refused because every decode worker was at its limit
         self.by_reason: Counter[str] = Counter()
@@ -125,28 +126,48 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             if all(r is not None for r in remembered):  # the policy's own memory, never what workers report
                 return [self._candidate(c, r) for c, r in zip(pool, remembered)]
         matched, host, disk = dict(match.matched_blocks), dict(match.host_blocks), dict(match.disk_blocks)
-        touched = {w for w, n in matched.items() if n} | set(self.recent.loaded_workers())
-        if hashes:
-            touched.update(self.recent.holders(hashes[0]))
+        loaded = set(self.recent.loaded_workers())
+        holders = set(self.recent.holders(hashes[0])) if hashes else set()
+        touched = {w for w, n in matched.items() if n} | loaded | holders
         if self.config.new_prefix == "content":  # every worker's recent content counts
             touched.update(c.worker_id for c in pool if self.recent.sent_blocks(c.worker_id))
 
+        def held(w: str) -> int:
+            return max(matched.get(w, 0), self.recent.predicted_blocks(w, hashes)) if w in holders else \
+                matched.get(w, 0)
+
         def priced(c: Candidate) -> Candidate:
-            held = max(matched.get(c.worker_id, 0), self.recent.predicted_blocks(c.worker_id, hashes))
-            return self._candidate(c, held, host.get(c.worker_id, 0), disk.get(c.worker_id, 0))
+            w = c.worker_id
+            return self._candidate(c, held(w), host.get(w, 0), disk.get(w, 0))
         if not (self.shortlist and self.policy.prunable):
             return [priced(c) if c.worker_id in touched else c for c in pool]
-        skip = set(touched)
-        if cut:  # excluded or avoided workers are no candidates either
-            skip |= {c.worker_id for c in self._reported_for[1]} - {c.worker_id for c in pool}
-        order = self._reported_for[2]
-        decode = best_plain(order, skip, len(hashes), self.config, model, size, prefill=False)
-        prefill = best_plain(order, skip, len(hashes), self.config, model,
-                             Size(num_prompt_tokens=size.num_prompt_tokens, max_tokens=1), prefill=True)
+        by_id = self._reported_for[3]
+        absent = by_id.keys() - {c.worker_id for c in pool} if cut else set()  # excluded or avoided: no candidates
+        skip = touched | absent
+        present = [c for c in pool if c.worker_id in touched]  # in the pool's order: ties go as pricing all does
+        order, cfg = self._reported_for[2], self.config
+        prefill_size = Size(num_prompt_tokens=size.num_prompt_tokens, max_tokens=1)
+        decode = best_plain(order, skip, len(hashes), cfg, model, size, prefill=False)
+        prefill = best_plain(order, skip, len(hashes), cfg, model, prefill_size, prefill=True)
         if decode.worker is None or prefill.lacked_room and prefill.worker is None:  # errors, refusals, no room
             return [priced(c) if c.worker_id in touched else c for c in pool]
-        return [priced(c) for c in pool if c.worker_id in touched] + [
-            best.worker for best in (decode, prefill) if best.worker is not None]
+        plain = [best.worker for best in (decode, prefill) if best.worker is not None]
+        if cfg.pull_block_cost > 0:  # the prefix's best holder may be any of them
+            return [priced(c) for c in present] + plain
+        bounds, scale = [], cfg.overlap_weight + 1
+        for c in present:
+            h = held(c.worker_id)
+            active = c.active_blocks + (self.recent.pending(c.worker_id)[1] if c.worker_id in loaded else 0)
+            bounds.append(Touched(scale * max(0, len(hashes) - h) + active, c, h))
+
+        def build(t: Touched) -> Candidate:
+            w = t.reported.worker_id
+            return self._candidate(t.reported, t.held, host.get(w, 0), disk.get(w, 0))
+        priced_decode = walk_touched(bounds, build, len(hashes), cfg, model, size, False,
+                                     cost(decode.worker, len(hashes), cfg))
+        priced_prefill = walk_touched(bounds, build, len(hashes), cfg, model, prefill_size, True,
+                                      cost(prefill.worker, len(hashes), cfg) if prefill.worker else math.inf)
+        return priced_decode + priced_prefill + plain
 
     def _avoiding(self, pool: list[Candidate], avoid: list[str]) -> list[Candidate]:
         """``pool`` without the suspects the caller asked to avoid: at most
@@ -235,7 +256,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         if self._reported_for[0] is not workers:
             reported = [Candidate.reported(worker_info_from_proto(w.info), load_from_proto(w.load))
                         for w in workers.workers]
-            self._reported_for = (workers, reported, plain_order(reported))
+            self._reported_for = (workers, reported, plain_order(reported), {c.worker_id: c for c in reported})
         return self._reported_for[1]
 
     def _candidate(self, reported: Candidate, matched_blocks: int, host_blocks: int = 0,
