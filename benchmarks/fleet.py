@@ -142,21 +142,35 @@ async def closed_loop(call, lanes: int, seconds: float) -> int:
     return done
 
 
-async def open_loop(call, rate: float, stop: asyncio.Event, limit: int = 1_000_000) -> int:
-    """``call(k)`` at ``rate`` per second until ``stop`` (bounded), none waiting for another."""
+async def open_loop(call, rate: float, stop: asyncio.Event, max_in_flight: int = 256) -> dict:
+    """``call(k)`` at ``rate`` per second until ``stop``, none waiting for another, at most
+    ``max_in_flight`` at once (an arrival finding them all busy is counted as missed, not
+    queued: the load stays what was asked, never a backlog). Counts the calls that
+    completed, failed (by status) and were missed."""
+    counts: dict[str, int] = {"completed": 0, "missed": 0}
     tasks: set[asyncio.Task] = set()
+
+    async def one(k: int) -> None:
+        try:
+            await call(k)
+            counts["completed"] += 1
+        except grpc.aio.AioRpcError as err:
+            counts[err.code().name] = counts.get(err.code().name, 0) + 1
     start = time.monotonic()
-    for k in range(limit):
+    for k in range(10_000_000):  # bounded; ends at ``stop``
         if stop.is_set():
             break
         delay = start + k / rate - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        task = asyncio.create_task(call(k))
+        if len(tasks) >= max_in_flight:
+            counts["missed"] += 1
+            continue
+        task = asyncio.create_task(one(k))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-    await asyncio.gather(*tasks, return_exceptions=True)
-    return k
+    await asyncio.gather(*tasks)
+    return counts
 
 
 async def sustained_events(stub, workers, rng, lanes: int, seconds: float, pids: dict[str, int]) -> dict:
@@ -288,7 +302,8 @@ async def fleet_traffic(registry_stub, workers, rng, event_rate: float, stop: as
     beats, calls = await asyncio.gather(open_loop(heartbeat, len(workers), stop),
                                         open_loop(publisher.publish, event_rate / 2, stop))
     wall = time.monotonic() - t0
-    return {"heartbeats_per_s": round(beats / wall, 1), "events_per_s": round(publisher.events / wall, 1)}
+    return {"heartbeats_per_s": round(beats["completed"] / wall, 1), "events_per_s": round(publisher.events / wall, 1),
+            "heartbeats": beats, "event_calls": calls}
 
 
 async def main_async(args) -> dict:
