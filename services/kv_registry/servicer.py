@@ -8,6 +8,8 @@ and the fencing tokens stay private: ``ListWorkers`` never lists them."""
 
 from __future__ import annotations
 
+import asyncio
+
 from kervan.sampling import InvalidRequest
 from services.common.convert import (
     event_from_proto,
@@ -20,7 +22,7 @@ from services.common.convert import (
 from services.common.errors import FailedPrecondition, Overloaded
 from services.kv_registry.generation import Generations
 from services.kv_registry.identity import registration_identity
-from services.kv_registry.index import PrefixIndex
+from services.kv_registry.index import PrefixIndex, decode_live
 from services.proto import common_pb2, kv_registry_pb2, kv_registry_pb2_grpc
 
 # which mesh roles may call what (services/common/auth.py): only workers write
@@ -39,6 +41,13 @@ def check_hashes(hashes, limit: int, what: str) -> None:
         raise Overloaded(f"{what} carries {len(hashes)} block hashes, more than {limit}; send fewer per call")
     if any(not 0 < len(h) <= MAX_HASH_BYTES for h in hashes):
         raise InvalidRequest(f"{what}: a block hash is 1-{MAX_HASH_BYTES} bytes")
+
+
+def listing(registered: list) -> kv_registry_pb2.ListWorkersResponse:
+    out = kv_registry_pb2.ListWorkersResponse()
+    for record, load in decode_live(registered):
+        out.workers.add(info=worker_info_to_proto(record), load=load_to_proto(load))
+    return out
 
 
 class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
@@ -109,11 +118,9 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
 
     async def ListWorkers(self, request, context) -> kv_registry_pb2.ListWorkersResponse:
         await self.generations.check()
-        out = kv_registry_pb2.ListWorkersResponse()
-        for record, load in await self.index.live_workers():
-            out.workers.add(
-                info=worker_info_to_proto(record),
-                load=load_to_proto(load))
+        # decoding a large mesh's leases is tens of ms of Python: in a thread, so that the
+        # Match calls placements wait on interleave with it instead of queueing behind it
+        out = await asyncio.to_thread(listing, await self.index.registered())
         back = {w.info.worker_id for w in out.workers}
         if not self.generations.rebuilding and any(w.info.worker_id not in back for w in self._last_live):
             await self.generations.check(force=True)  # workers gone: a cached check would miss an empty Redis

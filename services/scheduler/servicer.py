@@ -223,6 +223,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def _list(self, timeout: float) -> kv_registry_pb2.ListWorkersResponse:
         started = time.monotonic()
         workers = await self.registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), timeout=timeout)
+        # a large mesh's candidates take ms of Python to make: in a thread, beside the placements
+        self._reported_for = await asyncio.to_thread(self._made_from, workers)
         self._listing_s = time.monotonic() - started
         self._last_workers = (workers, started)  # as old as the request that fetched it
         return workers
@@ -254,10 +256,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         """Every listed worker as its own report shows it (no match, nothing pending): made
         once per listing, which placements share (protobuf reads cost ~8 us a worker)."""
         if self._reported_for[0] is not workers:
-            reported = [Candidate.reported(worker_info_from_proto(w.info), load_from_proto(w.load))
-                        for w in workers.workers]
-            self._reported_for = (workers, reported, plain_order(reported), {c.worker_id: c for c in reported})
+            self._reported_for = self._made_from(workers)
         return self._reported_for[1]
+
+    @staticmethod
+    def _made_from(workers: kv_registry_pb2.ListWorkersResponse) -> tuple:
+        reported = [Candidate.reported(worker_info_from_proto(w.info), load_from_proto(w.load))
+                    for w in workers.workers]
+        return workers, reported, plain_order(reported), {c.worker_id: c for c in reported}
 
     def _candidate(self, reported: Candidate, matched_blocks: int, host_blocks: int = 0,
                    disk_blocks: int = 0) -> Candidate:
