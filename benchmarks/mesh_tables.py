@@ -200,8 +200,9 @@ def fleet() -> str:
         out += [f"| {e['publishers']} | **{e['events_per_s']:,.0f}** | {e['blocks_per_s']:,.0f} "
                 f"| {e['cpu_share']['registry']:.2f}, {e['cpu_share']['redis']:.2f} |" for e in report["events"]]
         p = report["placement"]
-        out.append(f"\nPlacement with the fleet's traffic behind it (heartbeats from every worker each second, KV "
-                   f"events at {p['event_rate_asked']:,.0f}/s asked):\n")
+        out.append(f"\nPlacement, quiet and then with the fleet's traffic behind it (a heartbeat from every worker "
+                   f"each second and KV events at {p['event_rate_asked']:,.0f}/s asked; what the registry answered "
+                   f"is in the last column):\n")
         out.append("| scheduler | pass | condition | Place p50 / p99 ms | decision p50 / p99 ms (histogram) "
                    "| decisions under 1 ms | placements/s | background: heartbeats/s, events/s |")
         out.append("|---|---|---|---|---|---|---|---|")
