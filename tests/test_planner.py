@@ -137,7 +137,7 @@ def test_pools_grow_at_once_and_shrink_one_drain_at_a_time_once_their_window_is_
     p = policy()  # scale-down window 5 s, scale-up cool-down 1 s
     assert p.decide(obs(10.0), {"prefill": 1, "decode": 1}, 0.0).target["decode"] == 4
     d = p.decide(obs(0.5), {"prefill": 1, "decode": 4}, 1.0)  # one quiet interval: noise
-    assert d.target["decode"] == 4 and any("4 needed within the last 5s" in r for r in d.reasons)
+    assert d.target["decode"] == 4 and any("decode: 4 -> 1 waits" in r for r in d.reasons)
     assert p.decide(obs(0.5), {"prefill": 1, "decode": 4}, 5.0).target["decode"] == 4  # 4 still in the window
     assert p.decide(obs(0.5), {"prefill": 1, "decode": 4}, 5.5).target["decode"] == 3  # quiet for 5 s: one less
     assert p.decide(obs(0.5), {"prefill": 1, "decode": 3}, 6.0).target["decode"] == 2  # one per interval
@@ -146,6 +146,13 @@ def test_pools_grow_at_once_and_shrink_one_drain_at_a_time_once_their_window_is_
     assert d.target["decode"] == 3 and any("scale-up cool-down" in r for r in d.reasons)
     assert p.decide(obs(0.5), {"prefill": 1, "decode": 3}, 8.0).target["decode"] == 3  # 3 and 4 in the window
     assert p.decide(obs(10.0), {"prefill": 1, "decode": 3}, 8.5).target["decode"] == 4
+
+
+def test_a_planner_that_starts_on_a_large_pool_shrinks_nothing_before_a_whole_window():
+    p = policy()  # scale-down window 5 s: a restarted planner must not drain on its first quiet interval
+    assert p.decide(obs(0.5), {"prefill": 1, "decode": 4}, 100.0).target["decode"] == 4
+    assert p.decide(obs(0.5), {"prefill": 1, "decode": 4}, 104.0).target["decode"] == 4
+    assert p.decide(obs(0.5), {"prefill": 1, "decode": 4}, 105.5).target["decode"] == 3
 
 
 def test_a_queue_or_a_full_kv_cache_grows_the_decode_pool_whatever_the_arithmetic():

@@ -93,7 +93,7 @@ class CorrectedSizer:
 
 
 class Policy:
-    """Holds the predictors, corrections and last changes between intervals."""
+    """Holds the predictors, corrections, last changes and each pool's recent needs between intervals."""
 
     def __init__(self, sizer: Sizer, config: PlannerConfig, layout: Layout = ONE_DEVICE):
         self.sizer, self.config, self.layout = sizer, config, layout
@@ -101,6 +101,7 @@ class Policy:
         self.corrections = {"decode": 1.0, "prefill": 1.0}
         self.last_change: dict[str, float] = {}
         self.history: dict[str, list[tuple[float, int]]] = {"prefill": [], "decode": []}  # (when, needed)
+        self.started: float | None = None  # the first decision: a planner (re)started shrinks nothing for a window
 
     def decide(self, obs: Observation, current: dict[str, int], now: float) -> Decision:
         self.predictors["rate"].add(obs.rate)
@@ -161,6 +162,7 @@ class Policy:
 
     def _bounded(self, needed: dict[str, int], current: dict[str, int], now: float) -> tuple[dict, list[str]]:
         cfg, target, reasons = self.config, {}, []
+        self.started = now if self.started is None else self.started
         for pool in ("prefill", "decode"):
             lo, hi = cfg.bounds(pool)
             want, have = min(hi, max(lo, needed[pool])), current[pool]
@@ -173,7 +175,10 @@ class Policy:
                 want = have
             elif want < have:
                 window = max(n for _, n in history)
-                if window >= have:
+                if now - self.started < cfg.scale_down_cooldown_s:
+                    reasons.append(f"{pool}: {have} -> {want} waits: the planner has not seen a whole window yet")
+                    want = have
+                elif window >= have:
                     reasons.append(f"{pool}: {have} -> {want} waits: {window} needed within the last "
                                    f"{cfg.scale_down_cooldown_s:g}s")
                     want = have
