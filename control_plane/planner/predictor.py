@@ -27,13 +27,17 @@ class Constant:
         return self.last
 
 
-class Trend:
+class Window:
+    """The last ``window`` intervals' values."""
+
     def __init__(self, window: int = 4) -> None:
         self.values: deque[float] = deque(maxlen=window)
 
     def add(self, value: float) -> None:
         self.values.append(value)
 
+
+class Trend(Window):
     def predict(self) -> float | None:
         n = len(self.values)
         if n == 0:
@@ -46,13 +50,7 @@ class Trend:
         return max(0.0, mean_y + slope * (n - mean_x))
 
 
-class Average:
-    def __init__(self, window: int = 4) -> None:
-        self.values: deque[float] = deque(maxlen=window)
-
-    def add(self, value: float) -> None:
-        self.values.append(value)
-
+class Average(Window):
     def predict(self) -> float | None:
         return sum(self.values) / len(self.values) if self.values else None
 
