@@ -47,10 +47,10 @@ import urllib.request
 from pathlib import Path
 
 import grpc
-import numpy as np
 import redis.asyncio as redis
 
 from benchmarks.machine import machine, write_report
+from benchmarks.place_path import start, stats
 from control_plane.planner.metrics import Scrape, quantile
 from control_plane.redis_server import running_redis
 from kervan.block_hash import HASH_NAME
@@ -64,21 +64,6 @@ from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2,
 
 CHAINS, CHAIN_BLOCKS = 32, 128
 DECISION = "kervan_placement_decision_seconds"
-
-
-def start(module: str, *args: str) -> tuple[subprocess.Popen, str, str | None]:
-    """A service process; (it, its gRPC address, its metrics address or None)."""
-    proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    metrics = None
-    for _ in range(10):
-        line = proc.stdout.readline()
-        if "metrics on http://" in line:
-            metrics = line.split("http://", 1)[1].split("/", 1)[0]
-        if "ready on" in line:
-            return proc, line.rsplit(" ", 1)[1].strip(), metrics
-    proc.kill()
-    raise RuntimeError(f"{module} did not start")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -253,12 +238,6 @@ def decision_histogram(address: str) -> dict[float, float]:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
         scrape.add_text(resp.read().decode())
     return scrape.buckets.get(DECISION, {})
-
-
-def stats(samples: list[float]) -> dict:
-    a = np.asarray(samples)
-    return {"p50": round(float(np.percentile(a, 50)), 3), "p99": round(float(np.percentile(a, 99)), 3),
-            "max": round(float(a.max()), 3)}
 
 
 async def placements(scheduler_addr: str, metrics_addr: str, queries, concurrency: int) -> dict:

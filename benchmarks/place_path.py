@@ -55,14 +55,20 @@ CONCURRENCY = 16
 WRITERS = 8
 
 
-def start(module: str, *args: str) -> tuple[subprocess.Popen, str]:
+def start(module: str, *args: str) -> tuple[subprocess.Popen, str, str | None]:
+    """A service process on loopback; (it, its gRPC address, its metrics address when it
+    serves metrics, else None)."""
     proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    line = proc.stdout.readline()  # "<service> ready on HOST:PORT"
-    if "ready on" not in line:
-        proc.kill()
-        raise RuntimeError(f"{module} did not start: {line!r}")
-    return proc, line.rsplit(" ", 1)[1].strip()
+    metrics = None
+    for _ in range(10):  # "<service> metrics on http://HOST:PORT/metrics", then "<service> ready on HOST:PORT"
+        line = proc.stdout.readline()
+        if "metrics on http://" in line:
+            metrics = line.split("http://", 1)[1].split("/", 1)[0]
+        if "ready on" in line:
+            return proc, line.rsplit(" ", 1)[1].strip(), metrics
+    proc.kill()
+    raise RuntimeError(f"{module} did not start")
 
 
 async def populate(index: PrefixIndex, rng: random.Random, num_workers: int, chains: list[list[bytes]]
@@ -126,7 +132,7 @@ def stats(samples: list[float]) -> dict:
 
 async def one_size(url: str, num_workers: int, args, rng: random.Random) -> dict:
     chains = [[rng.randbytes(32) for _ in range(128)] for _ in range(32)]
-    registry, registry_addr = start("services.kv_registry", "--redis", url, "--ttl", "3600")
+    registry, registry_addr, _ = start("services.kv_registry", "--redis", url, "--ttl", "3600")
     scheduler = None
     r = redis.Redis.from_url(url)
     try:
@@ -134,7 +140,7 @@ async def one_size(url: str, num_workers: int, args, rng: random.Random) -> dict
         t0 = time.perf_counter()
         workers = await populate(index, rng, num_workers, chains)
         load_s = time.perf_counter() - t0
-        scheduler, scheduler_addr = start("services.scheduler", "--registry", registry_addr)
+        scheduler, scheduler_addr, _ = start("services.scheduler", "--registry", registry_addr)
         async with grpc.aio.insecure_channel(scheduler_addr) as sch, grpc.aio.insecure_channel(registry_addr) as reg:
             place_stub = scheduler_pb2_grpc.SchedulerServiceStub(sch)
             registry_stub = kv_registry_pb2_grpc.KvRegistryServiceStub(reg)

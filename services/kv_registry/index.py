@@ -190,13 +190,10 @@ class PrefixIndex:
 
     async def purge_expired(self) -> list[str]:
         """Drops every registered worker whose lease expired, with its KV ownership; their ids."""
-        expired = [wid for wid, flat in await self._registered() if not flat]
+        expired = [wid for wid, flat in await self.registered() if not flat]
         return [wid for wid in expired if await self.purge(wid)]
 
     async def registered(self) -> list[tuple[str, list]]:
-        return await self._registered()
-
-    async def _registered(self) -> list[tuple[str, list]]:
         """Every registered worker id, by id, with its lease hash flattened (empty: expired)."""
         reply = await self._live(keys=[f"{P}workers"], args=[LEASE_PREFIX])
         return sorted((wid.decode(), flat) for wid, flat in zip(reply[::2], reply[1::2]))
@@ -268,11 +265,11 @@ class PrefixIndex:
     async def live_workers(self) -> list[tuple[WorkerInfo, Load]]:
         """Registered workers whose registration has not expired (a read: expired ones are
         left out, not purged; ``purge_expired`` drops them)."""
-        return decode_live(await self._registered())
+        return decode_live(await self.registered())
 
 
 def decode_live(registered: list[tuple[str, list]]) -> list[tuple[WorkerInfo, Load]]:
-    """``PrefixIndex._registered``'s leases, the expired left out, as records and loads: pure
+    """``PrefixIndex.registered``'s leases, the expired left out, as records and loads: pure
     Python work that grows with the mesh (tens of ms at 1,000 workers), which the registry
     runs off its event loop."""
     live = []
