@@ -140,6 +140,32 @@ async def test_open_loop_sends_on_schedule_however_slow_the_answers_are():
     assert capped.most_in_flight == 4
 
 
+async def test_a_ramp_runs_as_one_open_loop_summarized_whole_and_per_phase():
+    from control_plane.bench.command import sweep
+    from control_plane.bench.load import Ramp
+
+    ramp = Ramp.parse("1:20,1:0,1:40")  # 20 requests in the first second, none in the next, 40 in the last
+
+    class Backend(Recorder):  # the backend protocol: an async context
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return None
+    backend = Backend()
+    [run] = await sweep(backend, lambda i: [BenchRequest([5], 1)] * (ramp.num_requests if i >= 0 else 1),
+                        [("ramp", ramp)], seed=2, warmup=0, progress=False, slo={"ttft": 1000.0})
+    assert run["load"] == "ramp" and run["summary"]["completed"] == 60 and run["ramp"] == [[1, 20], [1, 0], [1, 40]]
+    offsets = ramp.offsets(seed=2)
+    per_phase = [sum(ramp.phase_of(t) == i for t in offsets) for i in range(3)]  # Poisson: only the total is fixed
+    assert per_phase[1] == 0 and sum(per_phase) == 60 and per_phase[2] > per_phase[0]
+    assert [p["summary"]["completed"] for p in run["phases"]] == per_phase  # each request in the phase it came in
+    assert [p["summary"]["request_throughput"] for p in run["phases"]] == [float(n) for n in per_phase]  # a 1 s phase
+    sent = [t - backend.sent[0] + offsets[0] for t in backend.sent]
+    assert all(abs(t - at) < 0.05 for t, at in zip(sent, offsets))  # on the ramp's schedule
+    assert run["summary"]["goodput_share"] == 1.0
+
+
 async def test_closed_loop_keeps_exactly_n_in_flight():
     target = Recorder(service_s=0.01)
     results, _ = await run_closed_loop(target, [BenchRequest([5], 1)] * 30, concurrency=3, progress=False)

@@ -1,7 +1,9 @@
 """The SLA planner under a load ramp (real processes): a 1 prefill + 1 decode cluster whose
 planner grows the decode pool as the rate climbs and drains it back as the rate falls,
 while every greedy stream finishes exactly (the chaos checker) and no worker, Redis key
-or KV segment is left behind.
+or KV segment is left behind. The mesh runs deterministic (``EXACT_MESH``), so a greedy
+stream's tokens equal the in-process engine's however it was batched or which worker,
+added or drained, ran it.
 
 The planner is given a profile (decode steps of 40 ms plus 20 ms a sequence, the ITL
 target 100 ms: three sequences a worker, 30 tokens/s) instead of one measured here, and

@@ -125,6 +125,11 @@ async def test_a_placement_past_the_window_takes_the_last_listing_while_a_new_on
         async def Match(self, request, timeout=None):
             return kv_registry_pb2.MatchResponse()
 
+    from prometheus_client import REGISTRY
+
+    def decisions() -> float:  # the scheduler's kervan_placement_decision_seconds, one per placement
+        return REGISTRY.get_sample_value("kervan_placement_decision_seconds_count") or 0.0
+    timed_before = decisions()
     servicer = SchedulerServicer(SlowRegistry(), PlacementConfig(), workers_cache_s=0.05)
     request = scheduler_pb2.PlaceRequest(request_id="r", num_prompt_tokens=8)
     assert (await servicer.Place(request, _Context())).decode_worker_id == "a"  # waited for the first listing
@@ -134,6 +139,7 @@ async def test_a_placement_past_the_window_takes_the_last_listing_while_a_new_on
     assert time.monotonic() - started < 0.15 and len(calls) == 2  # while the new listing runs
     await asyncio.sleep(0.25)
     assert (await servicer.Place(request, _Context())).decode_worker_id == "b"  # the new set
+    assert decisions() - timed_before == 3  # each placement's own work timed, without the registry's
 
 
 class FirstNotExcluded:
