@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-blocks-per-worker", type=int, default=MAX_BLOCKS_PER_WORKER,
                     help="the most KV blocks the registry keeps for one worker (a worker that registered a smaller "
                          "capacity is held to that): a PublishEvents past it is refused")
+    ap.add_argument("--watch-resync-s", type=float, default=0.5,
+                    help="seconds between two whole reads of the live set for WatchWorkers streams (between them, "
+                         "changes are sent as workers publish them; this bounds how late an expired lease is seen)")
     ap.add_argument("--require-worker-addresses", action="store_true",
                     help="with TLS: refuse a worker certificate that names no address it may register "
                          "(kervan-worker://HOST:PORT URIs); without this flag only certificates that name some are "
@@ -49,13 +52,16 @@ async def serve(args: argparse.Namespace) -> None:
     await client.ping()
     index = PrefixIndex(client, args.ttl, args.max_blocks_per_worker)
     await index.forget_all()  # rebuild from the workers' dumps, asked for on their next heartbeat
-    servicer = KvRegistryServicer(index, args.block_size, HASH_NAME, args.require_worker_addresses)
+    servicer = KvRegistryServicer(index, args.block_size, HASH_NAME, args.require_worker_addresses,
+                                  args.watch_resync_s)
     handle = await start_server([Service(SERVICE_NAME, lambda s: (
         kv_registry_pb2_grpc.add_KvRegistryServiceServicer_to_server(servicer, s)), CALLERS)], args.host, args.port,
         security=security)
     serve_metrics(args.metrics_port, args.host, "kv-registry")
     print(f"kv-registry ready on {args.host}:{handle.port}", flush=True)
-    await serve_until_signal(handle, client.aclose)
+    async def drain() -> None:
+        servicer.feed.close()  # the streams end now: the grace is for calls that finish
+    await serve_until_signal(handle, client.aclose, on_drain=drain)
 
 
 def main(argv: list[str] | None = None) -> None:

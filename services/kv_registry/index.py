@@ -8,6 +8,8 @@ Keys (``kervan:`` prefix):
                           unless heartbeats renew it
     seq:{id}              last applied event sequence number of the worker
     slots                 hash: worker id -> its slot in the block bitmaps
+    slotsv                counter bumped at every change of slots (matches cache the table)
+    generation            a random id per Redis life (``generation.py``)
     blk:{hash hex}        bitmap of the slots of the workers holding that block
                           (``block_owners.py``)
     own:{id}              hash: block hash (hex) -> tier, what the worker holds
@@ -26,7 +28,9 @@ time the live set is read. A worker the registry cannot account for is
 and its next heartbeat or publish is told to send a full dump. A block lives in
 one tier per worker at a time (a move is sent as removal, then store). Updates go
 in pipelines; a prefix match is one round trip. Registration and purges are each
-one Lua script (``scripts.py``), so no purge can interleave with a registration."""
+one Lua script (``scripts.py``), so no purge can interleave with a registration; the
+scripts that register, renew or drop a worker publish its id on ``scripts.LIVE_CHANNEL``
+(``live_feed.py`` streams the live set's changes from it)."""
 
 from __future__ import annotations
 
@@ -212,7 +216,7 @@ class PrefixIndex:
 
     def _keys(self, worker_id: str) -> list[str]:
         return [f"{LEASE_PREFIX}{worker_id}", f"{P}seq:{worker_id}", f"{P}workers", f"{P}unknown",
-                f"{P}own:{worker_id}", self.owners.slots_key, RETIRED, TIERED]
+                f"{P}own:{worker_id}", self.owners.slots_key, RETIRED, TIERED, self.owners.version_key]
 
     async def heartbeat(self, worker_id: str, incarnation: str, load: Load) -> bool:
         """Renew and record load; True when the registry needs the worker's full dump."""
@@ -252,7 +256,7 @@ class PrefixIndex:
     async def _write(self, worker_id: str, incarnation: str, ops: list, mode: str = "0") -> tuple[int, bool, bool]:
         own = f"{P}own:{worker_id}"
         answer = await self._apply(keys=[f"{LEASE_PREFIX}{worker_id}", own, f"{P}seq:{worker_id}", f"{P}unknown",
-                                         TIERED, self.owners.slots_key, RETIRED],
+                                         TIERED, self.owners.slots_key, RETIRED, self.owners.version_key],
                                    args=[incarnation, self.owners.block_prefix, PURGING, mode, worker_id,
                                          self.max_blocks_per_worker, *ops])
         if answer == -1:

@@ -5,12 +5,16 @@ check and the write for the registry to purge it."""
 
 from __future__ import annotations
 
+# a worker's id is published here when it registers, renews or is dropped (``live_feed.py``)
+LIVE_CHANNEL = "kervan:live"
+
 # KEYS: w:{id}, unknown; ARGV: incarnation, worker id, ttl, then load field/value pairs.
 # Returns -1 (stale incarnation), else whether the registry wants the worker's full dump.
 RENEW = """
 if redis.call('HGET', KEYS[1], 'incarnation') ~= ARGV[1] then return -1 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('PUBLISH', '""" + LIVE_CHANNEL + """', ARGV[2])
 return redis.call('SISMEMBER', KEYS[2], ARGV[2])
 """
 
@@ -38,7 +42,7 @@ local function free_slot()
 end
 """
 
-# KEYS: w:{id}, own:{id}, seq:{id}, unknown, tiered, slots, retired; ARGV: incarnation,
+# KEYS: w:{id}, own:{id}, seq:{id}, unknown, tiered, slots, retired, slots version; ARGV: incarnation,
 # block key prefix, purging key prefix, mode ("0": events; "1": part of a full dump, whose
 # seq is taken as is; "2": its last part, which makes the worker known again), worker id,
 # the registry's bound on the blocks of a worker (one that registered its capacity is held
@@ -100,6 +104,7 @@ while i <= #ARGV do
       retire(slot, KEYS[2], worker_id)
       slot = free_slot()
       redis.call('HSET', KEYS[6], worker_id, slot)
+      redis.call('INCR', KEYS[8])
       redis.call('HSET', KEYS[1], 'slot', slot)
     end
   end
@@ -119,11 +124,13 @@ local function drop(worker_id)
   redis.call('SREM', KEYS[3], worker_id)
   redis.call('SREM', KEYS[4], worker_id)
   redis.call('SREM', KEYS[8], worker_id)
-  redis.call('HDEL', KEYS[6], worker_id)
+  if redis.call('HDEL', KEYS[6], worker_id) == 1 then redis.call('INCR', KEYS[9]) end
+  redis.call('PUBLISH', '""" + LIVE_CHANNEL + """', worker_id)
 end
 """
 
-# KEYS: w:{id}, seq:{id}, workers, unknown, own:{id}, slots, retired, tiered, fence; ARGV: worker id,
+# KEYS: w:{id}, seq:{id}, workers, unknown, own:{id}, slots, retired, tiered, slots version, fence;
+# ARGV: worker id,
 # block key prefix, purging key prefix, ttl, a random nonce, the caller's registration
 # nonce, then the record's field/value pairs. A live lease under the id refuses the call
 # (-1): two processes must not share an id, unless it is the same registration asked again
@@ -139,10 +146,12 @@ end
 drop(ARGV[1])
 local slot = free_slot()
 redis.call('HSET', KEYS[6], ARGV[1], slot)
-local token = redis.call('INCR', KEYS[9]) .. '.' .. ARGV[5]
+redis.call('INCR', KEYS[9])
+local token = redis.call('INCR', KEYS[10]) .. '.' .. ARGV[5]
 redis.call('HSET', KEYS[1], 'incarnation', token, 'slot', slot, unpack(ARGV, 7))
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('SADD', KEYS[3], ARGV[1])
+redis.call('PUBLISH', '""" + LIVE_CHANNEL + """', ARGV[1])
 return {token, slot}
 """
 

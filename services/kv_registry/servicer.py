@@ -23,10 +23,12 @@ from services.common.errors import FailedPrecondition, Overloaded
 from services.kv_registry.generation import Generations
 from services.kv_registry.identity import registration_identity
 from services.kv_registry.index import PrefixIndex, decode_live
+from services.kv_registry.live_feed import LiveFeed
 from services.proto import common_pb2, kv_registry_pb2, kv_registry_pb2_grpc
 
 # which mesh roles may call what (services/common/auth.py): only workers write
 CALLERS = {"ListWorkers": ("scheduler", "control-plane", "worker", "admin"), "Match": ("scheduler", "admin"),
+           "WatchWorkers": ("scheduler", "control-plane", "admin"),
            "GetMeshConfig": ("scheduler", "control-plane", "worker", "admin"),
            "PurgeExpired": ("control-plane", "admin"), "*": ("worker",)}
 MAX_ID_CHARS = 256
@@ -51,10 +53,12 @@ def listing(registered: list) -> kv_registry_pb2.ListWorkersResponse:
 
 
 class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
-    def __init__(self, index: PrefixIndex, block_size: int, hash_name: str, require_worker_addresses: bool = False):
+    def __init__(self, index: PrefixIndex, block_size: int, hash_name: str, require_worker_addresses: bool = False,
+                 watch_resync_s: float = 0.5):
         self.index = index
         self.require_worker_addresses = require_worker_addresses
-        self.generations = Generations(index.r, "kervan:generation", grace_s=2.0 * index.ttl_s)
+        self.generations = Generations(index.r, index.owners.generation_key, grace_s=2.0 * index.ttl_s)
+        self.feed = LiveFeed(index, self.generations, resync_s=watch_resync_s)
         self._last_live: list[kv_registry_pb2.LiveWorker] = []
         self.block_size = block_size
         self.hash_name = hash_name
@@ -115,6 +119,10 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
 
     async def PurgeExpired(self, request, context) -> kv_registry_pb2.PurgeExpiredResponse:
         return kv_registry_pb2.PurgeExpiredResponse(worker_ids=await self.index.purge_expired())
+
+    async def WatchWorkers(self, request, context):
+        async for message in self.feed.watch():
+            yield message
 
     async def ListWorkers(self, request, context) -> kv_registry_pb2.ListWorkersResponse:
         await self.generations.check()

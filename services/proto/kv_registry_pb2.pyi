@@ -231,6 +231,22 @@ class ListWorkersResponse(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[LiveWorker]
     def __init__(self, workers: _Optional[_Iterable[_Union[LiveWorker, _Mapping]]] = ...) -> None: ...
 
+class WatchWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchWorkersResponse(_message.Message):
+    __slots__ = ("reset", "updated", "removed", "resync_s")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_S_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    updated: _containers.RepeatedCompositeFieldContainer[LiveWorker]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    resync_s: float
+    def __init__(self, reset: _Optional[bool] = ..., updated: _Optional[_Iterable[_Union[LiveWorker, _Mapping]]] = ..., removed: _Optional[_Iterable[str]] = ..., resync_s: _Optional[float] = ...) -> None: ...
+
 class LiveWorker(_message.Message):
     __slots__ = ("info", "load")
     INFO_FIELD_NUMBER: _ClassVar[int]

@@ -71,6 +71,11 @@ class KvRegistryServiceStub:
                 request_serializer=kervan_dot_v1_dot_kv__registry__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=kervan_dot_v1_dot_kv__registry__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.WatchWorkers = channel.unary_stream(
+                '/kervan.v1.KvRegistryService/WatchWorkers',
+                request_serializer=kervan_dot_v1_dot_kv__registry__pb2.WatchWorkersRequest.SerializeToString,
+                response_deserializer=kervan_dot_v1_dot_kv__registry__pb2.WatchWorkersResponse.FromString,
+                _registered_method=True)
         self.PurgeExpired = channel.unary_unary(
                 '/kervan.v1.KvRegistryService/PurgeExpired',
                 request_serializer=kervan_dot_v1_dot_kv__registry__pb2.PurgeExpiredRequest.SerializeToString,
@@ -139,6 +144,15 @@ class KvRegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchWorkers(self, request, context):
+        """The live set as it changes: first every live worker, then the workers that joined,
+        renewed with another load or left, as they do (a scheduler keeps its view from this
+        instead of listing a large mesh whole for each placement).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PurgeExpired(self, request, context):
         """Drop every worker whose lease expired, with its KV ownership (the lease watch calls it
         when a lease expires, and every reconciliation interval).
@@ -192,6 +206,11 @@ def add_KvRegistryServiceServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=kervan_dot_v1_dot_kv__registry__pb2.ListWorkersRequest.FromString,
                     response_serializer=kervan_dot_v1_dot_kv__registry__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'WatchWorkers': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchWorkers,
+                    request_deserializer=kervan_dot_v1_dot_kv__registry__pb2.WatchWorkersRequest.FromString,
+                    response_serializer=kervan_dot_v1_dot_kv__registry__pb2.WatchWorkersResponse.SerializeToString,
             ),
             'PurgeExpired': grpc.unary_unary_rpc_method_handler(
                     servicer.PurgeExpired,
@@ -395,6 +414,33 @@ class KvRegistryService:
             '/kervan.v1.KvRegistryService/ListWorkers',
             kervan_dot_v1_dot_kv__registry__pb2.ListWorkersRequest.SerializeToString,
             kervan_dot_v1_dot_kv__registry__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kervan.v1.KvRegistryService/WatchWorkers',
+            kervan_dot_v1_dot_kv__registry__pb2.WatchWorkersRequest.SerializeToString,
+            kervan_dot_v1_dot_kv__registry__pb2.WatchWorkersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -63,10 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-shortlist", dest="shortlist", action="store_false",
                     help="price every worker on each placement, not only the shortlist's (the same choice, slower at "
                          "fleet scale; for comparison)")
+    ap.add_argument("--no-watch", dest="watch", action="store_false",
+                    help="list the live workers (ListWorkers) instead of keeping them from the registry's "
+                         "WatchWorkers stream of changes (which is listed instead while it is down)")
     ap.add_argument("--workers-cache-s", type=float, default=0.05,
-                    help="placements within this long of a listing of live workers reuse it; later ones start "
-                         "a new listing and, within twice a listing's time more, take the old one meanwhile "
-                         "(0: every placement lists afresh; concurrent ones share one in flight)")
+                    help="when listing: placements within this long of a listing of live workers reuse it; later "
+                         "ones start a new listing and, within twice a listing's time more, take the old one "
+                         "meanwhile (0: every placement lists afresh; concurrent ones share one in flight)")
     ap.add_argument("--max-ejection-share", type=float, default=0.5,
                     help="at most this share of the candidate workers is avoided as suspect (found unreachable "
                          "lately by a router)")
@@ -88,13 +91,17 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(channel), placement_config(args),
                                  RecentPlacements(args.load_window_s, args.prefix_window_s), args.seed,
                                  args.max_ejection_share, args.panic_threshold, args.workers_cache_s,
-                                 args.shortlist)
+                                 args.shortlist, args.watch)
     handle = await start_server([Service(SERVICE_NAME, lambda s: (
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)), {"*": ("router", "admin")})],
         args.host, args.port, security=security)
     serve_metrics(args.metrics_port, args.host, "scheduler")
     print(f"scheduler ready on {args.host}:{handle.port}", flush=True)
-    await serve_until_signal(handle, channel.close)
+    async def stop() -> None:
+        if servicer.watch is not None:
+            servicer.watch.close()
+        await channel.close()
+    await serve_until_signal(handle, stop)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,14 +15,14 @@ from dataclasses import replace
 import grpc
 from opentelemetry import trace
 
-from services.common.convert import load_from_proto, worker_info_from_proto
 from services.common.errors import Overloaded, Unavailable
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler import metrics
+from services.scheduler.live_view import EMPTY, View, WorkerWatch, listed
 from services.scheduler.placement import AllBusy, Candidate, PlacementConfig, Size, cost, place
 from services.scheduler.policies import make_policy
 from services.scheduler.recent import RecentPlacements
-from services.scheduler.shortlist import Touched, best_plain, plain_order, walk_touched
+from services.scheduler.shortlist import Touched, best_plain, walk_touched
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, registry: kv_registry_pb2_grpc.KvRegistryServiceStub, config: PlacementConfig,
                  recent: RecentPlacements | None = None, seed: int | None = None, max_ejection_share: float = 0.5,
-                 panic_threshold: float = 0.5, workers_cache_s: float = 0.05, shortlist: bool = True):
+                 panic_threshold: float = 0.5, workers_cache_s: float = 0.05, shortlist: bool = True,
+                 watch: bool = False):
         self.registry = registry
         self.config = config
         self.recent = recent or RecentPlacements()
@@ -39,17 +40,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.registry_timeout_s = 2.0  # a slow registry (a slow Redis behind it) is taken for a down one
         self.max_ejection_share = max_ejection_share
         self.panic_threshold = panic_threshold
-        self._last_workers = (kv_registry_pb2.ListWorkersResponse(), float("-inf"))
-        # the live set is shared: placements within workers_cache_s of a listing reuse it, and
-        # placements while one is in flight wait for it (ListWorkers costs a round trip per
-        # worker in Redis and a message of them all: at 1,000 workers, a per-call listing made
-        # the scheduler serve 8 placements a second; benchmarks/place_path.py)
+        self._last_view: tuple[View, float] = (EMPTY, float("-inf"))  # the live set last seen, and when
+        # with ``watch``, the live set is kept from the registry's stream of its changes
+        # (live_view.py); without (or while the stream is down), it is listed and shared:
+        # placements within workers_cache_s of a listing reuse it, and placements while one is
+        # in flight wait for it (ListWorkers costs a round trip per worker in Redis and a
+        # message of them all: at 1,000 workers, a per-call listing made the scheduler serve 8
+        # placements a second; benchmarks/place_path.py)
+        self.watch = WorkerWatch(registry) if watch else None
         self.workers_cache_s = workers_cache_s
         self.shortlist = shortlist  # price only the shortlist's workers where the policy allows (shortlist.py)
         self._listing: asyncio.Future | None = None
         self._listing_s = 0.0  # how long the last listing took
-        # (a listing, its workers as candidates, in the shortlist's order by role, by id)
-        self._reported_for: tuple = (None, [], {}, {})
         self.placements = 0
         self.refused = 0  # requests refused because every decode worker was at its limit
         self.by_reason: Counter[str] = Counter()
@@ -58,16 +60,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self._mesh_config = None  # the registry's block size and hash function (GetMeshConfig)
 
     async def Place(self, request: scheduler_pb2.PlaceRequest, context) -> scheduler_pb2.PlaceResponse:
-        workers, match = await self._registry_view(request, context.time_remaining())
+        view, match = await self._registry_view(request, context.time_remaining())
         hashes = list(request.block_hashes)
         excluded = set(request.exclude_addresses)
-        reported = self._reported(workers)
+        reported = view.reported
         pool = [c for c in reported if c.address not in excluded] if excluded else reported
         pool = self._avoiding(pool, list(request.avoid_addresses))
         num_blocks = len(hashes)
         size = Size(num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens, n=request.n or 1)
         started = time.perf_counter()
-        candidates = self._candidates(pool, hashes, match, request.model, size, len(pool) < len(reported))
+        candidates = self._candidates(view, pool, hashes, match, request.model, size, len(pool) < len(reported))
         try:
             decision = place(candidates, num_blocks, self.policy, model=request.model, size=size, block_hashes=hashes,
                              turn=self.placements)
@@ -88,13 +90,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                       {c.worker_id: (round(decision.scores.get(c.worker_id, math.nan), 1), c.matched_blocks,
                                      c.active_blocks, c.free_blocks) for c in candidates})
         if not request.dry_run:
-            block_size = workers.workers[0].info.block_size  # one size across the mesh (checked at registration)
-            prefill_tokens = request.num_prompt_tokens - decision.cached_blocks * block_size
+            prefill_tokens = request.num_prompt_tokens - decision.cached_blocks * view.block_size
             if decision.prefill:
                 self.recent.add(decision.prefill.worker_id, prefill_tokens=prefill_tokens, block_hashes=hashes)
             self.recent.add(decision.decode.worker_id, prefill_tokens=0 if decision.prefill else prefill_tokens,
                             blocks=num_blocks - decision.decode.matched_blocks + 1, block_hashes=hashes)
-            self.policy.placed(decision.decode.worker_id, hashes, (c.worker_id for c in self._reported(workers)))
+            self.policy.placed(decision.decode.worker_id, hashes, (c.worker_id for c in reported))
             self.placements += 1
             self.by_reason[decision.reason] += 1
             if decision.branch:
@@ -115,7 +116,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             prefill_worker_id=decision.prefill.worker_id if decision.prefill else "",
             unknown_workers=match.unknown_workers)
 
-    def _candidates(self, pool: list[Candidate], hashes: list[bytes], match: kv_registry_pb2.MatchResponse,
+    def _candidates(self, view: View, pool: list[Candidate], hashes: list[bytes], match: kv_registry_pb2.MatchResponse,
                     model: str, size: Size, cut: bool) -> list[Candidate]:
         """The workers placement prices: with the policy's own memory, every one; else the
         touched ones (holding part of the prompt, or placed on lately) with what they hold
@@ -141,11 +142,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             return self._candidate(c, held(w), host.get(w, 0), disk.get(w, 0))
         if not (self.shortlist and self.policy.prunable):
             return [priced(c) if c.worker_id in touched else c for c in pool]
-        by_id = self._reported_for[3]
-        absent = by_id.keys() - {c.worker_id for c in pool} if cut else set()  # excluded or avoided: no candidates
+        absent = view.by_id.keys() - {c.worker_id for c in pool} if cut else set()  # excluded or avoided: no candidates
         skip = touched | absent
         present = [c for c in pool if c.worker_id in touched]  # in the pool's order: ties go as pricing all does
-        order, cfg = self._reported_for[2], self.config
+        order, cfg = view.order, self.config
         prefill_size = Size(num_prompt_tokens=size.num_prompt_tokens, max_tokens=1)
         decode = best_plain(order, skip, len(hashes), cfg, model, size, prefill=False)
         prefill = best_plain(order, skip, len(hashes), cfg, model, prefill_size, prefill=True)
@@ -184,7 +184,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         return kept
 
     async def _registry_view(self, request: scheduler_pb2.PlaceRequest, timeout: float | None
-                             ) -> tuple[kv_registry_pb2.ListWorkersResponse, kv_registry_pb2.MatchResponse]:
+                             ) -> tuple[View, kv_registry_pb2.MatchResponse]:
         """Live workers and prefix overlap. While the registry (or its Redis) is down or
         slow (no answer within ``registry_timeout_s``), the last live set seen within
         ``stale_workers_s`` serves, placement on load alone."""
@@ -194,40 +194,46 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 self._live_workers(timeout),
                 self.registry.Match(kv_registry_pb2.MatchRequest(block_hashes=request.block_hashes), timeout=timeout))
         except grpc.aio.AioRpcError as err:
-            seen, at = self._last_workers
+            seen, at = self._last_view
             if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or \
                     time.monotonic() - at > self.stale_workers_s:
                 raise Unavailable(f"kv-registry unavailable: {err.details()}") from None
             log.warning("kv-registry unavailable (%s): placing on the last known workers, by load", err.details())
-            return seen, kv_registry_pb2.MatchResponse(unknown_workers=[w.info.worker_id for w in seen.workers])
+            return seen, kv_registry_pb2.MatchResponse(unknown_workers=list(seen.by_id))
         return workers, match
 
-    async def _live_workers(self, timeout: float) -> kv_registry_pb2.ListWorkersResponse:
-        """The live set: a listing younger than ``workers_cache_s`` as it is; an older one
-        starts a new listing, and while that runs a placement takes the old one if it is
-        no older than twice a listing's own time past the window (a large mesh's listing
-        takes tens of ms: placements then never wait for one while they keep coming, and a
-        live set is never staler than about three listings); else it waits for the new one.
-        ``workers_cache_s`` 0: every placement waits for a listing of its own."""
-        workers, at = self._last_workers
+    async def _live_workers(self, timeout: float) -> View:
+        """The live set: the watch's view while it is current. Else a listing younger than
+        ``workers_cache_s`` as it is; an older one starts a new listing, and while that runs
+        a placement takes the old one if it is no older than twice a listing's own time past
+        the window (a large mesh's listing takes tens of ms: placements then never wait for
+        one while they keep coming, and a live set is never staler than about three
+        listings); else it waits for the new one. ``workers_cache_s`` 0: every placement
+        waits for a listing of its own."""
+        if self.watch is not None:
+            view = await self.watch.current(timeout)
+            if view is not None:
+                self._last_view = (view, self.watch.heard_at)
+                return view
+        last, at = self._last_view
         age = time.monotonic() - at
         if age <= self.workers_cache_s:
-            return workers
+            return last
         if self._listing is None:
             self._listing = asyncio.ensure_future(self._list(timeout))
             self._listing.add_done_callback(self._listed)
         if self.workers_cache_s > 0 and age <= self.workers_cache_s + 2 * self._listing_s:
-            return workers
+            return last
         return await asyncio.shield(self._listing)  # a caller that gives up does not cancel the others' call
 
-    async def _list(self, timeout: float) -> kv_registry_pb2.ListWorkersResponse:
+    async def _list(self, timeout: float) -> View:
         started = time.monotonic()
         workers = await self.registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), timeout=timeout)
         # a large mesh's candidates take ms of Python to make: in a thread, beside the placements
-        self._reported_for = await asyncio.to_thread(self._made_from, workers)
+        view = await asyncio.to_thread(listed, workers)
         self._listing_s = time.monotonic() - started
-        self._last_workers = (workers, started)  # as old as the request that fetched it
-        return workers
+        self._last_view = (view, started)  # as old as the request that fetched it
+        return view
 
     def _listed(self, future: asyncio.Future) -> None:
         self._listing = None
@@ -251,19 +257,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         return scheduler_pb2.GetStatsResponse(placements=self.placements, by_prefill_reason=dict(self.by_reason),
                                               by_policy_branch=dict(self.by_branch),
                                               by_worker=dict(self.by_worker), refused=self.refused)
-
-    def _reported(self, workers: kv_registry_pb2.ListWorkersResponse) -> list[Candidate]:
-        """Every listed worker as its own report shows it (no match, nothing pending): made
-        once per listing, which placements share (protobuf reads cost ~8 us a worker)."""
-        if self._reported_for[0] is not workers:
-            self._reported_for = self._made_from(workers)
-        return self._reported_for[1]
-
-    @staticmethod
-    def _made_from(workers: kv_registry_pb2.ListWorkersResponse) -> tuple:
-        reported = [Candidate.reported(worker_info_from_proto(w.info), load_from_proto(w.load))
-                    for w in workers.workers]
-        return workers, reported, plain_order(reported), {c.worker_id: c for c in reported}
 
     def _candidate(self, reported: Candidate, matched_blocks: int, host_blocks: int = 0,
                    disk_blocks: int = 0) -> Candidate:

@@ -207,8 +207,8 @@ def shm_leftovers(cluster) -> list[str]:
             if n.startswith(SHM_PREFIX) and n.removeprefix(SHM_PREFIX).split("-", 1)[0] in pids]
 
 
-KNOWN_KEYS = ("kervan:workers", "kervan:slots", "kervan:unknown", "kervan:generation", "kervan:fence",
-              "kervan:tiered")
+KNOWN_KEYS = ("kervan:workers", "kervan:slots", "kervan:slotsv", "kervan:unknown", "kervan:generation",
+              "kervan:fence", "kervan:tiered")
 
 
 async def redis_leftovers(r, live: set[str]) -> list[str]:

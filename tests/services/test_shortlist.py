@@ -15,6 +15,7 @@ from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common.convert import load_to_proto, worker_info_to_proto
 from services.common.load import Load
 from services.proto import kv_registry_pb2
+from services.scheduler.live_view import listed
 from services.scheduler.placement import AllBusy, PlacementConfig, Size, place
 from services.scheduler.recent import RecentPlacements
 from services.scheduler.servicer import SchedulerServicer
@@ -42,10 +43,10 @@ def mesh(rng: random.Random, num_workers: int, tight: bool) -> kv_registry_pb2.L
     return out
 
 
-def decide(servicer: SchedulerServicer, workers, hashes, match, model, size, excluded):
-    reported = servicer._reported(workers)
+def decide(servicer: SchedulerServicer, view, hashes, match, model, size, excluded):
+    reported = view.reported
     pool = [c for c in reported if c.address not in excluded]
-    candidates = servicer._candidates(pool, hashes, match, model, size, len(pool) < len(reported))
+    candidates = servicer._candidates(view, pool, hashes, match, model, size, len(pool) < len(reported))
     try:
         d = place(candidates, len(hashes), servicer.policy, model=model, size=size, block_hashes=hashes)
     except (AllBusy, InvalidRequest) as err:
@@ -60,6 +61,7 @@ def test_the_shortlist_chooses_what_pricing_every_worker_chooses(seed):
     rng = random.Random(seed)
     tight = seed % 2 == 1
     workers = mesh(rng, rng.choice([3, 20, 200]), tight)
+    view = listed(workers)
     config = PlacementConfig(overlap_weight=rng.choice([1.0, 2.0]), eviction_weight=rng.choice([0.0, 1.0]),
                              pull_block_cost=rng.choice([0.0, 0.5]))
     clock = [0.0]
@@ -77,8 +79,8 @@ def test_the_shortlist_chooses_what_pricing_every_worker_chooses(seed):
         size = Size(num_prompt_tokens=len(hashes) * 16, max_tokens=rng.choice([16, 4000]), n=rng.choice([1, 1, 2]))
         model = rng.choice(["m", "", "other", "missing"])
         excluded = {w.info.address for w in rng.sample(list(workers.workers), rng.choice([0, 0, 1, 2]))}
-        got, priced = decide(fast, workers, hashes, match, model, size, excluded)
-        want, _ = decide(full, workers, hashes, match, model, size, excluded)
+        got, priced = decide(fast, view, hashes, match, model, size, excluded)
+        want, _ = decide(full, view, hashes, match, model, size, excluded)
         assert got == want, (seed, k)
         shortlisted.append(priced)
         if isinstance(got, tuple) and rng.random() < 0.5:  # the placement is remembered, as Place does
