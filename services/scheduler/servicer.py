@@ -15,6 +15,7 @@ from dataclasses import replace
 import grpc
 from opentelemetry import trace
 
+from kervan.worker_info import WorkerRole
 from services.common.errors import Overloaded, Unavailable
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler import metrics
@@ -144,8 +145,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             return [priced(c) if c.worker_id in touched else c for c in pool]
         absent = view.by_id.keys() - {c.worker_id for c in pool} if cut else set()  # excluded or avoided: no candidates
         skip = touched | absent
-        present = [c for c in pool if c.worker_id in touched]  # in the pool's order: ties go as pricing all does
-        order, cfg = view.order, self.config
+        by_id, order, cfg = view.by_id, view.order, self.config
         prefill_size = Size(num_prompt_tokens=size.num_prompt_tokens, max_tokens=1)
         decode = best_plain(order, skip, len(hashes), cfg, model, size, prefill=False)
         prefill = best_plain(order, skip, len(hashes), cfg, model, prefill_size, prefill=True)
@@ -153,20 +153,26 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             return [priced(c) if c.worker_id in touched else c for c in pool]
         plain = [best.worker for best in (decode, prefill) if best.worker is not None]
         if cfg.pull_block_cost > 0:  # the prefix's best holder may be any of them
-            return [priced(c) for c in present] + plain
-        bounds, scale = [], cfg.overlap_weight + 1
-        for c in present:
-            h = held(c.worker_id)
-            active = c.active_blocks + (self.recent.pending(c.worker_id)[1] if c.worker_id in loaded else 0)
-            bounds.append(Touched(scale * max(0, len(hashes) - h) + active, c, h))
+            return [priced(by_id[w]) for w in sorted(touched) if w in by_id and w not in absent] + plain
+        bounds, scale, n, get = [], cfg.overlap_weight + 1, len(hashes), matched.get
+        # a touched worker whose bound passes its role's plain best is never walked: left out here
+        limit = {False: cost(decode.worker, n, cfg), True: cost(prefill.worker, n, cfg) if prefill.worker else math.inf}
+        for w in touched:
+            c = by_id.get(w)
+            if c is None or w in absent:
+                continue
+            h = held(w) if w in holders else get(w, 0)
+            bound = scale * max(0, n - h) + c.active_blocks
+            if w in loaded:
+                bound += self.recent.pending(w)[1]
+            if bound <= limit[c.role is WorkerRole.PREFILL]:
+                bounds.append(Touched(bound, c, h))
 
         def build(t: Touched) -> Candidate:
             w = t.reported.worker_id
             return self._candidate(t.reported, t.held, host.get(w, 0), disk.get(w, 0))
-        priced_decode = walk_touched(bounds, build, len(hashes), cfg, model, size, False,
-                                     cost(decode.worker, len(hashes), cfg))
-        priced_prefill = walk_touched(bounds, build, len(hashes), cfg, model, prefill_size, True,
-                                      cost(prefill.worker, len(hashes), cfg) if prefill.worker else math.inf)
+        priced_decode = walk_touched(bounds, build, n, cfg, model, size, False, limit[False])
+        priced_prefill = walk_touched(bounds, build, n, cfg, model, prefill_size, True, limit[True])
         return priced_decode + priced_prefill + plain
 
     def _avoiding(self, pool: list[Candidate], avoid: list[str]) -> list[Candidate]:

@@ -69,10 +69,11 @@ def walk_touched(touched: list[Touched], build, num_prompt_blocks: int, cfg: Pla
                  size: Size, prefill: bool, best_cost: float) -> list[Candidate]:
     """The touched workers of one role that could beat ``best_cost`` (the plain best's),
     built (``build(touched)``: the candidate with what it holds and has pending), in order
-    of their bound, until the bound passes the best cost found."""
+    of their bound (ties by id, as pricing all sees them), until the bound passes the best
+    cost found."""
     out = []
     for t in sorted((t for t in touched if (t.reported.role is WorkerRole.PREFILL) == prefill),
-                    key=lambda t: t.bound):
+                    key=lambda t: (t.bound, t.reported.worker_id)):
         if t.bound > best_cost:
             break
         c = build(t)
