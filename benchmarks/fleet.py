@@ -19,8 +19,10 @@ its Lua scripts) with a load report and 10,000 blocks: random depths of 32 share
    of the rate step 2 measured (the registry then shares its core with them). The whole
    ``Place`` as a router sees it (p50, p99), and the scheduler's own decision from its
    ``kervan_placement_decision_seconds`` histogram (the share under 1 ms; p50 and p99 read
-   within their buckets); with the shortlist, then with the scheduler restarted
-   ``--no-shortlist`` (pricing every worker, as before), in alternating passes.
+   within their buckets); the scheduler as it runs (``watch``: its live set kept from the
+   registry's ``WatchWorkers`` stream, the shortlist), restarted ``--no-watch`` (listing the
+   live set, as before the stream) and ``--no-shortlist`` (pricing every worker, as before
+   the shortlist), in alternating passes.
 4. **The block index on a Redis Cluster**, as far as it runs here: three shards on loopback
    (``redis-server --cluster-enabled``, joined by ``redis-cli --cluster create``) holding the
    chains' owner bitmaps, spread by hash slot, and a match's read of a prompt's 128 bitmaps
@@ -63,6 +65,9 @@ from services.kv_registry.index import PrefixIndex
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 CHAINS, CHAIN_BLOCKS = 32, 128
+# the scheduler as it runs (the live set from WatchWorkers, the shortlist), listing the live set
+# instead (as before the watch), and pricing every worker (as before the shortlist)
+VARIANTS = {"watch": [], "listing": ["--no-watch"], "price_all": ["--no-shortlist"]}
 DECISION = "kervan_placement_decision_seconds"
 
 
@@ -321,8 +326,7 @@ async def main_async(args) -> dict:
                 queries = [rng.choice(chains) for _ in range(args.placements)]
                 runs: dict[str, list] = {}
                 for p in range(args.passes):
-                    for variant in ("shortlist", "price_all"):
-                        flags = ["--no-shortlist"] if variant == "price_all" else []
+                    for variant, flags in VARIANTS.items():
                         scheduler, sched_addr, metrics_addr = start("services.scheduler", "--registry", registry_addr,
                                                                     "--metrics-port", "0", *flags)
                         procs.append(scheduler)

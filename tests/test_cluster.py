@@ -93,7 +93,14 @@ async def test_a_shared_prefix_is_placed_on_the_decode_worker_that_caches_it(clu
     choices = []
     for k in range(4):
         shared = prompt[:64] + [3 + k, 4 + k]
-        placed = await scheduler_dry_run(cluster, shared)  # what the scheduler would do, and why
+        # the request just finished counts on the holder until its load report (at most every
+        # 0.1 s) reaches the scheduler: until then the idle other one can cost less. Wait for
+        # the report, not a fixed time (round robin or random would still split the four)
+        for _ in range(100):
+            placed = await scheduler_dry_run(cluster, shared)  # what the scheduler would do, and why
+            if placed.decode_worker_id == holder:
+                break
+            await asyncio.sleep(0.05)
         choices.append((placed.decode_worker_id, placed.prefill_reason, dict(placed.scores)))
         out = await complete(cluster, token_ids=shared, max_tokens=2, temperature=0.0, ignore_eos=True)
         assert out.usage["cached_prompt_tokens"] == 64, k
