@@ -71,6 +71,12 @@ def profile_on_one_core(path: Path, dtype: str, core: int) -> Profile:
         return Profile.load(out)
 
 
+def profile_served(path: Path, dtype: str) -> Profile:
+    from control_plane.plan.served import measure_served
+    return measure_served(path, dtype, batches=(1, 4, 16, 32), contexts=(128, 512), prefill_tokens=(64, 256, 1024),
+                          say=lambda line: print(line, file=sys.stderr, flush=True))
+
+
 def planned(shape, weights, dtype, hw, profile, rate, args) -> Plan:
     ins, outs = workload.Lengths.parse(args.input_len), workload.Lengths.parse(args.output_len)
     return plan(shape, weights, dtype, hw, Load(rate, ins.mean, outs.mean, ins.upper, outs.upper, ins.cv2),
@@ -114,7 +120,8 @@ def check_model(name: str, args) -> dict:
     path = model_dir(name)
     shape, held, _ = model_shape(str(path))
     args.vocab = shape.vocab_size
-    profile = profile_on_one_core(path, args.dtype, core=max(os.sched_getaffinity(0)))
+    profile = profile_served(path, args.dtype) if args.profile == "served" else \
+        profile_on_one_core(path, args.dtype, core=max(os.sched_getaffinity(0)))
     hw = measure_this(per_core=True)
     weights = held if held.startswith("gguf") else profile.dtype  # float weights are served in the dtype
     capacity = one_to_one_rate(shape, weights, profile.dtype, hw, profile, args)
@@ -147,7 +154,8 @@ def check_model(name: str, args) -> dict:
                        "bench": got, "reasons": p.reasons})
         print(json.dumps({"model": name, **{k: v for k, v in points[-1].items() if k not in ("bench", "reasons")}}),
               file=sys.stderr, flush=True)
-    return {"model": str(path), "weights": weights, "dtype": profile.dtype, "one_to_one_rate": capacity,
+    return {"model": str(path), "weights": weights, "dtype": profile.dtype, "profile_kind": args.profile,
+            "one_to_one_rate": capacity,
             "profile": json.loads(profile.to_json()), "points": points}
 
 
@@ -164,6 +172,9 @@ def main() -> None:
     ap.add_argument("--ttft-ms", type=float, default=2000.0)
     ap.add_argument("--itl-ms", type=float, default=100.0)
     ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--profile", choices=("served", "engine"), default="served",
+                    help="the plan's step times: `kervan profile --served` (through a 1P+1D cluster on this "
+                         "machine) or the engine alone on one core")
     ap.add_argument("--json-out", default=None, help="also write the report here (with the commit)")
     add_dtype_argument(ap)
     args = ap.parse_args()

@@ -213,3 +213,39 @@ def test_hardware_figures_given_on_the_command_line_replace_the_datasheet_s(hf_m
     result = CliRunner().invoke(main, ["plan", "--model", str(path), "--hardware", "h100-sxm", "--bandwidth-gb-s",
                                        "10", "--rate", "1"])
     assert result.exit_code == 0 and "10 GB/s" in result.output
+
+
+def test_a_served_profile_s_prefill_is_read_beside_the_decode_batch(tmp_path):
+    """Where the serving stack shares the workers' cores, a prompt's prefill is slower while
+    the decode side streams: the plan reads the curve of its decode worker's batch."""
+    from control_plane.plan.profile import Profile
+
+    p = Profile(model="m", dtype="bfloat16", machine={}, decode_s={128: {1: 0.01, 16: 0.02}},
+                prefill_s={128: 0.05, 512: 0.15}, served=True, prefill_busy_s={16: {128: 0.09, 512: 0.27}})
+    assert p.prefill_step_s(320) == pytest.approx(0.10)  # beside nothing
+    assert p.prefill_step_s(320, 8) == pytest.approx((0.10 + 0.18) / 2)  # halfway to the curve beside 16
+    (tmp_path / "p.json").write_text(p.to_json())
+    assert Profile.load(tmp_path / "p.json") == p
+    shape = LLAMA_8B
+    load = Load(rate=20, input_len=320, output_len=64, max_input_len=512, max_output_len=64)
+    served = plan(shape, "bfloat16", "bfloat16", CATALOG["h100-sxm"], load, Slo(5.0, 1.0), profile=p)
+    alone = plan(shape, "bfloat16", "bfloat16", CATALOG["h100-sxm"], load, Slo(5.0, 1.0),
+                 profile=replace(p, prefill_busy_s={}))
+    assert served.decode["operating_batch"] > 1 and served.prefill["one_prompt_s"] > alone.prefill["one_prompt_s"]
+    assert any("served profile" in r for r in served.reasons)
+
+
+def test_kervan_profile_served_measures_through_a_cluster(hf_models, tmp_path):
+    from control_plane.plan.profile import Profile
+
+    _, path = hf_models("llama")
+    out = tmp_path / "served.json"
+    result = CliRunner().invoke(main, ["profile", "--served", "--model", str(path), "--dtype", "float32",
+                                       "--batches", "1,3", "--contexts", "32", "--prefill-tokens", "16,64",
+                                       "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    profile = Profile.load(out)
+    assert profile.served and set(profile.decode_s[32]) == {1, 3} and set(profile.prefill_busy_s) == {3}
+    assert all(s > 0 for s in [*profile.decode_s[32].values(), *profile.prefill_s.values(),
+                               *profile.prefill_busy_s[3].values()])
+    assert "served decode at context 32" in result.output and "beside 3 decoding" in result.output

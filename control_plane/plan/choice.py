@@ -68,7 +68,9 @@ def _size_pools(sizer: Sizer, layout: Layout, memory: dict, load: Load, slo: Slo
     reasons = [f"{layout} of {hw.name}: holds the weights ({memory['weights_bytes'] / 1e9:.2f} GB per device) "
                "and one longest sequence's KV (layouts are tried from the fewest devices up)"]
     if sizer.profile is not None:
-        reasons.append(f"step times from the engine's profile ({sizer.profile.dtype}, measured on "
+        kind = "served profile (through the router, on the cores the serving stack shares)" \
+            if sizer.profile.served else "engine's profile"
+        reasons.append(f"step times from the {kind} ({sizer.profile.dtype}, measured on "
                        f"{sizer.profile.machine.get('cpu', '?')}), not the roofline")
     d = decode_pool(sizer, layout, memory, load, slo, context)
     top = d.steps[d.max_batch]
@@ -82,7 +84,7 @@ def _size_pools(sizer: Sizer, layout: Layout, memory: dict, load: Load, slo: Slo
     reasons.append(f"{d.workers} decode worker(s): {demand:,.0f} output tok/s asked, "
                    f"{d.tokens_per_s_per_worker:,.0f} per worker at batch {d.max_batch}; each then runs about "
                    f"{d.operating_batch} sequences")
-    p = prefill_pool(sizer, layout, load, slo, d.itl_s)
+    p = prefill_pool(sizer, layout, load, slo, d.itl_s, d.operating_batch)
     reasons.append(f"{p.workers} prefill worker(s): {load.rate * load.input_len:,.0f} prompt tok/s asked, "
                    f"{p.tokens_per_s_per_worker:,.0f} per worker ({p.chunk['bound']}-bound chunks of "
                    f"{sizer.chunk}); TTFT {p.ttft_s * 1e3:,.0f} ms = prompt {p.one_prompt_s * 1e3:,.0f} + queue "

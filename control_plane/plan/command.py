@@ -125,8 +125,12 @@ def plan_command(model, weights, dtype, hardware, memory_gb, bandwidth_gb_s, rat
               help="context lengths the decode batches run at")
 @click.option("--prefill-tokens", default=",".join(map(str, PREFILL_TOKENS)), show_default=True,
               help="prompt chunk sizes to time")
+@click.option("--served", is_flag=True,
+              help="measure through a cluster of one prefill and one decode worker (ITL at each batch, TTFT of "
+                   "each prompt length, beside 0, 4 and 16 decoding), as clients see them, instead of the engine "
+                   "alone")
 @click.option("--out", "out_path", required=True, help="where to write the profile (JSON)")
-def profile_command(model, dtype, batches, contexts, prefill_tokens, out_path) -> None:
+def profile_command(model, dtype, batches, contexts, prefill_tokens, served, out_path) -> None:
     """Time the engine's decode steps and prefill chunks on this machine, for `kervan plan --profile`."""
     from worker.pull import PullError, resolve_model
 
@@ -135,6 +139,11 @@ def profile_command(model, dtype, batches, contexts, prefill_tokens, out_path) -
         ints = [tuple(int(x) for x in v.split(",")) for v in (batches, contexts, prefill_tokens)]
     except (PullError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None
-    result = measure(model_dir, dtype, *ints, say=lambda line: click.echo(line, err=True))
+    say = lambda line: click.echo(line, err=True)  # noqa: E731
+    if served:
+        from control_plane.plan.served import measure_served
+        result = measure_served(model_dir, dtype, *ints, say=say)
+    else:
+        result = measure(model_dir, dtype, *ints, say=say)
     Path(out_path).write_text(result.to_json() + "\n")
     click.echo(f"profile of {model} ({result.dtype}) written to {out_path}")

@@ -43,25 +43,29 @@ def decode_pool(sizer: Sizer, layout: Layout, memory: dict, load: Load, slo: Slo
                       max(1, int(memory["kv_tokens"] // context)), steps, bool(within))
 
 
-def prefill_pool(sizer: Sizer, layout: Layout, load: Load, slo: Slo, itl_s: float) -> PrefillPool:
+def prefill_pool(sizer: Sizer, layout: Layout, load: Load, slo: Slo, itl_s: float,
+                 decode_batch: int = 0) -> PrefillPool:
     """The smallest pool whose TTFT (``prefill_ttft_s``) meets the target; 1,024 workers at most."""
-    chunk = sizer.prefill_chunk_s(layout, sizer.chunk, load.input_len / 2)
+    chunk = sizer.prefill_chunk_s(layout, sizer.chunk, load.input_len / 2, decode_batch)
     for workers in range(1, 1025):
-        ttft = prefill_ttft_s(sizer, layout, load, workers, itl_s)
+        ttft = prefill_ttft_s(sizer, layout, load, workers, itl_s, decode_batch)
         if ttft["ttft_s"] <= slo.ttft_s:
             break
     return PrefillPool(ttft["rate"], ttft["alone_s"], ttft["handover_s"], workers, ttft["ttft_s"], chunk)
 
 
-def prefill_ttft_s(sizer: Sizer, layout: Layout, load: Load, workers: int, itl_s: float) -> dict:
+def prefill_ttft_s(sizer: Sizer, layout: Layout, load: Load, workers: int, itl_s: float,
+                   decode_batch: int = 0) -> dict:
     """A mean prompt's TTFT on a pool of ``workers``: the prompt alone, chunk by chunk; the
     queue as M/G/1 on the pool seen as one server n times as fast (Pollaczek-Khinchine's
     mean wait, the service time varying as the prompt length does); the KV hand-over over
-    the device link; a decode step (``itl_s``). Infinite when the pool cannot keep up."""
-    chunk = sizer.prefill_chunk_s(layout, sizer.chunk, load.input_len / 2)
+    the device link; a decode step (``itl_s``). Infinite when the pool cannot keep up.
+    ``decode_batch``: sequences each decode worker runs meanwhile (a served profile's
+    prefill is slower beside them, on a machine whose cores the serving stack shares)."""
+    chunk = sizer.prefill_chunk_s(layout, sizer.chunk, load.input_len / 2, decode_batch)
     rate = sizer.chunk / chunk["step_s"]  # prompt tokens/s of one busy worker
-    alone = sum(sizer.prefill_chunk_s(layout, min(sizer.chunk, load.input_len - i), (i + load.input_len) / 2)
-                ["step_s"] for i in range(0, math.ceil(load.input_len), sizer.chunk))
+    alone = sum(sizer.prefill_chunk_s(layout, min(sizer.chunk, load.input_len - i), (i + load.input_len) / 2,
+                                      decode_batch)["step_s"] for i in range(0, math.ceil(load.input_len), sizer.chunk))
     handover = load.input_len * sizer.shape.kv_bytes_per_token(sizer.dtype) / sizer.hw.link_bandwidth
     wait = mg1_wait_s(load.rate, load.input_len / rate, workers, load.input_cv2)
     return {"ttft_s": alone + wait + handover + itl_s, "rate": rate, "alone_s": alone, "handover_s": handover,

@@ -16,7 +16,7 @@ import bisect
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 DECODE_BATCHES = (1, 4, 16, 64)
@@ -31,6 +31,9 @@ class Profile:
     machine: dict
     decode_s: dict[int, dict[int, float]]  # context -> batch -> median step seconds
     prefill_s: dict[int, float]  # prompt tokens in one step -> its seconds
+    served: bool = False  # measured through the serving stack (``served.py``), not the engine alone
+    # served only: decode batch running beside -> prompt tokens -> seconds (prefill_s is beside none)
+    prefill_busy_s: dict[int, dict[int, float]] = field(default_factory=dict)
 
     def decode_step_s(self, batch: float, context: float) -> float:
         """A decode step of ``batch`` sequences at ``context`` tokens each, read off the curves."""
@@ -38,8 +41,12 @@ class Profile:
         per_context = [_along(sorted(self.decode_s[c].items()), batch) for c in contexts]
         return max(_along(list(zip(contexts, per_context)), context), 1e-6)
 
-    def prefill_step_s(self, tokens: float) -> float:
-        return max(_along(sorted(self.prefill_s.items()), tokens), 1e-6)
+    def prefill_step_s(self, tokens: float, decode_batch: float = 0) -> float:
+        """A prompt chunk of ``tokens``; with a served profile, while ``decode_batch``
+        sequences decode beside it (read along the curves measured beside 0, 4, ... of them)."""
+        beside = sorted({0: self.prefill_s, **self.prefill_busy_s}.items())
+        at = [(b, _along(sorted(curve.items()), tokens)) for b, curve in beside]
+        return max(_along(at, decode_batch), 1e-6)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -48,8 +55,10 @@ class Profile:
     def load(path: str | Path) -> Profile:
         raw = json.loads(Path(path).read_text())
         decode = {int(c): {int(b): float(s) for b, s in by.items()} for c, by in raw["decode_s"].items()}
+        busy = {int(b): {int(t): float(s) for t, s in by.items()} for b, by in raw.get("prefill_busy_s", {}).items()}
         return Profile(model=raw["model"], dtype=raw["dtype"], machine=raw["machine"], decode_s=decode,
-                       prefill_s={int(t): float(s) for t, s in raw["prefill_s"].items()})
+                       prefill_s={int(t): float(s) for t, s in raw["prefill_s"].items()},
+                       served=bool(raw.get("served", False)), prefill_busy_s=busy)
 
 
 def _along(points: list[tuple[int, float]], x: float) -> float:

@@ -112,14 +112,14 @@ class Sizer:
                 "bound": "memory" if memory_s >= compute_s else "compute", "bytes_per_device": nbytes,
                 "source": "profile" if self.profile is not None else "roofline"}
 
-    def prefill_chunk_s(self, layout: Layout, tokens: int, context: float) -> dict:
+    def prefill_chunk_s(self, layout: Layout, tokens: int, context: float, decode_batch: int = 0) -> dict:
         s, hw = self.shape, self.hw
         nbytes = s.weight_bytes(self.weights, self.dtype) / layout.tp  # a chunk touches every expert; stages in turn
         memory_s = nbytes / (hw.bandwidth * hw.memory_efficiency)
         compute_s = tokens * s.flops_per_token(context) / layout.tp / (self.peak * hw.compute_efficiency)
         total = max(memory_s, compute_s) + self._comm_s(layout, tokens) + hw.step_overhead_s
         if self.profile is not None:
-            total = self.profile.prefill_step_s(tokens)
+            total = self.profile.prefill_step_s(tokens, decode_batch)
         return {"tokens": tokens, "step_s": total, "memory_s": memory_s, "compute_s": compute_s,
                 "bound": "memory" if memory_s >= compute_s else "compute",
                 "source": "profile" if self.profile is not None else "roofline"}

@@ -87,8 +87,8 @@ class CorrectedSizer:
         step = self.sizer.decode_step_s(layout, batch, context)
         return {**step, "step_s": step["step_s"] * self.corrections["decode"]}
 
-    def prefill_chunk_s(self, layout: Layout, tokens: int, context: float) -> dict:
-        step = self.sizer.prefill_chunk_s(layout, tokens, context)
+    def prefill_chunk_s(self, layout: Layout, tokens: int, context: float, decode_batch: int = 0) -> dict:
+        step = self.sizer.prefill_chunk_s(layout, tokens, context, decode_batch)
         return {**step, "step_s": step["step_s"] * self.corrections["prefill"]}
 
 
