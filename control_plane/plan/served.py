@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from control_plane.plan.profile import Profile, _prompt
@@ -41,13 +42,19 @@ async def _follow(stub, ids: list[int], max_tokens: int, times: list[float]) -> 
             times.append(time.perf_counter())
 
 
-class Streams:
-    """``batch`` streams of ``context``-token prompts, generating until cancelled."""
+def unique_prompt(tokens: int, vocab: int, number: int) -> list[int]:
+    """A prompt whose first two tokens spell ``number``: no two of a run share a cached block."""
+    base = vocab - 3
+    return [3 + number % base, 3 + number // base % base, *_prompt(max(0, tokens - 2), vocab, number)]
 
-    def __init__(self, stub, batch: int, context: int, vocab: int, max_tokens: int, seed: int):
-        self.times: list[list[float]] = [[] for _ in range(batch)]
-        self.tasks = [asyncio.ensure_future(_follow(stub, _prompt(context, vocab, seed + i), max_tokens, t))
-                      for i, t in enumerate(self.times)]
+
+class Streams:
+    """One stream per prompt, generating until cancelled."""
+
+    def __init__(self, stub, prompts: list[list[int]], max_tokens: int):
+        self.times: list[list[float]] = [[] for _ in prompts]
+        self.tasks = [asyncio.ensure_future(_follow(stub, prompt, max_tokens, times))
+                      for prompt, times in zip(prompts, self.times)]
 
     async def all_streaming(self, gaps: int = 0, timeout_s: float = 600.0) -> float:
         """Waits until every stream has its first token and ``gaps`` more after the last
@@ -76,54 +83,108 @@ class Streams:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-async def _lone_ttft(stub, tokens: int, vocab: int, seed: int) -> float:
+class Prompts:
+    """The run's prompts, none sharing a block with another. Lone prompts of about ``tokens``
+    come each at a length not asked before: a served mix's lengths vary, and the first prompt
+    of a length pays for new kernel shapes (oneDNN's primitives), which one repeated length
+    would hide."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.made, self.lone = vocab, 0, 0
+
+    def exactly(self, tokens: int) -> list[int]:
+        self.made += 1
+        return unique_prompt(tokens, self.vocab, self.made)
+
+    def next(self, tokens: int) -> list[int]:
+        self.lone += 1
+        offset = (self.lone + 1) // 2 * (1 if self.lone % 2 else -1)  # 1, -1, 2, -2, ...: near ``tokens``
+        return self.exactly(max(3, tokens + offset))
+
+
+async def _lone_ttft(stub, prompt: list[int]) -> float:
     times: list[float] = []
     started = time.perf_counter()
-    await _follow(stub, _prompt(tokens, vocab, seed), 2, times)  # 2: the KV goes to the decode worker
+    await _follow(stub, prompt, 2, times)  # 2 tokens: the prompt's KV goes to the decode worker
     return times[0] - started
 
 
+class Served:
+    """The measurements, through the router at ``address``."""
+
+    def __init__(self, stub, vocab: int, max_len: int, say):
+        self.stub, self.vocab, self.max_len, self.say = stub, vocab, max_len, say
+        self.prompts = Prompts(vocab)
+
+    def streams(self, batch: int, context: int) -> Streams:
+        return Streams(self.stub, [self.prompts.exactly(context) for _ in range(batch)], self.max_len - context - 1)
+
+    async def itl(self, batch: int, context: int, prompt_tokens: int = 0) -> tuple[float, float]:
+        """The median gap while ``batch`` streams decode; with ``prompt_tokens``, while lone
+        prompts of about that length are sent one after another beside them. Also the prompt
+        tokens per second they came at."""
+        streams, sent, stop = self.streams(batch, context), [0, 0.0], asyncio.Event()
+
+        async def drive() -> None:
+            while not stop.is_set():
+                prompt = self.prompts.next(prompt_tokens)
+                await _lone_ttft(self.stub, prompt)
+                sent[0] += len(prompt)
+        driver = asyncio.ensure_future(drive()) if prompt_tokens else None
+        try:
+            start = await streams.all_streaming()
+            sent[:] = [0, time.perf_counter()]
+            await streams.all_streaming(MIN_GAPS)
+            gaps, rate = streams.gaps_after(start), sent[0] / (time.perf_counter() - sent[1])
+        finally:
+            stop.set()
+            if driver is not None:
+                await driver
+            await streams.close()
+        return statistics.median(gaps), rate
+
+    async def ttft(self, tokens: int, decoding: int, context: int) -> float:
+        """The median TTFT of lone prompts of about ``tokens`` while ``decoding`` streams decode."""
+        streams = self.streams(decoding, context)
+        try:
+            await streams.all_streaming()
+            return statistics.median([await _lone_ttft(self.stub, self.prompts.next(tokens)) for _ in range(REPEATS)])
+        finally:
+            await streams.close()
+
+
 async def _measure(address: str, vocab: int, max_len: int, batches, contexts, prefill_tokens, busy_batches,
-                   say) -> tuple[dict, dict, dict]:
+                   say) -> Profile:
     import grpc
 
     from services.proto import router_pb2_grpc
 
-    seed = 1 << 20  # prompts no earlier run cached
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = router_pb2_grpc.RouterServiceStub(channel)
-        await _lone_ttft(stub, 16, vocab, seed)  # connections, first calls
+        served = Served(router_pb2_grpc.RouterServiceStub(channel), vocab, max_len, say)
+        await _lone_ttft(served.stub, served.prompts.next(16))  # connections, first calls
         decode: dict[int, dict[int, float]] = {}
         for context in contexts:
-            decode[context] = {}
-            for batch in batches:
-                seed += batch
-                streams = Streams(stub, batch, context, vocab, max_len - context - 1, seed)
-                try:
-                    start = await streams.all_streaming(MIN_GAPS)
-                    decode[context][batch] = statistics.median(streams.gaps_after(start))
-                finally:
-                    await streams.close()
+            decode[context] = {b: (await served.itl(b, context))[0] for b in batches}
             say(f"served decode at context {context}: " + ", ".join(f"batch {b} {s * 1e3:.1f} ms"
                                                                    for b, s in decode[context].items()))
-        context = min(contexts)
+        context, middle = min(contexts), sorted(prefill_tokens)[len(prefill_tokens) // 2]
+        beside_prefill, rates = {}, []
+        for batch in batches:
+            beside_prefill[batch], rate = await served.itl(batch, context, middle)
+            rates.append(rate)
+        say(f"served decode at context {context} beside prompts of ~{middle} tokens one after another "
+            f"({statistics.median(rates):,.0f} prompt tokens/s): " + ", ".join(
+                f"batch {b} {s * 1e3:.1f} ms" for b, s in beside_prefill.items()))
         steps = Profile(model="", dtype="", machine={}, decode_s=decode, prefill_s={})  # the decode curves alone
         prefill: dict[int, dict[int, float]] = {}  # decoding beside -> prompt tokens -> seconds
-        for background in (0, *busy_batches):
-            seed += 1000
-            streams = Streams(stub, background, context, vocab, max_len - context - 1, seed)
-            try:
-                await streams.all_streaming()
-                step = steps.decode_step_s(max(background, 1), context)
-                prefill[background] = {}
-                for tokens in prefill_tokens:
-                    ttfts = [await _lone_ttft(stub, tokens, vocab, seed + 100 * tokens + r) for r in range(REPEATS)]
-                    prefill[background][tokens] = max(statistics.median(ttfts) - step, 1e-6)
-            finally:
-                await streams.close()
-            say(f"served prefill beside {background} decoding: " + ", ".join(
-                f"{t} tokens {s * 1e3:.1f} ms" for t, s in prefill[background].items()))
-        return decode, prefill.pop(0), prefill
+        for decoding in (0, *busy_batches):
+            step = steps.decode_step_s(max(decoding, 1), context)  # the plan adds it back
+            prefill[decoding] = {t: max(await served.ttft(t, decoding, context) - step, 1e-6) for t in prefill_tokens}
+            say(f"served prefill beside {decoding} decoding: " + ", ".join(
+                f"{t} tokens {s * 1e3:.1f} ms" for t, s in prefill[decoding].items()))
+        return Profile(model="", dtype="", machine={}, decode_s=decode, prefill_s=prefill.pop(0), served=True,
+                       prefill_busy_s=prefill, decode_busy_s=beside_prefill,
+                       busy_prompt_tokens_per_s=statistics.median(rates))
 
 
 def measure_served(model_dir: str | Path, dtype: str = "auto", batches=(1, 4, 16, 32), contexts=(128, 512),
@@ -146,13 +207,12 @@ def measure_served(model_dir: str | Path, dtype: str = "auto", batches=(1, 4, 16
     cluster = Cluster(spec, new_log_dir())
     try:
         cluster.start()
-        decode, prefill, busy = asyncio.run(_measure(cluster.router_address, shape.vocab_size, max_len, batches,
-                                                     contexts, prefill_tokens, busy_batches, say))
+        measured = asyncio.run(_measure(cluster.router_address, shape.vocab_size, max_len, batches, contexts,
+                                        prefill_tokens, busy_batches, say))
     finally:
         cluster.stop()
     platform = current_platform()
     cpu = platform.cpu
     machine = {"cpu": cpu.model, "isa": cpu.isa, "amx": cpu.has_amx, "cores": cpu.num_cores}
     served_dtype = dtype_name(platform.resolve_dtype(dtype, platform.device))
-    return Profile(model=str(model_dir), dtype=served_dtype, machine=machine, decode_s=decode, prefill_s=prefill,
-                   served=True, prefill_busy_s=busy)
+    return replace(measured, model=str(model_dir), dtype=served_dtype, machine=machine)
