@@ -231,7 +231,7 @@ class RequestRunner:
                 yield msg.update
         except asyncio.CancelledError:
             # the client left between handoff and decode: drop the staged KV now, not at lease end
-            task = asyncio.get_running_loop().create_task(
+            task = asyncio.ensure_future(  # a gRPC call is awaitable, not a coroutine: create_task refuses it
                 place.decode.Abort(worker_pb2.AbortRequest(request_id=rid), timeout=5))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
