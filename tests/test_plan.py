@@ -226,7 +226,8 @@ def test_a_served_profile_s_prefill_is_read_beside_the_decode_batch(tmp_path):
     assert p.prefill_step_s(320, 8) == pytest.approx((0.10 + 0.18) / 2)  # halfway to the curve beside 16
     # decode steps grow with the prompt tokens coming in, as far as they grew beside the measured stream
     p = replace(p, decode_busy_s={1: 0.014, 16: 0.030}, busy_prompt_tokens_per_s=4000.0)
-    assert p.decode_step_s(1, 128, 2000) == pytest.approx(0.012) and p.decode_step_s(16, 128, 4000) == pytest.approx(0.030)
+    assert p.decode_step_s(1, 128, 2000) == pytest.approx(0.012)
+    assert p.decode_step_s(16, 128, 4000) == pytest.approx(0.030)
     (tmp_path / "p.json").write_text(p.to_json())
     assert Profile.load(tmp_path / "p.json") == p
     shape = LLAMA_8B

@@ -84,11 +84,11 @@ def _size_pools(sizer: Sizer, layout: Layout, memory: dict, load: Load, slo: Slo
     reasons.append(f"{d.workers} decode worker(s): {demand:,.0f} output tok/s asked, "
                    f"{d.tokens_per_s_per_worker:,.0f} per worker at batch {d.max_batch}; each then runs about "
                    f"{d.operating_batch} sequences")
-    p = prefill_pool(sizer, layout, load, slo, d.itl_s, d.operating_batch)
+    p = prefill_pool(sizer, layout, load, slo, d.operating_batch)
     reasons.append(f"{p.workers} prefill worker(s): {load.rate * load.input_len:,.0f} prompt tok/s asked, "
                    f"{p.tokens_per_s_per_worker:,.0f} per worker ({p.chunk['bound']}-bound chunks of "
                    f"{sizer.chunk}); TTFT {p.ttft_s * 1e3:,.0f} ms = prompt {p.one_prompt_s * 1e3:,.0f} + queue "
-                   f"+ KV hand-over {p.kv_handover_s * 1e3:.1f} + a decode step")
+                   f"+ KV hand-over {p.kv_handover_s * 1e3:.1f}")
     meets = d.meets_itl and p.ttft_s <= slo.ttft_s
     a = aggregated_pool(sizer, layout, memory, load, slo, context)
     recommended = "disaggregated"

@@ -1,7 +1,7 @@
 """The pools a load needs on one layout: the decode pool (the load's output tokens per
 second over one worker's at the largest batch the ITL target and the KV cache allow) and the
 prefill pool (the fewest workers whose TTFT — the prompt's chunks, the queue as M/G/1, the KV
-hand-over, a decode step — meets its target)."""
+hand-over — meets its target: the first token comes back with the prefill)."""
 
 from __future__ import annotations
 
@@ -55,23 +55,22 @@ def _decode_pool(sizer: Sizer, layout: Layout, memory: dict, load: Load, slo: Sl
                       max(1, int(memory["kv_tokens"] // context)), steps, bool(within))
 
 
-def prefill_pool(sizer: Sizer, layout: Layout, load: Load, slo: Slo, itl_s: float,
-                 decode_batch: int = 0) -> PrefillPool:
+def prefill_pool(sizer: Sizer, layout: Layout, load: Load, slo: Slo, decode_batch: int = 0) -> PrefillPool:
     """The smallest pool whose TTFT (``prefill_ttft_s``) meets the target; 1,024 workers at most."""
     chunk = sizer.prefill_chunk_s(layout, sizer.chunk, load.input_len / 2, decode_batch)
     for workers in range(1, 1025):
-        ttft = prefill_ttft_s(sizer, layout, load, workers, itl_s, decode_batch)
+        ttft = prefill_ttft_s(sizer, layout, load, workers, decode_batch)
         if ttft["ttft_s"] <= slo.ttft_s:
             break
     return PrefillPool(ttft["rate"], ttft["alone_s"], ttft["handover_s"], workers, ttft["ttft_s"], chunk)
 
 
-def prefill_ttft_s(sizer: Sizer, layout: Layout, load: Load, workers: int, itl_s: float,
-                   decode_batch: int = 0) -> dict:
+def prefill_ttft_s(sizer: Sizer, layout: Layout, load: Load, workers: int, decode_batch: int = 0) -> dict:
     """A mean prompt's TTFT on a pool of ``workers``: the prompt alone, chunk by chunk; the
     queue as M/G/1 on the pool seen as one server n times as fast (Pollaczek-Khinchine's
     mean wait, the service time varying as the prompt length does); the KV hand-over over
-    the device link; a decode step (``itl_s``). Infinite when the pool cannot keep up.
+    the device link. The first token is the prefill's (the router streams it as the
+    prefill worker answers), so no decode step. Infinite when the pool cannot keep up.
     ``decode_batch``: sequences each decode worker runs meanwhile (a served profile's
     prefill is slower beside them, on a machine whose cores the serving stack shares)."""
     chunk = sizer.prefill_chunk_s(layout, sizer.chunk, load.input_len / 2, decode_batch)
@@ -80,5 +79,5 @@ def prefill_ttft_s(sizer: Sizer, layout: Layout, load: Load, workers: int, itl_s
                                       decode_batch)["step_s"] for i in range(0, math.ceil(load.input_len), sizer.chunk))
     handover = load.input_len * sizer.shape.kv_bytes_per_token(sizer.dtype) / sizer.hw.link_bandwidth
     wait = mg1_wait_s(load.rate, load.input_len / rate, workers, load.input_cv2)
-    return {"ttft_s": alone + wait + handover + itl_s, "rate": rate, "alone_s": alone, "handover_s": handover,
+    return {"ttft_s": alone + wait + handover, "rate": rate, "alone_s": alone, "handover_s": handover,
             "wait_s": wait}

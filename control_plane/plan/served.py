@@ -15,9 +15,10 @@ the router:
   registry, Redis and the client share with the workers, a prompt's prefill is slower while
   the decode side streams, and a plan at load reads the curve of its decode batch.
 
-TTFT in Kervan's mesh is the prompt's prefill, its KV push and the hops around them; the
-plan adds a hand-over and a decode step to a prompt's time, so each prefill point is stored
-less the decode step at its batch (the sum then comes back to what was measured)."""
+TTFT in Kervan's mesh is the prompt's prefill, its KV push and the hops around them (the
+first token comes back with the prefill): each prefill point is that TTFT, which the plan
+reads as a prompt's time (its own hand-over term, the device link's, is then counted twice:
+microseconds on one machine)."""
 
 from __future__ import annotations
 
@@ -175,11 +176,9 @@ async def _measure(address: str, vocab: int, max_len: int, batches, contexts, pr
         say(f"served decode at context {context} beside prompts of ~{middle} tokens one after another "
             f"({statistics.median(rates):,.0f} prompt tokens/s): " + ", ".join(
                 f"batch {b} {s * 1e3:.1f} ms" for b, s in beside_prefill.items()))
-        steps = Profile(model="", dtype="", machine={}, decode_s=decode, prefill_s={})  # the decode curves alone
         prefill: dict[int, dict[int, float]] = {}  # decoding beside -> prompt tokens -> seconds
         for decoding in (0, *busy_batches):
-            step = steps.decode_step_s(max(decoding, 1), context)  # the plan adds it back
-            prefill[decoding] = {t: max(await served.ttft(t, decoding, context) - step, 1e-6) for t in prefill_tokens}
+            prefill[decoding] = {t: await served.ttft(t, decoding, context) for t in prefill_tokens}
             say(f"served prefill beside {decoding} decoding: " + ", ".join(
                 f"{t} tokens {s * 1e3:.1f} ms" for t, s in prefill[decoding].items()))
         return Profile(model="", dtype="", machine={}, decode_s=decode, prefill_s=prefill.pop(0), served=True,

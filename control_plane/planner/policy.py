@@ -5,8 +5,8 @@ decode workers the next interval needs.
                      lengths' means over the last four intervals with requests
     decode workers = that load's output tokens/s over one worker's at the largest batch
                      whose step meets the ITL target
-    prefill workers = the fewest whose TTFT (the prompt, the M/G/1 queue, the hand-over,
-                      a decode step) meets the TTFT target
+    prefill workers = the fewest whose TTFT (the prompt, the M/G/1 queue, the hand-over)
+                      meets the TTFT target
     steps = the profile's (or the roofline's) times the pool's correction: what the router
             measured (ITL, TTFT) over what the profile expects at the load and pools just
             seen, smoothed (the serving loop, the network and sharing a machine's cores are
@@ -127,7 +127,7 @@ class Policy:
         load = Load(predicted["rate"], isl, osl, math.ceil(isl), math.ceil(osl))
         sizer = CorrectedSizer(self.sizer, self.corrections)
         d = decode_pool(sizer, layout, memory, load, slo, context)
-        p = prefill_pool(sizer, layout, load, slo, d.itl_s)
+        p = prefill_pool(sizer, layout, load, slo, d.operating_batch)
         needed = {"prefill": p.workers, "decode": d.workers}
         reasons = [f"predicted {load.rate:.3g} req/s of {isl:.0f} prompt and {osl:.0f} output tokens",
                    f"decode: {load.rate * osl:.3g} tok/s over {d.tokens_per_s_per_worker:.3g} a worker (batch "
@@ -151,8 +151,8 @@ class Policy:
             ratios["decode"] = obs.itl_mean_s / expected
         if obs.ttft_mean_s and obs.rate > 0 and current.get("prefill", 0) > 0:
             seen = Load(obs.rate, isl, osl, math.ceil(isl), math.ceil(osl))
-            itl = obs.itl_mean_s or self.sizer.decode_step_s(self.layout, 1, context)["step_s"]
-            expected = prefill_ttft_s(self.sizer, self.layout, seen, current["prefill"], itl)["ttft_s"]
+            batch = max(1, round(obs.decode_running / max(1, current.get("decode", 1))))
+            expected = prefill_ttft_s(self.sizer, self.layout, seen, current["prefill"], batch)["ttft_s"]
             if math.isfinite(expected):
                 ratios["prefill"] = obs.ttft_mean_s / expected
         lo, hi = CORRECTION_RANGE

@@ -19,6 +19,8 @@ KV_SHM_FALLBACKS = Counter("kervan_kv_shm_fallbacks", "KV pushes that went by th
                            "memory had no room for them")
 ENGINE_STEP_TIME = Histogram("kervan_engine_step_seconds", "Wall time of one engine step (schedule, run the "
                              "model, sample), without the serving loop around it", buckets=LATENCY_BUCKETS)
+KV_PUSH_RETRIES = Counter("kervan_kv_push_retries", "KV pushes sent again because the decode worker had its "
+                          "limit of pushes in progress (RESOURCE_EXHAUSTED)")
 KV_TRANSFER_TIME = Histogram("kervan_kv_transfer_seconds", "Time to push one request's KV to a decode worker",
                              buckets=LATENCY_BUCKETS)
 

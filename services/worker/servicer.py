@@ -21,7 +21,7 @@ from opentelemetry import trace
 from kervan.sampling import FORKED_SAMPLES
 from kervan.worker_info import WorkerRole
 from services.common.convert import finish_to_proto, load_to_proto, sampling_from_proto
-from services.common.errors import Aborted, FailedPrecondition, Overloaded, Unavailable
+from services.common.errors import Aborted, FailedPrecondition, Overloaded, Unavailable, retry_after_s
 from services.proto import worker_pb2, worker_pb2_grpc
 from services.worker import kv_transfer, metrics
 from services.worker.async_engine import AsyncEngine
@@ -96,22 +96,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             except kv_transfer.SharedMemoryFull as full:
                 metrics.KV_SHM_FALLBACKS.inc()
                 log.warning("KV push by the gRPC stream: %s", full)
-        if export is not None:
-            messages = _one(worker_pb2.PushKvRequest(header=kv_transfer.header(
-                request.request_id, prompt, data, self.lease_s, export.name)))
-        else:
-            messages = kv_transfer.stream_messages(kv_transfer.header(request.request_id, prompt, data, self.lease_s),
-                                                   data)
+        def messages():  # once per attempt: a refused push is sent again whole
+            if export is not None:
+                return _one(worker_pb2.PushKvRequest(header=kv_transfer.header(
+                    request.request_id, prompt, data, self.lease_s, export.name)))
+            return kv_transfer.stream_messages(kv_transfer.header(request.request_id, prompt, data, self.lease_s),
+                                               data)
         start = time.perf_counter()
         pushed = False
         try:
-            receipt = await stub.PushKv(messages, timeout=self.lease_s)
+            while True:
+                try:
+                    receipt = await stub.PushKv(messages(), timeout=self.lease_s)
+                    break
+                except grpc.aio.AioRpcError as err:
+                    # the decode worker takes a bounded number of pushes at once: a burst of prompts
+                    # waits its turn (the KV is held here meanwhile), up to half a lease
+                    wait = retry_after_s(err) if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+                    if wait is None or time.perf_counter() - start + wait > self.lease_s / 2:
+                        raise Aborted(f"KV push to the decode worker failed: {err.code().name} {err.details()}") \
+                            from None
+                    metrics.KV_PUSH_RETRIES.inc()
+                    await asyncio.sleep(wait)
             pushed = True
             metrics.KV_TRANSFER_TIME.observe(time.perf_counter() - start)
             metrics.KV_TRANSFER_BYTES.labels("pushed").inc(receipt.num_bytes)
-        except grpc.aio.AioRpcError as err:
-            why = f"{err.code().name} {err.details()}"
-            raise Aborted(f"KV push to the decode worker failed: {why}") from None
         finally:
             if export is not None and pushed:
                 export.close()

@@ -30,6 +30,7 @@ class Worker:
     engine: AsyncEngine
     port: int
     stub: worker_pb2_grpc.WorkerServiceStub
+    servicer: WorkerServicer
 
 
 @dataclass
@@ -54,7 +55,7 @@ async def start_worker(model_dir: Path, role: str, kv_transport: str = "auto", m
         await servicer.close()
         await server.stop(0)
         engine.stop()
-    return Worker(engine, server.port, worker_pb2_grpc.WorkerServiceStub(channel)), stop
+    return Worker(engine, server.port, worker_pb2_grpc.WorkerServiceStub(channel), servicer), stop
 
 
 async def start_mesh(model_dir: Path, disaggregated: bool = False, kv_transport: str = "auto",

@@ -73,3 +73,31 @@ async def test_a_push_without_room_in_shared_memory_goes_by_grpc_and_is_counted(
                                                     "failed_as_intended": 0, "lost": 0, "duplicate_tokens": 0})
     finally:
         await stop()
+
+
+async def test_a_push_the_decode_worker_has_no_turn_for_waits_and_is_sent_again(llama):
+    """A decode worker takes a bounded number of KV pushes at once (RESOURCE_EXHAUSTED past
+    it): a burst of remote prefills waits its turn instead of failing the request, as a
+    served profile's 32 streams at once once did."""
+    import asyncio
+
+    mesh, stop = await start_mesh(llama[1], disaggregated=True)
+    decode = mesh.workers[1].servicer
+    try:
+        prompt = common_pb2.TokenIds(ids=list(range(5, 45)))
+        alone, _ = await collect(mesh.router, router_pb2.GenerateRequest(token_ids=prompt, sampling=greedy(6)))
+        before = metrics.KV_PUSH_RETRIES._value.get()
+        decode.num_pushes = decode.max_concurrent_pushes  # as if a burst held every slot
+
+        async def free_the_slots():
+            await asyncio.sleep(0.3)
+            decode.num_pushes = 0
+        freeing = asyncio.ensure_future(free_the_slots())
+        salted = router_pb2.GenerateRequest(token_ids=prompt, sampling=greedy(6), cache_salt="again")  # prefilled anew
+        waited, [fin] = await collect(mesh.router, salted)
+        await freeing
+        assert token_ids(waited) == token_ids(alone) and fin.finished.usage.completion_tokens == 6
+        assert metrics.KV_PUSH_RETRIES._value.get() >= before + 1
+        await wait_idle(mesh)
+    finally:
+        await stop()
