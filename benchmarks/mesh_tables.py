@@ -147,17 +147,18 @@ def _ms(x: float | None) -> str:
 def plan_check() -> str:
     """Per report, model and load: what ``kervan plan`` predicted and what the cluster it
     recommended measured, and their ratio."""
-    rows = ["| report | model | load (of the 1:1 rate) | req/s | output tok/s predicted / measured | TTFT mean ms "
-            "predicted / measured | ITL median ms predicted / measured | decode engine step in the cluster, mean ms "
-            "| measured / predicted: tok/s, TTFT, ITL |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| report | model | profile | load (of the 1:1 rate) | req/s | output tok/s predicted / measured "
+            "| TTFT mean ms predicted / measured | ITL median ms predicted / measured "
+            "| decode engine step in the cluster, mean ms | measured / predicted: tok/s, TTFT, ITL |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for label, report in cells.reports("plan_check"):
         for name, model in report["models"].items():
             for p in model["points"]:
                 pred, got, ratio = p["predicted"], p["measured"], p["measured_over_predicted"]
                 ratios = ", ".join(f"**{ratio[k]:.2f}**" if k in ratio else "–"
                                    for k in ("output_tokens_per_s", "ttft_ms", "itl_ms"))
-                rows.append(f"| {label} | {name} ({model['weights']}) | {p['load_share']:.1f} | {p['rate']:.2f} "
+                rows.append(f"| {label} | {name} ({model['weights']}) | {model.get('profile_kind', 'engine')} "
+                            f"| {p['load_share']:.1f} | {p['rate']:.2f} "
                             f"| {pred['output_tokens_per_s']:,.0f} / {got['output_tokens_per_s']:,.0f} "
                             f"| {pred['ttft_ms']:,.0f} / {got['ttft_ms']:,.0f} "
                             f"| {pred['itl_ms']:.1f} / {got['itl_ms']:.1f} "

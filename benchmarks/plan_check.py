@@ -4,8 +4,11 @@ cluster it recommends does under that load through ``kervan bench``'s open loop.
 Per model, on this machine with each core a device (``--hardware this-core``: a worker
 pinned to one core with one thread, as the cluster pins them):
 
-1. ``kervan profile`` in a process pinned to one core with one thread: the engine's step
-   times, which the plan reads instead of the roofline;
+1. ``kervan profile --served`` (``--profile served``, the default): ITL per batch and TTFT
+   per prompt length through a cluster of one prefill and one decode worker, on the cores
+   the serving stack shares (``control_plane/plan/served.py``); or (``--profile engine``)
+   ``kervan profile`` in a process pinned to one core with one thread, the engine alone. The
+   plan reads these step times instead of the roofline;
 2. the highest request rate at which the plan recommends one prefill and one decode worker
    (the most this 2-core machine can run), found by bisection; then the plan at
    ``--loads`` fractions of it (0.2, 0.5 and 0.8 by default);
@@ -17,7 +20,7 @@ pinned to one core with one thread, as the cluster pins them):
    the profile measures: the rest is the serving loop around the engine);
 4. per point, measured over predicted.
 
-    python -m benchmarks.plan_check --json-out benchmarks/results/plan_check-amx.json   # ~15 min
+    python -m benchmarks.plan_check --json-out benchmarks/results/plan_check-amx.json   # ~25 min
     python -m benchmarks.plan_check --models embedded --loads 0.5 --requests 60
 """
 

@@ -224,10 +224,6 @@ def test_a_served_profile_s_prefill_is_read_beside_the_decode_batch(tmp_path):
                 prefill_s={128: 0.05, 512: 0.15}, served=True, prefill_busy_s={16: {128: 0.09, 512: 0.27}})
     assert p.prefill_step_s(320) == pytest.approx(0.10)  # beside nothing
     assert p.prefill_step_s(320, 8) == pytest.approx((0.10 + 0.18) / 2)  # halfway to the curve beside 16
-    # decode steps grow with the prompt tokens coming in, as far as they grew beside the measured stream
-    p = replace(p, decode_busy_s={1: 0.014, 16: 0.030}, busy_prompt_tokens_per_s=4000.0)
-    assert p.decode_step_s(1, 128, 2000) == pytest.approx(0.012)
-    assert p.decode_step_s(16, 128, 4000) == pytest.approx(0.030)
     (tmp_path / "p.json").write_text(p.to_json())
     assert Profile.load(tmp_path / "p.json") == p
     shape = LLAMA_8B
@@ -250,8 +246,6 @@ def test_kervan_profile_served_measures_through_a_cluster(hf_models, tmp_path):
     assert result.exit_code == 0, result.output
     profile = Profile.load(out)
     assert profile.served and set(profile.decode_s[32]) == {1, 3} and set(profile.prefill_busy_s) == {3}
-    assert set(profile.decode_busy_s) == {1, 3} and profile.busy_prompt_tokens_per_s > 0
     assert all(s > 0 for s in [*profile.decode_s[32].values(), *profile.prefill_s.values(),
-                               *profile.prefill_busy_s[3].values(), *profile.decode_busy_s.values()])
+                               *profile.prefill_busy_s[3].values()])
     assert "served decode at context 32" in result.output and "beside 3 decoding" in result.output
-    assert "beside prompts of ~64 tokens" in result.output

@@ -32,19 +32,7 @@ class PrefillPool(NamedTuple):
 
 
 def decode_pool(sizer: Sizer, layout: Layout, memory: dict, load: Load, slo: Slo, context: float) -> DecodePool:
-    """With a served profile whose steps grow as prompts come in, sized twice: the second time
-    with each worker's share of the prompt tokens the first sizing gives it."""
-    pool = _decode_pool(sizer, layout, memory, load, slo, context, 0.0)
-    profile = sizer.profile
-    if profile is not None and profile.decode_busy_s:
-        pool = _decode_pool(sizer, layout, memory, load, slo, context, load.rate * load.input_len / pool.workers)
-    return pool
-
-
-def _decode_pool(sizer: Sizer, layout: Layout, memory: dict, load: Load, slo: Slo, context: float,
-                 prompt_tokens_per_s: float) -> DecodePool:
-    steps = {b: sizer.decode_step_s(layout, b, context, prompt_tokens_per_s)
-             for b in batches(batch_cap(memory, context))}
+    steps = {b: sizer.decode_step_s(layout, b, context) for b in batches(batch_cap(memory, context))}
     within = [b for b, st in steps.items() if st["step_s"] <= slo.itl_s]
     batch = max(within) if within else 1
     per_worker = batch / steps[batch]["step_s"]

@@ -34,22 +34,12 @@ class Profile:
     served: bool = False  # measured through the serving stack (``served.py``), not the engine alone
     # served only: decode batch running beside -> prompt tokens -> seconds (prefill_s is beside none)
     prefill_busy_s: dict[int, dict[int, float]] = field(default_factory=dict)
-    # served only: batch -> a decode step at the smallest context while prompts arrived one after
-    # another (their routing, their KV pushed into the decode worker) at busy_prompt_tokens_per_s
-    decode_busy_s: dict[int, float] = field(default_factory=dict)
-    busy_prompt_tokens_per_s: float = 0.0
 
-    def decode_step_s(self, batch: float, context: float, prompt_tokens_per_s: float = 0.0) -> float:
-        """A decode step of ``batch`` sequences at ``context`` tokens each, read off the curves;
-        with a served profile, while prompts come in at ``prompt_tokens_per_s`` too: the step
-        grows by what it grew beside the measured stream of prompts, in proportion."""
+    def decode_step_s(self, batch: float, context: float) -> float:
+        """A decode step of ``batch`` sequences at ``context`` tokens each, read off the curves."""
         contexts = sorted(self.decode_s)
         per_context = [_along(sorted(self.decode_s[c].items()), batch) for c in contexts]
-        step = _along(list(zip(contexts, per_context)), context)
-        if self.decode_busy_s and prompt_tokens_per_s > 0:
-            grew = _along(sorted(self.decode_busy_s.items()), batch) - per_context[0]
-            step += max(0.0, grew) * prompt_tokens_per_s / self.busy_prompt_tokens_per_s
-        return max(step, 1e-6)
+        return max(_along(list(zip(contexts, per_context)), context), 1e-6)
 
     def prefill_step_s(self, tokens: float, decode_batch: float = 0) -> float:
         """A prompt chunk of ``tokens``; with a served profile, while ``decode_batch``
@@ -68,9 +58,7 @@ class Profile:
         busy = {int(b): {int(t): float(s) for t, s in by.items()} for b, by in raw.get("prefill_busy_s", {}).items()}
         return Profile(model=raw["model"], dtype=raw["dtype"], machine=raw["machine"], decode_s=decode,
                        prefill_s={int(t): float(s) for t, s in raw["prefill_s"].items()},
-                       served=bool(raw.get("served", False)), prefill_busy_s=busy,
-                       decode_busy_s={int(b): float(s) for b, s in raw.get("decode_busy_s", {}).items()},
-                       busy_prompt_tokens_per_s=float(raw.get("busy_prompt_tokens_per_s", 0.0)))
+                       served=bool(raw.get("served", False)), prefill_busy_s=busy)
 
 
 def _along(points: list[tuple[int, float]], x: float) -> float:
@@ -117,7 +105,7 @@ def measure(model_dir: str | Path, dtype: str = "auto", batches=DECODE_BATCHES, 
         engine.close()
 
 
-def _prompt(n: int, vocab: int, seed: int) -> list[int]:
+def synthetic_prompt(n: int, vocab: int, seed: int) -> list[int]:
     return [3 + (seed * 7919 + i * 104729) % (vocab - 3) for i in range(n)]
 
 
@@ -126,7 +114,7 @@ def _decode(engine, batch: int, context: int, steps: int, vocab: int) -> float:
 
     params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(_prompt(context, vocab, i), params)
+        engine.add_request(synthetic_prompt(context, vocab, i), params)
     while engine.stats().num_prefill_tokens:  # the prompts in first: only decode steps are timed
         engine.step()
     engine.step()
@@ -145,7 +133,7 @@ def _prefill(engine, tokens: int, vocab: int, repeats: int = 3) -> float:
 
     times = []
     for r in range(repeats):
-        engine.add_request(_prompt(tokens, vocab, 1000 + r), SamplingParams(max_tokens=1, temperature=0))
+        engine.add_request(synthetic_prompt(tokens, vocab, 1000 + r), SamplingParams(max_tokens=1, temperature=0))
         start = time.perf_counter()
         engine.step()  # the whole prompt in one step: the budget is at least its length
         times.append(time.perf_counter() - start)

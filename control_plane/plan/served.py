@@ -10,10 +10,12 @@ the router:
   between tokens while all ``b`` stream (the prompts' prefills, one after another, are left
   out). This is ITL as a client sees it: the engine's step, the worker's serving loop, the
   router's and the client's share of the machine at that token rate;
-- **prefill**: per prompt length, TTFT of lone prompts, without and with ``b`` background
-  streams decoding (``prefill_busy_s``): on a machine whose cores the router, scheduler,
-  registry, Redis and the client share with the workers, a prompt's prefill is slower while
-  the decode side streams, and a plan at load reads the curve of its decode batch.
+- **prefill**: per prompt length, TTFT of lone prompts, each at a length not asked before
+  (a served mix's lengths vary, and a new length pays for new kernel shapes), without and
+  with ``b`` background streams decoding (``prefill_busy_s``): on a machine whose cores the
+  router, scheduler, registry, Redis and the client share with the workers, a prompt's
+  prefill is slower while the decode side streams, and a plan at load reads the curve of its
+  decode batch.
 
 TTFT in Kervan's mesh is the prompt's prefill, its KV push and the hops around them (the
 first token comes back with the prefill): each prefill point is that TTFT, which the plan
@@ -28,7 +30,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from control_plane.plan.profile import Profile, _prompt
+from control_plane.plan.profile import Profile, synthetic_prompt
 
 MIN_GAPS = 24  # token gaps per stream while the whole batch streams
 REPEATS = 3  # lone prompts per prefill point
@@ -46,7 +48,7 @@ async def _follow(stub, ids: list[int], max_tokens: int, times: list[float]) -> 
 def unique_prompt(tokens: int, vocab: int, number: int) -> list[int]:
     """A prompt whose first two tokens spell ``number``: no two of a run share a cached block."""
     base = vocab - 3
-    return [3 + number % base, 3 + number // base % base, *_prompt(max(0, tokens - 2), vocab, number)]
+    return [3 + number % base, 3 + number // base % base, *synthetic_prompt(max(0, tokens - 2), vocab, number)]
 
 
 class Streams:
@@ -120,29 +122,14 @@ class Served:
     def streams(self, batch: int, context: int) -> Streams:
         return Streams(self.stub, [self.prompts.exactly(context) for _ in range(batch)], self.max_len - context - 1)
 
-    async def itl(self, batch: int, context: int, prompt_tokens: int = 0) -> tuple[float, float]:
-        """The median gap while ``batch`` streams decode; with ``prompt_tokens``, while lone
-        prompts of about that length are sent one after another beside them. Also the prompt
-        tokens per second they came at."""
-        streams, sent, stop = self.streams(batch, context), [0, 0.0], asyncio.Event()
-
-        async def drive() -> None:
-            while not stop.is_set():
-                prompt = self.prompts.next(prompt_tokens)
-                await _lone_ttft(self.stub, prompt)
-                sent[0] += len(prompt)
-        driver = asyncio.ensure_future(drive()) if prompt_tokens else None
+    async def itl(self, batch: int, context: int) -> float:
+        """The median gap between tokens while ``batch`` streams decode, all of them."""
+        streams = self.streams(batch, context)
         try:
-            start = await streams.all_streaming()
-            sent[:] = [0, time.perf_counter()]
-            await streams.all_streaming(MIN_GAPS)
-            gaps, rate = streams.gaps_after(start), sent[0] / (time.perf_counter() - sent[1])
+            start = await streams.all_streaming(MIN_GAPS)
+            return statistics.median(streams.gaps_after(start))
         finally:
-            stop.set()
-            if driver is not None:
-                await driver
             await streams.close()
-        return statistics.median(gaps), rate
 
     async def ttft(self, tokens: int, decoding: int, context: int) -> float:
         """The median TTFT of lone prompts of about ``tokens`` while ``decoding`` streams decode."""
@@ -165,25 +152,17 @@ async def _measure(address: str, vocab: int, max_len: int, batches, contexts, pr
         await _lone_ttft(served.stub, served.prompts.next(16))  # connections, first calls
         decode: dict[int, dict[int, float]] = {}
         for context in contexts:
-            decode[context] = {b: (await served.itl(b, context))[0] for b in batches}
+            decode[context] = {b: await served.itl(b, context) for b in batches}
             say(f"served decode at context {context}: " + ", ".join(f"batch {b} {s * 1e3:.1f} ms"
                                                                    for b, s in decode[context].items()))
-        context, middle = min(contexts), sorted(prefill_tokens)[len(prefill_tokens) // 2]
-        beside_prefill, rates = {}, []
-        for batch in batches:
-            beside_prefill[batch], rate = await served.itl(batch, context, middle)
-            rates.append(rate)
-        say(f"served decode at context {context} beside prompts of ~{middle} tokens one after another "
-            f"({statistics.median(rates):,.0f} prompt tokens/s): " + ", ".join(
-                f"batch {b} {s * 1e3:.1f} ms" for b, s in beside_prefill.items()))
+        context = min(contexts)
         prefill: dict[int, dict[int, float]] = {}  # decoding beside -> prompt tokens -> seconds
         for decoding in (0, *busy_batches):
             prefill[decoding] = {t: await served.ttft(t, decoding, context) for t in prefill_tokens}
             say(f"served prefill beside {decoding} decoding: " + ", ".join(
                 f"{t} tokens {s * 1e3:.1f} ms" for t, s in prefill[decoding].items()))
         return Profile(model="", dtype="", machine={}, decode_s=decode, prefill_s=prefill.pop(0), served=True,
-                       prefill_busy_s=prefill, decode_busy_s=beside_prefill,
-                       busy_prompt_tokens_per_s=statistics.median(rates))
+                       prefill_busy_s=prefill)
 
 
 def measure_served(model_dir: str | Path, dtype: str = "auto", batches=(1, 4, 16, 32), contexts=(128, 512),

@@ -95,7 +95,7 @@ class Sizer:
             t += (layout.pp - 1) * (hw.link_latency_s + size / hw.link_bandwidth)
         return t
 
-    def decode_step_s(self, layout: Layout, batch: int, context: float, prompt_tokens_per_s: float = 0.0) -> dict:
+    def decode_step_s(self, layout: Layout, batch: int, context: float) -> dict:
         """A decode step's time. A pipeline's stages run one after another for one step, so
         its time is that of a tensor-parallel rank holding every layer: pp buys memory, not
         speed (micro-batches overlap stages for throughput, not for one step's latency)."""
@@ -107,7 +107,7 @@ class Sizer:
         comm_s = self._comm_s(layout, batch)
         total = max(memory_s, compute_s) + comm_s + hw.step_overhead_s
         if self.profile is not None:
-            total = self.profile.decode_step_s(batch, context, prompt_tokens_per_s)
+            total = self.profile.decode_step_s(batch, context)
         return {"batch": batch, "step_s": total, "memory_s": memory_s, "compute_s": compute_s, "comm_s": comm_s,
                 "bound": "memory" if memory_s >= compute_s else "compute", "bytes_per_device": nbytes,
                 "source": "profile" if self.profile is not None else "roofline"}

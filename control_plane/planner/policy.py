@@ -83,8 +83,8 @@ class CorrectedSizer:
     def __getattr__(self, name: str):
         return getattr(self.sizer, name)
 
-    def decode_step_s(self, layout: Layout, batch: int, context: float, prompt_tokens_per_s: float = 0.0) -> dict:
-        step = self.sizer.decode_step_s(layout, batch, context, prompt_tokens_per_s)
+    def decode_step_s(self, layout: Layout, batch: int, context: float) -> dict:
+        step = self.sizer.decode_step_s(layout, batch, context)
         return {**step, "step_s": step["step_s"] * self.corrections["decode"]}
 
     def prefill_chunk_s(self, layout: Layout, tokens: int, context: float, decode_batch: int = 0) -> dict:
