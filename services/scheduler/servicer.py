@@ -20,7 +20,7 @@ from services.common.errors import Overloaded, Unavailable
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler import metrics
 from services.scheduler.live_view import EMPTY, View, WorkerWatch, listed
-from services.scheduler.placement import AllBusy, Candidate, PlacementConfig, Size, cost, place
+from services.scheduler.placement import AllBusy, Candidate, Decision, PlacementConfig, Size, cost, place
 from services.scheduler.policies import make_policy
 from services.scheduler.recent import RecentPlacements
 from services.scheduler.shortlist import Touched, best_plain, walk_touched
@@ -63,26 +63,23 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def Place(self, request: scheduler_pb2.PlaceRequest, context) -> scheduler_pb2.PlaceResponse:
         view, match = await self._registry_view(request, context.time_remaining())
         hashes = list(request.block_hashes)
-        excluded = set(request.exclude_addresses)
-        reported = view.reported
-        pool = [c for c in reported if c.address not in excluded] if excluded else reported
-        pool = self._avoiding(pool, list(request.avoid_addresses))
-        num_blocks = len(hashes)
-        size = Size(num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens, n=request.n or 1)
-        started = time.perf_counter()
-        candidates = self._candidates(view, pool, hashes, match, request.model, size, len(pool) < len(reported))
-        try:
-            decision = place(candidates, num_blocks, self.policy, model=request.model, size=size, block_hashes=hashes,
-                             turn=self.placements)
-        except AllBusy as busy:
-            self.refused += not request.dry_run
-            metrics.REFUSALS.inc(not request.dry_run)
-            raise Overloaded(f"{busy}; retry later") from None
-        finally:
-            metrics.DECISION_TIME.observe(time.perf_counter() - started)
+        candidates, decision = self._decide(view, match, request, hashes)
+        if decision is None:
+            # a view kept or reused from before a worker joined may hold only the workers this
+            # request excludes (a request moved twice, each time to a replacement): list afresh
+            # before saying that no worker is there
+            try:
+                fresh = await self._list(self.registry_timeout_s)
+            except grpc.aio.AioRpcError:
+                fresh = view
+            if fresh is not view:
+                view = fresh
+                candidates, decision = self._decide(view, match, request, hashes)
         if decision is None:
             model = f" for model {request.model!r}" if request.model else ""
             raise Unavailable(f"no healthy decode or aggregated worker is registered{model}")
+        num_blocks = len(hashes)
+        reported = view.reported
         if log.isEnabledFor(logging.DEBUG):  # Dynamo's per-worker formula log: why this worker won
             log.debug("place %s: decode %s prefill %s (%s), %d of %d blocks cached; per worker (cost, matched, "
                       "active, free): %s", request.request_id, decision.decode.worker_id,
@@ -116,6 +113,27 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             decode_worker_id=decision.decode.worker_id,
             prefill_worker_id=decision.prefill.worker_id if decision.prefill else "",
             unknown_workers=match.unknown_workers)
+
+    def _decide(self, view: View, match: kv_registry_pb2.MatchResponse, request: scheduler_pb2.PlaceRequest,
+                hashes: list[bytes]) -> tuple[list[Candidate], Decision | None]:
+        """The candidates of ``view`` for the request, and the policy's choice (None: no worker
+        could take it)."""
+        excluded = set(request.exclude_addresses)
+        reported = view.reported
+        pool = [c for c in reported if c.address not in excluded] if excluded else reported
+        pool = self._avoiding(pool, list(request.avoid_addresses))
+        size = Size(num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens, n=request.n or 1)
+        started = time.perf_counter()
+        candidates = self._candidates(view, pool, hashes, match, request.model, size, len(pool) < len(reported))
+        try:
+            return candidates, place(candidates, len(hashes), self.policy, model=request.model, size=size,
+                                     block_hashes=hashes, turn=self.placements)
+        except AllBusy as busy:
+            self.refused += not request.dry_run
+            metrics.REFUSALS.inc(not request.dry_run)
+            raise Overloaded(f"{busy}; retry later") from None
+        finally:
+            metrics.DECISION_TIME.observe(time.perf_counter() - started)
 
     def _candidates(self, view: View, pool: list[Candidate], hashes: list[bytes], match: kv_registry_pb2.MatchResponse,
                     model: str, size: Size, cut: bool) -> list[Candidate]:

@@ -118,3 +118,21 @@ async def test_a_stream_gone_silent_is_listed_instead():
         assert await placed_on(servicer) == "l" and registry.listings == 1
     finally:
         servicer.watch.close()
+
+
+async def test_a_view_without_a_new_worker_is_listed_again_before_a_request_is_refused():
+    """A request moved twice excludes both workers it ran on; a view kept from before their
+    replacement joined holds only those two. The scheduler lists afresh before it answers
+    UNAVAILABLE (a chaos run once lost a request so)."""
+    listings = [[worker("a"), worker("b")], [worker("a"), worker("b"), worker("c")]]
+
+    class Joined(Registry):
+        async def ListWorkers(self, request, timeout=None):
+            self.listings += 1
+            return kv_registry_pb2.ListWorkersResponse(workers=listings[min(self.listings, 2) - 1])
+    registry = Joined(None)
+    servicer = SchedulerServicer(registry, PlacementConfig(), workers_cache_s=30.0)  # the first listing is kept
+    assert await placed_on(servicer) == "a"
+    moved = scheduler_pb2.PlaceRequest(request_id="r", num_prompt_tokens=32, dry_run=True,
+                                       exclude_addresses=[f"127.0.0.1:{ord('a')}", f"127.0.0.1:{ord('b')}"])
+    assert (await servicer.Place(moved, Context())).decode_worker_id == "c" and registry.listings == 2
