@@ -164,6 +164,8 @@ class LiveFeed:
         an empty message."""
         changed = sorted((wid, flat) for wid, flat in leases.items() if flat and flat != self._leases.get(wid))
         gone = [wid for wid, flat in leases.items() if not flat and wid in self._leases]
+        if gone and not self.generations.rebuilding:
+            await self.generations.check(force=True)  # workers gone: a cached check would miss an empty Redis
         if gone and self.generations.rebuilding:
             gone = []
         updated = await asyncio.to_thread(decoded, changed) if len(changed) >= DECODE_IN_THREAD else \

@@ -126,3 +126,22 @@ async def test_matches_reread_the_slot_table_only_when_it_changed(redis_client):
     assert (await index.match(H[:3]))[0] == {"c": 1}
     await redis_client.delete(index.owners.generation_key)  # Redis came back empty: versions count again
     assert (await index.match(H[:3]))[0] == {"c": 1}
+
+
+async def test_a_redis_that_came_back_empty_keeps_the_workers_until_they_register_again(redis_client):
+    """As ListWorkers does: for the generation's grace the workers not back yet are not sent as
+    gone (they still serve); one that registers again is sent at once."""
+    index = PrefixIndex(redis_client, ttl_s=30)
+    generations = Generations(redis_client, index.owners.generation_key, grace_s=30.0)
+    await index.register(record("a"))
+    await index.register(record("b"))
+    feed = LiveFeed(index, generations, resync_s=0.05)
+    stream = feed.watch()
+    assert ids(await next_change(stream)) == ["a", "b"]
+    await redis_client.flushdb()  # Redis restarted empty: a new generation
+    await index.register(record("b"))
+    change = await next_change(stream)
+    assert ids(change) == ["b"] and not change.removed
+    await asyncio.sleep(0.3)  # resyncs meanwhile: a is not sent as gone
+    assert generations.rebuilding and "a" in feed._workers
+    feed.close()
