@@ -108,7 +108,10 @@ class WorkerWatch:
                     return
                 log.warning("WatchWorkers failed (%s: %s); watching again in %.1fs", err.code().name, err.details(),
                             backoff)
+            except Exception:  # noqa: BLE001 - a message it could not apply: the watch goes on, listing meanwhile
+                log.exception("the WatchWorkers stream failed; watching again in %.1fs", backoff)
             self._whole = False
+            self._first.set()  # placements waiting for a first whole set list instead now
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, 2.0)
 

@@ -106,6 +106,18 @@ async def test_a_registry_without_the_call_is_listed():
 
 
 async def test_a_stream_gone_silent_is_listed_instead():
+    async def broken():  # a message the scheduler cannot apply (a record without a valid address)
+        yield kv_registry_pb2.WatchWorkersResponse(reset=True, updated=[kv_registry_pb2.LiveWorker(
+            info=kv_registry_pb2.WorkerInfo(worker_id="z"))], resync_s=1.0)
+
+    registry = Registry(lambda request: broken())
+    servicer = SchedulerServicer(registry, PlacementConfig(), watch=True)
+    try:  # listed at once, not after waiting out the request's time for a first whole set
+        started = asyncio.get_running_loop().time()
+        assert await placed_on(servicer) == "l" and asyncio.get_running_loop().time() - started < 1.0
+    finally:
+        servicer.watch.close()
+
     async def silent():
         yield kv_registry_pb2.WatchWorkersResponse(reset=True, updated=[worker("w")], resync_s=0.02)
         await asyncio.sleep(3600)  # then nothing: not even the resyncs' empty messages
@@ -136,3 +148,27 @@ async def test_a_view_without_a_new_worker_is_listed_again_before_a_request_is_r
     moved = scheduler_pb2.PlaceRequest(request_id="r", num_prompt_tokens=32, dry_run=True,
                                        exclude_addresses=[f"127.0.0.1:{ord('a')}", f"127.0.0.1:{ord('b')}"])
     assert (await servicer.Place(moved, Context())).decode_worker_id == "c" and registry.listings == 2
+
+
+async def test_a_stream_that_ends_is_watched_again():
+    opened = []
+
+    async def ends():
+        opened.append(1)
+        yield kv_registry_pb2.WatchWorkersResponse(reset=True, updated=[worker("xy"[len(opened) - 1])], resync_s=1.0)
+        if len(opened) == 1:
+            await asyncio.sleep(0.2)  # then the first stream ends
+        else:
+            await asyncio.sleep(3600)
+
+    registry = Registry(lambda request: ends())
+    servicer = SchedulerServicer(registry, PlacementConfig(), watch=True)
+    try:
+        assert await placed_on(servicer) == "x"
+        for _ in range(100):  # the registry ended the stream (a draining one does): the next one's whole set
+            if servicer.watch.streams >= 2 and servicer.watch.view.reported[0].worker_id == "y":
+                break
+            await asyncio.sleep(0.02)
+        assert await placed_on(servicer) == "y" and registry.listings == 0
+    finally:
+        servicer.watch.close()
