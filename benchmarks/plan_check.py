@@ -76,8 +76,7 @@ def profile_on_one_core(path: Path, dtype: str, core: int) -> Profile:
 
 def profile_served(path: Path, dtype: str) -> Profile:
     from control_plane.plan.served import measure_served
-    return measure_served(path, dtype, batches=(1, 4, 16, 32), contexts=(128, 512), prefill_tokens=(64, 256, 1024),
-                          say=lambda line: print(line, file=sys.stderr, flush=True))
+    return measure_served(path, dtype, say=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def planned(shape, weights, dtype, hw, profile, rate, args) -> Plan:

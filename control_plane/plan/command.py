@@ -11,6 +11,7 @@ from control_plane.plan.choice import Plan, plan
 from control_plane.plan.hardware import CATALOG, get_hardware, with_overrides
 from control_plane.plan.model_shape import BYTES_PER_WEIGHT, ModelShape
 from control_plane.plan.profile import CONTEXTS, DECODE_BATCHES, PREFILL_TOKENS, Profile, measure
+from control_plane.plan.served import SERVED_BATCHES, SERVED_CONTEXTS, SERVED_PREFILL_TOKENS, measure_served
 from control_plane.plan.sizing import Load, Slo
 
 
@@ -116,15 +117,19 @@ def plan_command(model, weights, dtype, hardware, memory_gb, bandwidth_gb_s, rat
         Path(json_path).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
 
 
+def _csv(values) -> str:
+    return ",".join(map(str, values))
+
+
 @click.command("profile")
 @click.option("--model", "model", required=True, help="a model directory or a pulled catalog name")
 @click.option("--dtype", default="auto", show_default=True, help="the serving dtype (auto: what this machine runs)")
-@click.option("--batches", default=",".join(map(str, DECODE_BATCHES)), show_default=True,
-              help="decode batch sizes to time")
-@click.option("--contexts", default=",".join(map(str, CONTEXTS)), show_default=True,
-              help="context lengths the decode batches run at")
-@click.option("--prefill-tokens", default=",".join(map(str, PREFILL_TOKENS)), show_default=True,
-              help="prompt chunk sizes to time")
+@click.option("--batches", default=None, help=f"decode batch sizes to time (default {_csv(DECODE_BATCHES)}; "
+              f"with --served {_csv(SERVED_BATCHES)})")
+@click.option("--contexts", default=None, help=f"context lengths the decode batches run at (default "
+              f"{_csv(CONTEXTS)}; with --served {_csv(SERVED_CONTEXTS)})")
+@click.option("--prefill-tokens", default=None, help=f"prompt chunk sizes to time (default {_csv(PREFILL_TOKENS)}; "
+              f"with --served {_csv(SERVED_PREFILL_TOKENS)})")
 @click.option("--served", is_flag=True,
               help="measure through a cluster of one prefill and one decode worker (ITL at each batch, TTFT of "
                    "each prompt length, beside 0, 4 and 16 decoding), as clients see them, instead of the engine "
@@ -136,12 +141,14 @@ def profile_command(model, dtype, batches, contexts, prefill_tokens, served, out
 
     try:
         model_dir = resolve_model(model)
-        ints = [tuple(int(x) for x in v.split(",")) for v in (batches, contexts, prefill_tokens)]
+        defaults = (SERVED_BATCHES, SERVED_CONTEXTS, SERVED_PREFILL_TOKENS) if served else \
+            (DECODE_BATCHES, CONTEXTS, PREFILL_TOKENS)
+        ints = [tuple(int(x) for x in v.split(",")) if v else default
+                for v, default in zip((batches, contexts, prefill_tokens), defaults)]
     except (PullError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None
     say = lambda line: click.echo(line, err=True)  # noqa: E731
     if served:
-        from control_plane.plan.served import measure_served
         result = measure_served(model_dir, dtype, *ints, say=say)
     else:
         result = measure(model_dir, dtype, *ints, say=say)

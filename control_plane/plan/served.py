@@ -32,6 +32,9 @@ from pathlib import Path
 
 from control_plane.plan.profile import Profile, synthetic_prompt
 
+SERVED_BATCHES = (1, 4, 16, 32)
+SERVED_CONTEXTS = (128, 512)
+SERVED_PREFILL_TOKENS = (64, 256, 1024)
 MIN_GAPS = 24  # token gaps per stream while the whole batch streams
 REPEATS = 3  # lone prompts per prefill point
 
@@ -113,10 +116,10 @@ async def _lone_ttft(stub, prompt: list[int]) -> float:
 
 
 class Served:
-    """The measurements, through the router at ``address``."""
+    """The measurements, through the router ``stub`` calls."""
 
-    def __init__(self, stub, vocab: int, max_len: int, say):
-        self.stub, self.vocab, self.max_len, self.say = stub, vocab, max_len, say
+    def __init__(self, stub, vocab: int, max_len: int):
+        self.stub, self.vocab, self.max_len = stub, vocab, max_len
         self.prompts = Prompts(vocab)
 
     def streams(self, batch: int, context: int) -> Streams:
@@ -148,7 +151,7 @@ async def _measure(address: str, vocab: int, max_len: int, batches, contexts, pr
     from services.proto import router_pb2_grpc
 
     async with grpc.aio.insecure_channel(address) as channel:
-        served = Served(router_pb2_grpc.RouterServiceStub(channel), vocab, max_len, say)
+        served = Served(router_pb2_grpc.RouterServiceStub(channel), vocab, max_len)
         await _lone_ttft(served.stub, served.prompts.next(16))  # connections, first calls
         decode: dict[int, dict[int, float]] = {}
         for context in contexts:
@@ -165,8 +168,8 @@ async def _measure(address: str, vocab: int, max_len: int, batches, contexts, pr
                        prefill_busy_s=prefill)
 
 
-def measure_served(model_dir: str | Path, dtype: str = "auto", batches=(1, 4, 16, 32), contexts=(128, 512),
-                   prefill_tokens=(64, 256, 1024), busy_batches=None, say=lambda line: None) -> Profile:
+def measure_served(model_dir: str | Path, dtype: str = "auto", batches=SERVED_BATCHES, contexts=SERVED_CONTEXTS,
+                   prefill_tokens=SERVED_PREFILL_TOKENS, busy_batches=None, say=lambda line: None) -> Profile:
     """The served curves of ``model_dir`` on this machine (a cluster of one prefill and one
     decode worker, each on its own core; minutes). Prefill is timed beside ``busy_batches``
     decoding too: by default the batches between the first and the last (4 and 16 of 1, 4,

@@ -69,12 +69,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             # request excludes (a request moved twice, each time to a replacement): list afresh
             # before saying that no worker is there
             try:
-                fresh = await self._list(self.registry_timeout_s)
-            except grpc.aio.AioRpcError:
-                fresh = view
-            if fresh is not view:
-                view = fresh
+                view = await self._list(self.registry_timeout_s)
                 candidates, decision = self._decide(view, match, request, hashes)
+            except grpc.aio.AioRpcError:  # the registry is down: the view seen is all there is
+                pass
         if decision is None:
             model = f" for model {request.model!r}" if request.model else ""
             raise Unavailable(f"no healthy decode or aggregated worker is registered{model}")
