@@ -233,6 +233,10 @@ def test_a_served_profile_s_prefill_is_read_beside_the_decode_batch(tmp_path):
                  profile=replace(p, prefill_busy_s={}))
     assert served.decode["operating_batch"] > 1 and served.prefill["one_prompt_s"] > alone.prefill["one_prompt_s"]
     assert any("served profile" in r for r in served.reasons)
+    # the first token comes back with the prefill: a lone prompt's TTFT is its time and the hand-over
+    lone = plan(shape, "bfloat16", "bfloat16", CATALOG["h100-sxm"], replace(load, rate=1e-6), Slo(5.0, 1.0),
+                profile=p)
+    assert lone.prefill["ttft_s"] == pytest.approx(lone.prefill["one_prompt_s"] + lone.prefill["kv_handover_s"])
 
 
 def test_kervan_profile_served_measures_through_a_cluster(hf_models, tmp_path):
