@@ -16,7 +16,10 @@ its Lua scripts) with a load report and 10,000 blocks: random depths of 32 share
 3. **Place at fleet scale**: 1,000 placements of a chain's 128 hashes, one at a time and 16
    in flight, first with nothing else running, then while the fleet's background traffic
    runs: every worker's heartbeat once a second (1,000/s) and KV events at ``--event-share``
-   of the rate step 2 measured (the registry then shares its core with them). The whole
+   of the rate step 2 measured (the registry then shares its core with them), sent by
+   ``benchmarks.fleet_traffic`` in its own process at a lower priority (the workers it stands
+   for run elsewhere: their side must not share the measuring client's event loop, nor
+   outrank the control plane for the cores; the registry and Redis serve it all). The whole
    ``Place`` as a router sees it (p50, p99), and the scheduler's own decision from its
    ``kervan_placement_decision_seconds`` histogram (the share under 1 ms; p50 and p99 read
    within their buckets); the scheduler as it runs (``watch``: its live set kept from the
@@ -39,8 +42,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,18 +56,17 @@ from pathlib import Path
 import grpc
 import redis.asyncio as redis
 
+from benchmarks.fleet_traffic import NICE, Publisher, fleet_load
 from benchmarks.machine import machine, write_report
 from benchmarks.place_path import start, stats
 from control_plane.planner.metrics import Scrape, quantile
 from control_plane.redis_server import running_redis
 from kervan.block_hash import HASH_NAME
-from kervan.kv_events import BlockRemoved, BlockStored
+from kervan.kv_events import BlockStored
 from kervan.sampling import RequestLimits
 from kervan.worker_info import WorkerInfo, WorkerRole
-from services.common.convert import event_to_proto, load_to_proto
-from services.common.load import Load
 from services.kv_registry.index import PrefixIndex
-from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.proto import kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 CHAINS, CHAIN_BLOCKS = 32, 128
 # the scheduler as it runs (the live set from WatchWorkers, the shortlist), listing the live set
@@ -94,30 +98,6 @@ async def populate(index: PrefixIndex, rng: random.Random, num_workers: int, per
     return workers, registered
 
 
-def fleet_load(rng: random.Random) -> Load:
-    return Load(num_running=rng.randint(0, 8), num_free_blocks=rng.randint(0, 4096), num_blocks=4096,
-                num_requests=rng.randint(0, 8), max_requests=64)
-
-
-class Publisher:
-    """Simulated workers' KV events: 16 fresh blocks stored, then removed, per call."""
-
-    def __init__(self, stub, workers: list[tuple[str, str]], rng: random.Random):
-        self.stub, self.workers, self.rng = stub, workers, rng
-        self.seqs = {wid: 1 for wid, _ in workers}
-        self.events = 0
-
-    async def publish(self, k: int) -> None:
-        wid, token = self.workers[k % len(self.workers)]
-        blocks = [self.rng.randbytes(32) for _ in range(16)]
-        seq = self.seqs[wid]
-        self.seqs[wid] = seq + 2
-        events = [BlockStored(seq + 1, blocks, None, [], 16), BlockRemoved(seq + 2, blocks)]
-        await self.stub.PublishEvents(kv_registry_pb2.PublishEventsRequest(
-            worker_id=wid, incarnation=token, events=[event_to_proto(e) for e in events]), timeout=30)
-        self.events += 2
-
-
 async def closed_loop(call, lanes: int, seconds: float) -> int:
     done, deadline = 0, time.monotonic() + seconds
 
@@ -130,37 +110,6 @@ async def closed_loop(call, lanes: int, seconds: float) -> int:
             done += 1
     await asyncio.gather(*(lane(i) for i in range(lanes)))
     return done
-
-
-async def open_loop(call, rate: float, stop: asyncio.Event, max_in_flight: int = 256) -> dict:
-    """``call(k)`` at ``rate`` per second until ``stop``, none waiting for another, at most
-    ``max_in_flight`` at once (an arrival finding them all busy is counted as missed, not
-    queued: the load stays what was asked, never a backlog). Counts the calls that
-    completed, failed (by status) and were missed."""
-    counts: dict[str, int] = {"completed": 0, "missed": 0}
-    tasks: set[asyncio.Task] = set()
-
-    async def one(k: int) -> None:
-        try:
-            await call(k)
-            counts["completed"] += 1
-        except grpc.aio.AioRpcError as err:
-            counts[err.code().name] = counts.get(err.code().name, 0) + 1
-    start = time.monotonic()
-    for k in range(10_000_000):  # bounded; ends at ``stop``
-        if stop.is_set():
-            break
-        delay = start + k / rate - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        if len(tasks) >= max_in_flight:
-            counts["missed"] += 1
-            continue
-        task = asyncio.create_task(one(k))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    await asyncio.gather(*tasks)
-    return counts
 
 
 async def sustained_events(stub, workers, rng, lanes: int, seconds: float, pids: dict[str, int]) -> dict:
@@ -273,21 +222,28 @@ async def placements(scheduler_addr: str, metrics_addr: str, queries, concurrenc
                             "share_under_1ms": round(under_1ms / total, 4) if total else None}}
 
 
-async def fleet_traffic(registry_stub, workers, rng, event_rate: float, stop: asyncio.Event) -> dict:
-    """Every worker's heartbeat once a second, and KV events at ``event_rate`` per second."""
-    loads = [load_to_proto(fleet_load(rng)) for _ in range(64)]
+class Traffic:
+    """The fleet's background traffic (``benchmarks.fleet_traffic``) in its own process, at
+    niceness ``NICE``: every worker's heartbeat once a second and KV events at ``event_rate``.
+    Started and going (1 s) on construction; ``stop()`` ends it and returns what it sent and
+    the share of a core it used."""
 
-    async def heartbeat(k: int) -> None:
-        wid, token = workers[k % len(workers)]
-        await registry_stub.Heartbeat(kv_registry_pb2.HeartbeatRequest(worker_id=wid, incarnation=token,
-                                                                       load=loads[k % len(loads)]), timeout=30)
-    publisher = Publisher(registry_stub, workers, rng)
-    t0 = time.monotonic()
-    beats, calls = await asyncio.gather(open_loop(heartbeat, len(workers), stop),
-                                        open_loop(publisher.publish, event_rate / 2, stop))
-    wall = time.monotonic() - t0
-    return {"heartbeats_per_s": round(beats["completed"] / wall, 1), "events_per_s": round(publisher.events / wall, 1),
-            "heartbeats": beats, "event_calls": calls}
+    def __init__(self, registry_addr: str, workers_file: Path, event_rate: float, seed: int):
+        self.proc = subprocess.Popen(
+            ["nice", "-n", str(NICE), sys.executable, "-m", "benchmarks.fleet_traffic", "--registry", registry_addr,
+             "--workers", str(workers_file), "--event-rate", str(event_rate), "--seed", str(seed)],
+            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.started = time.monotonic()
+        time.sleep(1.0)  # the traffic going before anything is measured
+
+    def stop(self) -> dict:
+        cpu = cpu_seconds(self.proc.pid)
+        wall = time.monotonic() - self.started
+        self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=60)
+        if self.proc.returncode:
+            raise RuntimeError(f"the traffic process failed ({self.proc.returncode})")
+        return {**json.loads(out), "niceness": NICE, "cpu_share": round(cpu / wall, 2)}
 
 
 async def main_async(args) -> dict:
@@ -312,6 +268,8 @@ async def main_async(args) -> dict:
         print(f"loaded {registered:,} blocks in {load_s:.0f}s: {report['redis']}", file=sys.stderr, flush=True)
         gc.collect()
         gc.freeze()  # the hashes built above are not garbage
+        workers_file = Path(tmp) / "workers.json"
+        workers_file.write_text(json.dumps(workers))
         registry, registry_addr, _ = start("services.kv_registry", "--redis", url, "--ttl", "3600")
         procs = [registry]
         try:
@@ -334,16 +292,12 @@ async def main_async(args) -> dict:
                             await placements(sched_addr, metrics_addr, queries[:50], 4)  # warm-up
                             run: dict = {"pass": p}
                             for label, busy in (("quiet", False), ("with_traffic", True)):
-                                stop = asyncio.Event()
-                                traffic = asyncio.create_task(fleet_traffic(registry_stub, workers, rng, event_rate,
-                                                                            stop)) if busy else None
-                                await asyncio.sleep(1.0 if busy else 0.0)  # the background traffic going
+                                traffic = Traffic(registry_addr, workers_file, event_rate, p) if busy else None
                                 run[label] = {"serial": await placements(sched_addr, metrics_addr,
                                                                          queries[:args.placements // 2], 1),
                                               "concurrent": await placements(sched_addr, metrics_addr, queries, 16)}
                                 if traffic is not None:
-                                    stop.set()
-                                    run[label]["background"] = await traffic
+                                    run[label]["background"] = traffic.stop()
                         finally:
                             scheduler.terminate()
                             scheduler.wait(timeout=30)
