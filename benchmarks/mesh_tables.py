@@ -144,9 +144,15 @@ def _ms(x: float | None) -> str:
     return "–" if x is None else f"{x:.1f}"
 
 
+def _range(point: dict, key: str, spec: str) -> str:
+    """`` (min–max)`` of a point's measured rounds, when it has several."""
+    r = point.get("measured_range", {}).get(key)
+    return f" ({r['min']:{spec}}–{r['max']:{spec}})" if r and r.get("min") is not None else ""
+
+
 def plan_check() -> str:
     """Per report, model and load: what ``kervan plan`` predicted and what the cluster it
-    recommended measured, and their ratio."""
+    recommended measured (the rounds' median, their range in brackets), and their ratio."""
     rows = ["| report | model | profile | load (of the 1:1 rate) | req/s | output tok/s predicted / measured "
             "| TTFT mean ms predicted / measured | ITL median ms predicted / measured "
             "| decode engine step in the cluster, mean ms | measured / predicted: tok/s, TTFT, ITL |",
@@ -160,8 +166,8 @@ def plan_check() -> str:
                 rows.append(f"| {label} | {name} ({model['weights']}) | {model.get('profile_kind', 'engine')} "
                             f"| {p['load_share']:.1f} | {p['rate']:.2f} "
                             f"| {pred['output_tokens_per_s']:,.0f} / {got['output_tokens_per_s']:,.0f} "
-                            f"| {pred['ttft_ms']:,.0f} / {got['ttft_ms']:,.0f} "
-                            f"| {pred['itl_ms']:.1f} / {got['itl_ms']:.1f} "
+                            f"| {pred['ttft_ms']:,.0f} / {got['ttft_ms']:,.0f}{_range(p, 'ttft_ms', '.0f')} "
+                            f"| {pred['itl_ms']:.1f} / {got['itl_ms']:.1f}{_range(p, 'itl_ms', '.1f')} "
                             f"| {_ms(p.get('decode_engine_step_ms_mean'))} | {ratios} |")
     return "\n".join(rows) + "\n"
 
@@ -201,9 +207,12 @@ def fleet() -> str:
         out += [f"| {e['publishers']} | **{e['events_per_s']:,.0f}** | {e['blocks_per_s']:,.0f} "
                 f"| {e['cpu_share']['registry']:.2f}, {e['cpu_share']['redis']:.2f} |" for e in report["events"]]
         p = report["placement"]
+        bg = next((r["with_traffic"]["background"] for rs in p["runs"].values() for r in rs), {})
+        sender = (f"; sent by their own process at niceness {bg['niceness']}" if "niceness" in bg else
+                  "; sent from the measuring client's event loop")
         out.append(f"\nPlacement, quiet and then with the fleet's traffic behind it (a heartbeat from every worker "
-                   f"each second and KV events at {p['event_rate_asked']:,.0f}/s asked; what the registry answered "
-                   f"is in the last column):\n")
+                   f"each second and KV events at {p['event_rate_asked']:,.0f}/s asked{sender}; what the registry "
+                   f"answered is in the last column):\n")
         out.append("| scheduler | pass | condition | Place p50 / p99 ms | decision p50 / p99 ms (histogram) "
                    "| decisions under 1 ms | placements/s | background: heartbeats/s, events/s |")
         out.append("|---|---|---|---|---|---|---|---|")
