@@ -12,15 +12,16 @@ pinned to one core with one thread, as the cluster pins them):
 2. the highest request rate at which the plan recommends one prefill and one decode worker
    (the most this 2-core machine can run), found by bisection; then the plan at
    ``--loads`` fractions of it (0.2, 0.5 and 0.8 by default);
-3. at each of those rates, a fresh cluster of one prefill and one decode worker (every prompt
-   prefilled on the prefill worker, as the plan assumes), as many requests as arrive in
-   ``--seconds`` at that rate (30 to ``--requests``), Poisson; measured: output throughput,
+3. at each of those rates, ``--rounds`` times (3), a fresh cluster of one prefill and one
+   decode worker (every prompt prefilled on the prefill worker, as the plan assumes), as many
+   requests as arrive in ``--seconds`` at that rate (30 to ``--requests``), Poisson, each round
+   its own seed; measured (the rounds' median, with their range): output throughput,
    mean TTFT (the plan's queue is M/G/1's mean wait), median ITL (a decode step), and the
    decode worker's mean engine step from its ``kervan_engine_step_seconds`` (the part of ITL
    the profile measures: the rest is the serving loop around the engine);
 4. per point, measured over predicted.
 
-    python -m benchmarks.plan_check --json-out benchmarks/results/plan_check-amx.json   # ~25 min
+    python -m benchmarks.plan_check --json-out benchmarks/results/plan_check-amx.json   # ~45 min
     python -m benchmarks.plan_check --models embedded --loads 0.5 --requests 60
 """
 
@@ -30,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.machine import add_dtype_argument, machine, write_report
 from benchmarks.models import ensure_random_model
+from benchmarks.stats import spread
 from control_plane.bench import workload
 from control_plane.bench.backends import KervanBackend
 from control_plane.bench.load import run_open_loop
@@ -118,6 +121,27 @@ async def measure_load(address: str, rate: float, args, seed: int) -> dict:
     return summarize(results, wall, (50, 90, 99))
 
 
+def measure_round(path: Path, rate: float, args, seed: int) -> dict:
+    """One round at ``rate``: a fresh cluster of one prefill and one decode worker under the
+    open loop; the measured values, the decode worker's mean engine step, the bench summary."""
+    spec = ClusterSpec(path, num_prefill=1, num_decode=1, dtype=args.dtype, pin_cores=True,
+                       scheduler_args=ALL_PROMPTS_REMOTE, metrics=True)
+    cluster = Cluster(spec, new_log_dir())
+    try:
+        cluster.start()
+        before = step_totals(cluster.addresses["decode-0-metrics"])
+        got = asyncio.run(measure_load(cluster.router_address, rate, args, seed))
+        after = step_totals(cluster.addresses["decode-0-metrics"])
+    finally:
+        cluster.stop()
+    steps = after[0] - before[0]
+    return {"seed": seed, "measured": {"output_tokens_per_s": got["output_throughput"], "ttft_ms": got["mean_ttft_ms"],
+                                       "itl_ms": got["median_itl_ms"]},
+            # the decode worker's engine steps in the cluster: the part of ITL the profile measures
+            "decode_engine_step_ms_mean": round((after[1] - before[1]) / steps * 1e3, 3) if steps else None,
+            "decode_steps": steps, "bench": got}
+
+
 def check_model(name: str, args) -> dict:
     path = model_dir(name)
     shape, held, _ = model_shape(str(path))
@@ -131,30 +155,19 @@ def check_model(name: str, args) -> dict:
     for share in args.loads:
         rate = round(capacity * share, 3)
         p = planned(shape, weights, profile.dtype, hw, profile, rate, args)
-        spec = ClusterSpec(path, num_prefill=1, num_decode=1, dtype=args.dtype, pin_cores=True,
-                           scheduler_args=ALL_PROMPTS_REMOTE, metrics=True)
-        cluster = Cluster(spec, new_log_dir())
-        try:
-            cluster.start()
-            before = step_totals(cluster.addresses["decode-0-metrics"])
-            got = asyncio.run(measure_load(cluster.router_address, rate, args, seed=int(share * 100)))
-            after = step_totals(cluster.addresses["decode-0-metrics"])
-        finally:
-            cluster.stop()
-        steps = after[0] - before[0]
         predicted = {"output_tokens_per_s": rate * p.load["output_len"], "ttft_ms": p.prefill["ttft_s"] * 1e3,
                      "itl_ms": p.decode["itl_s"] * 1e3}  # the split pools', which the cluster runs
-        measured = {"output_tokens_per_s": got["output_throughput"], "ttft_ms": got["mean_ttft_ms"],
-                    "itl_ms": got["median_itl_ms"]}
-        # the decode worker's engine steps in the cluster: the part of ITL the profile measures
-        engine_step_ms = round((after[1] - before[1]) / steps * 1e3, 3) if steps else None
+        rounds = [measure_round(path, rate, args, seed=int(share * 100) + 1000 * r) for r in range(args.rounds)]
+        measured = {k: statistics.median(r["measured"][k] for r in rounds) for k in predicted}
+        steps = [r["decode_engine_step_ms_mean"] for r in rounds if r["decode_engine_step_ms_mean"] is not None]
         points.append({"load_share": share, "rate": rate, "plan_pools": p.pools, "meets_slo": split_meets(p, args),
                        "predicted": predicted, "measured": measured,
+                       "measured_range": {k: spread([r["measured"][k] for r in rounds]) for k in predicted},
                        "measured_over_predicted": {k: round(measured[k] / predicted[k], 3) for k in predicted
                                                    if measured[k] is not None and predicted[k]},
-                       "decode_engine_step_ms_mean": engine_step_ms, "decode_steps": steps,
-                       "bench": got, "reasons": p.reasons})
-        print(json.dumps({"model": name, **{k: v for k, v in points[-1].items() if k not in ("bench", "reasons")}}),
+                       "decode_engine_step_ms_mean": statistics.median(steps) if steps else None,
+                       "rounds": rounds, "reasons": p.reasons})
+        print(json.dumps({"model": name, **{k: v for k, v in points[-1].items() if k not in ("rounds", "reasons")}}),
               file=sys.stderr, flush=True)
     return {"model": str(path), "weights": weights, "dtype": profile.dtype, "profile_kind": args.profile,
             "one_to_one_rate": capacity,
@@ -169,6 +182,8 @@ def main() -> None:
                     help="fractions of the highest rate the plan serves with one worker of each kind")
     ap.add_argument("--requests", type=int, default=150, help="at most this many requests per load")
     ap.add_argument("--seconds", type=float, default=40.0, help="requests per load: what arrives in this time")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="fresh clusters per load, each its own seed; the measured values are their medians")
     ap.add_argument("--input-len", default="uniform:128:512")
     ap.add_argument("--output-len", default="fixed:64")
     ap.add_argument("--ttft-ms", type=float, default=2000.0)

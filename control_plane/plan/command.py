@@ -132,7 +132,7 @@ def _csv(values) -> str:
               f"with --served {_csv(SERVED_PREFILL_TOKENS)})")
 @click.option("--served", is_flag=True,
               help="measure through a cluster of one prefill and one decode worker (ITL at each batch, TTFT of "
-                   "each prompt length, beside 0, 4 and 16 decoding), as clients see them, instead of the engine "
+                   "each prompt length, beside 0, 2, 4, 8 and 16 decoding), as clients see them, instead of the engine "
                    "alone")
 @click.option("--out", "out_path", required=True, help="where to write the profile (JSON)")
 def profile_command(model, dtype, batches, contexts, prefill_tokens, served, out_path) -> None:

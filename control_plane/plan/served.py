@@ -32,11 +32,11 @@ from pathlib import Path
 
 from control_plane.plan.profile import Profile, synthetic_prompt
 
-SERVED_BATCHES = (1, 4, 16, 32)
+SERVED_BATCHES = (1, 2, 4, 8, 16, 32)
 SERVED_CONTEXTS = (128, 512)
-SERVED_PREFILL_TOKENS = (64, 256, 1024)
+SERVED_PREFILL_TOKENS = (64, 128, 256, 512, 1024)
 MIN_GAPS = 24  # token gaps per stream while the whole batch streams
-REPEATS = 3  # lone prompts per prefill point
+REPEATS = 5  # lone prompts per prefill point (their median)
 
 
 async def _follow(stub, ids: list[int], max_tokens: int, times: list[float]) -> None:
@@ -172,8 +172,8 @@ def measure_served(model_dir: str | Path, dtype: str = "auto", batches=SERVED_BA
                    prefill_tokens=SERVED_PREFILL_TOKENS, busy_batches=None, say=lambda line: None) -> Profile:
     """The served curves of ``model_dir`` on this machine (a cluster of one prefill and one
     decode worker, each on its own core; minutes). Prefill is timed beside ``busy_batches``
-    decoding too: by default the batches between the first and the last (4 and 16 of 1, 4,
-    16, 32), or the second of two."""
+    decoding too: by default the batches between the first and the last (2, 4, 8 and 16 of
+    1, 2, 4, 8, 16, 32), or the second of two."""
     batches = sorted(batches)
     if busy_batches is None:
         busy_batches = batches[1:-1] or batches[1:]
