@@ -11,7 +11,9 @@ Redis that restarted empty is rebuilt (``Generations``), the workers not back ye
 ``ListWorkers`` keeps them.
 
 Each watcher gets the whole set first, then every change in order; one that falls
-``queue_size`` messages behind gets the whole set again instead of the backlog."""
+``queue_size`` messages behind gets the whole set again instead of the backlog. The feed
+follows Redis only while someone watches: the first watcher starts it, the last one's
+leaving stops it."""
 
 from __future__ import annotations
 
@@ -86,6 +88,19 @@ class LiveFeed:
                 yield message
         finally:
             self._watchers.discard(queue)
+            if not self._watchers:
+                self._idle()
+
+    def _idle(self) -> None:
+        """The last watcher left: stop following Redis (no resync every ``resync_s`` for
+        nobody); the next watcher reads the whole set afresh."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        self._ready.clear()
+        self._leases.clear()
+        self._workers.clear()
+        self._dirty.clear()
 
     def close(self) -> None:
         """Ends every stream (a draining registry must not wait its grace on them)."""

@@ -192,18 +192,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         return priced_decode + priced_prefill + plain
 
     def _avoiding(self, pool: list[Candidate], avoid: list[str]) -> list[Candidate]:
-        """``pool`` without the suspects the caller asked to avoid: at most
-        ``max_ejection_share`` of it, and none when fewer than ``panic_threshold`` of
-        it would remain (then every worker is a candidate again: panic mode)."""
+        """``pool`` without the suspects the caller asked to avoid, role by role (prefill,
+        decode, both: a role's workers are a cluster of their own, as Envoy counts ejection
+        per cluster): at most ``max_ejection_share`` of a role, and none of it when fewer than
+        ``panic_threshold`` of it would remain (then every worker of the role is a candidate
+        again: panic mode). A mesh's only decode worker is never avoided for its prefill
+        workers' number."""
         if not avoid:
             return pool
-        present = {c.address for c in pool}
-        avoided = [a for a in dict.fromkeys(avoid) if a in present][:int(self.max_ejection_share * len(pool))]
-        kept = [c for c in pool if c.address not in avoided]
-        if len(kept) < self.panic_threshold * len(pool):
-            metrics.PANICS.inc()
-            return pool
-        return kept
+        order = {a: k for k, a in enumerate(dict.fromkeys(avoid))}
+        avoided: set[str] = set()
+        for role in {c.role for c in pool}:
+            members = [c for c in pool if c.role is role]
+            suspects = sorted((c.address for c in members if c.address in order), key=order.__getitem__)
+            cut = suspects[:int(self.max_ejection_share * len(members))]
+            if len(members) - len(cut) < self.panic_threshold * len(members):
+                metrics.PANICS.inc()
+                continue
+            avoided.update(cut)
+        return [c for c in pool if c.address not in avoided] if avoided else pool
 
     async def _registry_view(self, request: scheduler_pb2.PlaceRequest, timeout: float | None
                              ) -> tuple[View, kv_registry_pb2.MatchResponse]:

@@ -231,6 +231,37 @@ async def test_suspects_are_avoided_within_the_ejection_cap_and_all_of_them_is_p
         await registry.stop(0)
 
 
+async def test_the_ejection_cap_counts_each_role_apart(redis_client):
+    """One decode worker beside three prefill workers, the decode worker suspect: half of
+    the whole pool would allow avoiding it, and every placement would then find no decode
+    worker; counted per role, the only decode worker stays. Prefill suspects are avoided
+    within their own role's half."""
+    index = PrefixIndex(redis_client)
+    registry = await start_registry(index)
+    to_registry = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
+    servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(to_registry),
+                                 PlacementConfig(temperature=1.0), seed=0)
+    roles = {"127.0.0.1:200": WorkerRole.DECODE, **{f"127.0.0.1:{201 + k}": WorkerRole.PREFILL for k in range(4)}}
+    try:
+        for k, (address, role) in enumerate(roles.items()):
+            token = await index.register(WorkerInfo(
+                worker_id=f"w{k}", address=address, role=role, model="m", block_size=16,
+                hash_name="sha256", limits=RequestLimits(max_model_len=4096, max_n=16)))
+            await index.heartbeat(f"w{k}", token, Load(num_free_blocks=100, num_blocks=100))
+
+        async def placed(avoid):
+            request = scheduler_pb2.PlaceRequest(request_id="r", num_prompt_tokens=1024, dry_run=True,
+                                                 avoid_addresses=avoid, block_hashes=[bytes([k]) * 32 for k in range(64)])
+            replies = [await servicer.Place(request, _Context()) for _ in range(40)]
+            return {r.decode_address for r in replies}, {r.prefill_address for r in replies}
+        decode, prefill = await placed(["127.0.0.1:200", "127.0.0.1:201", "127.0.0.1:202", "127.0.0.1:203"])
+        assert decode == {"127.0.0.1:200"}
+        assert prefill <= {"127.0.0.1:203", "127.0.0.1:204", ""} and "127.0.0.1:204" in prefill  # 2 of 4 avoided
+    finally:
+        await to_registry.close()
+        await registry.stop(0)
+
+
 class _Context:
     def time_remaining(self):
         return 10.0

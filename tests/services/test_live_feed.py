@@ -83,6 +83,26 @@ async def test_a_watcher_that_falls_behind_gets_the_whole_set(redis_client):
     feed.close()
 
 
+async def test_the_feed_follows_redis_only_while_watched(redis_client):
+    index = PrefixIndex(redis_client, ttl_s=30)
+    await index.register(record("a"))
+    feed = feed_of(index, resync_s=0.05)
+    one, two = feed.watch(), feed.watch()
+    assert ids(await anext(one)) == ["a"] and ids(await anext(two)) == ["a"]
+    following = feed._task
+    await one.aclose()
+    assert feed._task is following and not following.done()  # one watcher is left
+    await two.aclose()
+    assert feed._task is None
+    await asyncio.wait([following], timeout=5)
+    assert following.cancelled()  # no resync for nobody
+    await index.register(record("b"))
+    again = feed.watch()
+    first = await next_change(again)
+    assert first.reset and ids(first) == ["a", "b"]  # read afresh
+    feed.close()
+
+
 async def test_watchers_are_bounded(redis_client):
     feed = feed_of(PrefixIndex(redis_client), max_watchers=1)
     first = feed.watch()
