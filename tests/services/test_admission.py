@@ -250,8 +250,9 @@ async def test_the_ejection_cap_counts_each_role_apart(redis_client):
             await index.heartbeat(f"w{k}", token, Load(num_free_blocks=100, num_blocks=100))
 
         async def placed(avoid):
-            request = scheduler_pb2.PlaceRequest(request_id="r", num_prompt_tokens=1024, dry_run=True, avoid_addresses=avoid,
-                                                 block_hashes=[bytes([k]) * 32 for k in range(64)])
+            hashes = [bytes([k]) * 32 for k in range(64)]
+            request = scheduler_pb2.PlaceRequest(request_id="r", num_prompt_tokens=1024, dry_run=True,
+                                                 avoid_addresses=avoid, block_hashes=hashes)
             replies = [await servicer.Place(request, _Context()) for _ in range(40)]
             return {r.decode_address for r in replies}, {r.prefill_address for r in replies}
         decode, prefill = await placed(["127.0.0.1:200", "127.0.0.1:201", "127.0.0.1:202", "127.0.0.1:203"])
