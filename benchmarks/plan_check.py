@@ -15,7 +15,8 @@ pinned to one core with one thread, as the cluster pins them):
 3. at each of those rates, ``--rounds`` times (3), a fresh cluster of one prefill and one
    decode worker (every prompt prefilled on the prefill worker, as the plan assumes), as many
    requests as arrive in ``--seconds`` at that rate (30 to ``--requests``), Poisson, each round
-   its own seed; measured (the rounds' median, with their range): output throughput,
+   its own seed, after ``--warmup-s`` (10 s) of the same load not measured (as ``vllm bench
+   serve``'s warm-up requests); measured (the rounds' median, with their range): output throughput,
    mean TTFT (the plan's queue is M/G/1's mean wait), median ITL (a decode step), and the
    decode worker's mean engine step from its ``kervan_engine_step_seconds`` (the part of ITL
    the profile measures: the rest is the serving loop around the engine);
@@ -112,11 +113,17 @@ def step_totals(metrics_address: str) -> tuple[float, float]:
 
 
 async def measure_load(address: str, rate: float, args, seed: int) -> dict:
+    """The open loop at ``rate`` after ``--warmup-s`` of it (its own seed, not measured: a
+    fresh cluster's first requests pay first-call costs a served one has long paid)."""
+    lengths = workload.Lengths.parse(args.input_len), workload.Lengths.parse(args.output_len)
     count = max(30, min(args.requests, round(rate * args.seconds)))
-    requests = workload.build(count, workload.Lengths.parse(args.input_len),
-                              workload.Lengths.parse(args.output_len), seed, (3, args.vocab))
+    requests = workload.build(count, *lengths, seed, (3, args.vocab))
     async with KervanBackend(address) as backend:
         await backend.send(workload.BenchRequest([5] * 8, 2))  # connections, first-call costs
+        warmup = round(rate * args.warmup_s)
+        if warmup:
+            await run_open_loop(backend, workload.build(warmup, *lengths, seed + 7919, (3, args.vocab)), rate,
+                                seed + 7919, progress=False)
         results, wall = await run_open_loop(backend, requests, rate, seed, progress=False)
     return summarize(results, wall, (50, 90, 99))
 
@@ -184,6 +191,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=40.0, help="requests per load: what arrives in this time")
     ap.add_argument("--rounds", type=int, default=3,
                     help="fresh clusters per load, each its own seed; the measured values are their medians")
+    ap.add_argument("--warmup-s", type=float, default=10.0,
+                    help="before each round's measured requests, this long of the same load, not measured")
     ap.add_argument("--input-len", default="uniform:128:512")
     ap.add_argument("--output-len", default="fixed:64")
     ap.add_argument("--ttft-ms", type=float, default=2000.0)

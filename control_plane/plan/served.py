@@ -11,7 +11,8 @@ the router:
   out). This is ITL as a client sees it: the engine's step, the worker's serving loop, the
   router's and the client's share of the machine at that token rate;
 - **prefill**: per prompt length, TTFT of lone prompts, each at a length not asked before
-  (a served mix's lengths vary, and a new length pays for new kernel shapes), without and
+  (a served mix's lengths vary, and a new length pays for new kernel shapes) and after the
+  prefill worker idled ``IDLE_BEFORE_S`` (as an open loop's prompts find it), without and
   with ``b`` background streams decoding (``prefill_busy_s``): on a machine whose cores the
   router, scheduler, registry, Redis and the client share with the workers, a prompt's
   prefill is slower while the decode side streams, and a plan at load reads the curve of its
@@ -37,6 +38,10 @@ SERVED_CONTEXTS = (128, 512)
 SERVED_PREFILL_TOKENS = (64, 128, 256, 512, 1024)
 MIN_GAPS = 24  # token gaps per stream while the whole batch streams
 REPEATS = 5  # lone prompts per prefill point (their median)
+# the prefill worker idle before each lone prompt: an open loop's prompt mostly finds it so, its
+# caches cooled by the rest of the machine (on the embedded model, a prompt after 1 s idle took
+# 10 ms more than one sent right after another; after 0.3 s, 3.5 ms more)
+IDLE_BEFORE_S = 0.5
 
 
 async def _follow(stub, ids: list[int], max_tokens: int, times: list[float]) -> None:
@@ -108,7 +113,8 @@ class Prompts:
         return self.exactly(max(3, tokens + offset))
 
 
-async def _lone_ttft(stub, prompt: list[int]) -> float:
+async def _lone_ttft(stub, prompt: list[int], idle_s: float = 0.0) -> float:
+    await asyncio.sleep(idle_s)
     times: list[float] = []
     started = time.perf_counter()
     await _follow(stub, prompt, 2, times)  # 2 tokens: the prompt's KV goes to the decode worker
@@ -139,7 +145,8 @@ class Served:
         streams = self.streams(decoding, context)
         try:
             await streams.all_streaming()
-            return statistics.median([await _lone_ttft(self.stub, self.prompts.next(tokens)) for _ in range(REPEATS)])
+            return statistics.median([await _lone_ttft(self.stub, self.prompts.next(tokens), IDLE_BEFORE_S)
+                                      for _ in range(REPEATS)])
         finally:
             await streams.close()
 
