@@ -86,7 +86,6 @@ async def open_loop(call, rate: float, stop: asyncio.Event, max_in_flight: int =
     return counts
 
 
-
 async def traffic(registry_stub, workers, rng, event_rate: float, stop: asyncio.Event) -> dict:
     """Every worker's heartbeat once a second, and KV events at ``event_rate`` per second."""
     loads = [load_to_proto(fleet_load(rng)) for _ in range(64)]

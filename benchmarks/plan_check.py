@@ -22,7 +22,7 @@ pinned to one core with one thread, as the cluster pins them):
    the profile measures: the rest is the serving loop around the engine);
 4. per point, measured over predicted.
 
-    python -m benchmarks.plan_check --json-out benchmarks/results/plan_check-amx.json   # ~45 min
+    python -m benchmarks.plan_check --json-out benchmarks/results/plan_check-amx.json   # ~35 min
     python -m benchmarks.plan_check --models embedded --loads 0.5 --requests 60
 """
 

@@ -201,12 +201,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         if not avoid:
             return pool
         order = {a: k for k, a in enumerate(dict.fromkeys(avoid))}
+        members: Counter[WorkerRole] = Counter(c.role for c in pool)
+        suspects: dict[WorkerRole, list[str]] = {}
+        for c in pool:
+            if c.address in order:
+                suspects.setdefault(c.role, []).append(c.address)
         avoided: set[str] = set()
-        for role in {c.role for c in pool}:
-            members = [c for c in pool if c.role is role]
-            suspects = sorted((c.address for c in members if c.address in order), key=order.__getitem__)
-            cut = suspects[:int(self.max_ejection_share * len(members))]
-            if len(members) - len(cut) < self.panic_threshold * len(members):
+        for role, addresses in suspects.items():
+            cut = sorted(addresses, key=order.__getitem__)[:int(self.max_ejection_share * members[role])]
+            if members[role] - len(cut) < self.panic_threshold * members[role]:
                 metrics.PANICS.inc()
                 continue
             avoided.update(cut)
