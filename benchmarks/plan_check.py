@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,11 +52,10 @@ from control_plane.plan.choice import Plan, plan
 from control_plane.plan.command import model_shape
 from control_plane.plan.hardware import measure_this
 from control_plane.plan.profile import Profile
+from control_plane.plan.served import ALL_PROMPTS_REMOTE, measure_served
 from control_plane.plan.sizing import Load, Slo
 from worker.default_model import ensure_default_model
 from worker.pull import resolve_model
-
-ALL_PROMPTS_REMOTE = ("--min-remote-prefill-blocks", "0", "--max-prefill-queue-tokens", "0")
 
 
 def model_dir(name: str) -> Path:
@@ -79,7 +77,6 @@ def profile_on_one_core(path: Path, dtype: str, core: int) -> Profile:
 
 
 def profile_served(path: Path, dtype: str) -> Profile:
-    from control_plane.plan.served import measure_served
     return measure_served(path, dtype, say=lambda line: print(line, file=sys.stderr, flush=True))
 
 
@@ -165,14 +162,14 @@ def check_model(name: str, args) -> dict:
         predicted = {"output_tokens_per_s": rate * p.load["output_len"], "ttft_ms": p.prefill["ttft_s"] * 1e3,
                      "itl_ms": p.decode["itl_s"] * 1e3}  # the split pools', which the cluster runs
         rounds = [measure_round(path, rate, args, seed=int(share * 100) + 1000 * r) for r in range(args.rounds)]
-        measured = {k: statistics.median(r["measured"][k] for r in rounds) for k in predicted}
-        steps = [r["decode_engine_step_ms_mean"] for r in rounds if r["decode_engine_step_ms_mean"] is not None]
+        ranges = {k: spread([r["measured"][k] for r in rounds]) for k in predicted}
+        measured = {k: ranges[k]["median"] for k in predicted}
+        engine_step = spread([r["decode_engine_step_ms_mean"] for r in rounds])["median"]
         points.append({"load_share": share, "rate": rate, "plan_pools": p.pools, "meets_slo": split_meets(p, args),
-                       "predicted": predicted, "measured": measured,
-                       "measured_range": {k: spread([r["measured"][k] for r in rounds]) for k in predicted},
+                       "predicted": predicted, "measured": measured, "measured_range": ranges,
                        "measured_over_predicted": {k: round(measured[k] / predicted[k], 3) for k in predicted
                                                    if measured[k] is not None and predicted[k]},
-                       "decode_engine_step_ms_mean": statistics.median(steps) if steps else None,
+                       "decode_engine_step_ms_mean": engine_step,
                        "rounds": rounds, "reasons": p.reasons})
         print(json.dumps({"model": name, **{k: v for k, v in points[-1].items() if k not in ("rounds", "reasons")}}),
               file=sys.stderr, flush=True)

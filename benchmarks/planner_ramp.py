@@ -36,7 +36,7 @@ import sys
 import time
 
 from benchmarks.machine import add_dtype_argument, machine, write_report
-from benchmarks.plan_check import ALL_PROMPTS_REMOTE, model_dir, one_to_one_rate, profile_on_one_core
+from benchmarks.plan_check import model_dir, one_to_one_rate, profile_on_one_core
 from control_plane.bench import workload
 from control_plane.bench.backends import KervanBackend
 from control_plane.bench.command import sweep
@@ -44,6 +44,7 @@ from control_plane.bench.load import Ramp
 from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
 from control_plane.plan.command import model_shape
 from control_plane.plan.hardware import measure_this
+from control_plane.plan.served import ALL_PROMPTS_REMOTE
 from control_plane.plan.sizing import Sizer, Slo
 from control_plane.planner.policy import PlannerConfig, Policy
 from control_plane.planner.scaler import LauncherScaler

@@ -33,6 +33,8 @@ from pathlib import Path
 
 from control_plane.plan.profile import Profile, synthetic_prompt
 
+# the scheduler of a plan's split cluster: every prompt prefilled on the prefill worker, as a plan assumes
+ALL_PROMPTS_REMOTE = ("--min-remote-prefill-blocks", "0", "--max-prefill-queue-tokens", "0")
 SERVED_BATCHES = (1, 2, 4, 8, 16, 32)
 SERVED_CONTEXTS = (128, 512)
 SERVED_PREFILL_TOKENS = (64, 128, 256, 512, 1024)
@@ -191,7 +193,7 @@ def measure_served(model_dir: str | Path, dtype: str = "auto", batches=SERVED_BA
     shape = model_shape(str(model_dir))[0]
     max_len = min(shape.max_position, max(contexts) + 2048)
     spec = ClusterSpec(Path(model_dir), num_prefill=1, num_decode=1, dtype=dtype, pin_cores=True,
-                       scheduler_args=("--min-remote-prefill-blocks", "0", "--max-prefill-queue-tokens", "0"))
+                       scheduler_args=ALL_PROMPTS_REMOTE)
     cluster = Cluster(spec, new_log_dir())
     try:
         cluster.start()
