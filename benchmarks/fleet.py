@@ -222,28 +222,41 @@ async def placements(scheduler_addr: str, metrics_addr: str, queries, concurrenc
                             "share_under_1ms": round(under_1ms / total, 4) if total else None}}
 
 
+async def serial_and_concurrent(scheduler_addr: str, metrics_addr: str, queries, serial: int) -> dict:
+    """The first ``serial`` queries placed one at a time, then all of them 16 in flight."""
+    return {"serial": await placements(scheduler_addr, metrics_addr, queries[:serial], 1),
+            "concurrent": await placements(scheduler_addr, metrics_addr, queries, 16)}
+
+
 class Traffic:
     """The fleet's background traffic (``benchmarks.fleet_traffic``) in its own process, at
     niceness ``NICE``: every worker's heartbeat once a second and KV events at ``event_rate``.
-    Started and going (1 s) on construction; ``stop()`` ends it and returns what it sent and
-    the share of a core it used."""
+    ``async with`` starts it and waits 1 s for it to be going; leaving ends it (an error
+    inside too: no sender outlives the run). ``sent`` is then what it sent and the share of
+    a core it used."""
 
     def __init__(self, registry_addr: str, workers_file: Path, event_rate: float, seed: int):
-        self.proc = subprocess.Popen(
-            ["nice", "-n", str(NICE), sys.executable, "-m", "benchmarks.fleet_traffic", "--registry", registry_addr,
-             "--workers", str(workers_file), "--event-rate", str(event_rate), "--seed", str(seed)],
-            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        self.started = time.monotonic()
-        time.sleep(1.0)  # the traffic going before anything is measured
+        self.args = ["nice", "-n", str(NICE), sys.executable, "-m", "benchmarks.fleet_traffic",
+                     "--registry", registry_addr, "--workers", str(workers_file), "--event-rate", str(event_rate),
+                     "--seed", str(seed)]
+        self.sent: dict = {}
 
-    def stop(self) -> dict:
+    async def __aenter__(self) -> Traffic:
+        self.proc = await asyncio.create_subprocess_exec(*self.args, stdout=asyncio.subprocess.PIPE,
+                                                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.started = time.monotonic()
+        await asyncio.sleep(1.0)  # the traffic going before anything is measured
+        return self
+
+    async def __aexit__(self, *exc) -> None:
         cpu = cpu_seconds(self.proc.pid)
         wall = time.monotonic() - self.started
         self.proc.send_signal(signal.SIGTERM)
-        out, _ = self.proc.communicate(timeout=60)
-        if self.proc.returncode:
-            raise RuntimeError(f"the traffic process failed ({self.proc.returncode})")
-        return {**json.loads(out), "niceness": NICE, "cpu_share": round(cpu / wall, 2)}
+        out, _ = await asyncio.wait_for(self.proc.communicate(), 60)
+        if exc[0] is None:
+            if self.proc.returncode:
+                raise RuntimeError(f"the traffic process failed ({self.proc.returncode})")
+            self.sent = {**json.loads(out), "niceness": NICE, "cpu_share": round(cpu / wall, 2)}
 
 
 async def main_async(args) -> dict:
@@ -291,13 +304,12 @@ async def main_async(args) -> dict:
                         try:
                             await placements(sched_addr, metrics_addr, queries[:50], 4)  # warm-up
                             run: dict = {"pass": p}
-                            for label, busy in (("quiet", False), ("with_traffic", True)):
-                                traffic = Traffic(registry_addr, workers_file, event_rate, p) if busy else None
-                                run[label] = {"serial": await placements(sched_addr, metrics_addr,
-                                                                         queries[:args.placements // 2], 1),
-                                              "concurrent": await placements(sched_addr, metrics_addr, queries, 16)}
-                                if traffic is not None:
-                                    run[label]["background"] = traffic.stop()
+                            run["quiet"] = await serial_and_concurrent(sched_addr, metrics_addr, queries,
+                                                                       args.placements // 2)
+                            async with Traffic(registry_addr, workers_file, event_rate, p) as traffic:
+                                run["with_traffic"] = await serial_and_concurrent(sched_addr, metrics_addr, queries,
+                                                                                  args.placements // 2)
+                            run["with_traffic"]["background"] = traffic.sent
                         finally:
                             scheduler.terminate()
                             scheduler.wait(timeout=30)
