@@ -240,16 +240,23 @@ def test_a_served_profile_s_prefill_is_read_beside_the_decode_batch(tmp_path):
 
 
 def test_kervan_profile_served_measures_through_a_cluster(hf_models, tmp_path):
+    import time
+
     from control_plane.plan.profile import Profile
+    from control_plane.plan.served import IDLE_BEFORE_S, REPEATS
 
     _, path = hf_models("llama")
     out = tmp_path / "served.json"
+    started = time.monotonic()
     result = CliRunner().invoke(main, ["profile", "--served", "--model", str(path), "--dtype", "float32",
                                        "--batches", "1,3", "--contexts", "32", "--prefill-tokens", "16,64",
                                        "--out", str(out)])
     assert result.exit_code == 0, result.output
+    # each lone prompt (2 lengths, beside 0 and 3 decoding) comes after the prefill worker idled, and
+    # the idle is not its TTFT: a tiny model's prompt of 64 tokens takes far less
+    assert time.monotonic() - started >= 2 * 2 * REPEATS * IDLE_BEFORE_S
     profile = Profile.load(out)
     assert profile.served and set(profile.decode_s[32]) == {1, 3} and set(profile.prefill_busy_s) == {3}
-    assert all(s > 0 for s in [*profile.decode_s[32].values(), *profile.prefill_s.values(),
-                               *profile.prefill_busy_s[3].values()])
+    assert all(0 < s < IDLE_BEFORE_S for s in [*profile.decode_s[32].values(), *profile.prefill_s.values(),
+                                               *profile.prefill_busy_s[3].values()])
     assert "served decode at context 32" in result.output and "beside 3 decoding" in result.output
