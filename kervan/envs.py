@@ -35,8 +35,9 @@ KERVAN_KERNEL_BUILD_WAIT_S = "KERVAN_KERNEL_BUILD_WAIT_S"
 def kernel_build_wait_s() -> float:
     return float(os.environ.get(KERVAN_KERNEL_BUILD_WAIT_S, "120"))
 
-# seconds a collective of a worker group may take before its ranks take the group for
-# broken: a rank that dies or hangs takes the whole group down
+# seconds a worker group's ranks may wait in a collective while no other rank works (beats
+# and is not waiting itself) before they take the group for broken: a rank that dies or hangs
+# takes the whole group down, a slow one is waited for
 KERVAN_GROUP_TIMEOUT_S = "KERVAN_GROUP_TIMEOUT_S"
 
 

@@ -6,7 +6,13 @@
 Uses grpcio-tools' bundled protoc (``_pb2.py``, ``_pb2_grpc.py`` and ``.pyi``).
 protoc writes absolute imports (``from kervan.v1 import common_pb2``); they are
 rewritten to the package the stubs live in (``services.proto``), so nothing needs
-a ``sys.path`` trick. The output is never edited by hand."""
+a ``sys.path`` trick. The output is never edited by hand.
+
+``--check`` compares what the stubs say (messages, services, descriptors), not which
+patch release of the generator wrote them: grpcio-tools stamps its own version into each
+``_pb2_grpc.py`` (``GRPC_GENERATED_VERSION``) and its protoc's into each ``_pb2.py``, and a
+fresh install takes the newest patch release the pin admits. Those stamps are the
+runtime's floor instead; ``tests/test_protos.py`` checks pyproject's floors cover them."""
 
 from __future__ import annotations
 
@@ -40,6 +46,30 @@ def generate(out: Path) -> None:
     (out / "__init__.py").write_text(HEADER)
 
 
+# the generator's version stamps: (pattern, what replaces the version in it)
+VERSION_STAMPS = [
+    (re.compile(r"^GRPC_GENERATED_VERSION = '[0-9.]+'$", re.M), "GRPC_GENERATED_VERSION = '<version>'"),
+    (re.compile(r"^# Protobuf Python Version: \S+$", re.M), "# Protobuf Python Version: <version>"),
+    # ValidateProtobufRuntimeVersion(Domain.PUBLIC, major, minor, patch, suffix, file)
+    (re.compile(r"(_runtime_version\.Domain\.PUBLIC,\n)\s*\d+,\n\s*\d+,\n\s*\d+,\n\s*'[^']*',\n"),
+     r"\1<version>\n"),
+]
+
+
+def without_version_stamps(text: str) -> str:
+    for pattern, replacement in VERSION_STAMPS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def stale_stubs(committed: Path, fresh: Path) -> list[str]:
+    """Names of the stubs that are missing on one side or say something else."""
+    names = {p.name for p in fresh.iterdir()} | {p.name for p in committed.glob("*.py*")}
+    return sorted(n for n in names if not (committed / n).is_file() or not (fresh / n).is_file()
+                  or without_version_stamps((committed / n).read_text())
+                  != without_version_stamps((fresh / n).read_text()))
+
+
 def main() -> int:
     if "--check" not in sys.argv[1:]:
         generate(OUT)
@@ -47,9 +77,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         fresh = Path(tmp)
         generate(fresh)
-        names = {p.name for p in fresh.iterdir()} | {p.name for p in OUT.glob("*.py*")}
-        stale = sorted(n for n in names if not (OUT / n).is_file() or not (fresh / n).is_file()
-                       or (OUT / n).read_text() != (fresh / n).read_text())
+        stale = stale_stubs(OUT, fresh)
     if stale:
         print(f"stale generated stubs in services/proto: {stale}; run: python protos/generate.py")
         return 1

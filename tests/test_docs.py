@@ -4,8 +4,8 @@ one CI runs."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
-import shlex
 from pathlib import Path
 
 import pytest
@@ -50,13 +50,17 @@ def test_the_readme_is_short_and_links_every_doc():
     assert not {p.relative_to(ROOT) for p in PAGES[1:]} - linked
 
 
-def _pytest_commands(text: str) -> list[list[str]]:
-    """Each pytest command in the text, with the environment set before it, in order."""
-    parts = (part for line in text.splitlines() if not line.lstrip().startswith("#") for part in line.split("&&"))
-    return [shlex.split(part) for part in parts if "-m pytest" in part]
-
-
-def test_the_readme_runs_the_tests_as_ci_does():
-    readme = (ROOT / "README.md").read_text()
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert _pytest_commands(readme) == _pytest_commands(ci) != []
+def test_ci_runs_the_readme_s_two_commands_and_nothing_else():
+    """.ci/run runs what .ci/readme_commands.py reads from the README: the main job, then the
+    tests, and no command of its own (no system package, no extra tool, no pytest flag)."""
+    spec = importlib.util.spec_from_file_location("readme_commands", ROOT / ".ci" / "readme_commands.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    main_job, tests = module.readme_commands((ROOT / "README.md").read_text())
+    assert main_job.startswith("pip install -e . && kervan up --request ")
+    assert tests.startswith("pip install -e '.[test]' && python3 -m pytest ")
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    own = re.compile(r"(^|[\s;&|(])(python3 -m |)(pytest|apt-get|apt|pip|ruff|mypy|kervan)(\s|$)")
+    assert not [line for line in ci if own.search(line)], ci
+    assert any("python3 .ci/readme_commands.py" in line for line in ci)
+    assert any('bash -euo pipefail -c "$command"' in line for line in ci)

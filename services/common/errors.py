@@ -75,7 +75,8 @@ class FailedPrecondition(Exception):
     """The call does not fit this server's state or role (e.g. Decode on a prefill worker)."""
 
 
-_UNSERVED = re.compile(r"(?:^|caused error: (?:\(')?)(?:BUSY|MISCONF|OOM|READONLY|MASTERDOWN|TRYAGAIN|LOADING) ")
+_UNSERVED = re.compile(r"(?:^|caused error: (?:\(')?|@user_script: ?\d+: -)"
+                       r"(?:BUSY|MISCONF|OOM|READONLY|MASTERDOWN|TRYAGAIN|LOADING) ")
 
 
 def redis_unavailable(exc: BaseException) -> bool:
@@ -86,7 +87,9 @@ def redis_unavailable(exc: BaseException) -> bool:
         return True
     # as Redis words it, or wrapped by redis-py's pipeline ("Command # 1 (MGET ...) of pipeline
     # caused error: ('BUSY Redis is busy running a script...',)", or without the tuple from
-    # redis-py 8: "... caused error: BUSY Redis is busy ...")
+    # redis-py 8: "... caused error: BUSY Redis is busy ..."), or inside a script by Redis 6, which
+    # wraps what redis.call met ("Error running script (call to f_...): @user_script:3:
+    # @user_script: 3: -OOM command not allowed ..."; Redis 7 answers the OOM itself)
     return isinstance(exc, ResponseError) and _UNSERVED.search(str(exc)) is not None
 
 

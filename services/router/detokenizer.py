@@ -37,3 +37,8 @@ class Detokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         self.text += delta
         return delta
+
+    def flush(self) -> str:
+        """What is still held when the sample ends without another token: bytes no later
+        token completed, decoded as ``decode(all ids)`` decodes them."""
+        return self.add([], final=True)

@@ -36,8 +36,14 @@ class SampleStream:
             return []
         out = []
         finish = update.finish_reason
+        delta = None
         if update.token_ids:
             delta = self._delta(update, attempt)
+        elif finish and self.detok is not None and (held := self.detok.flush()):
+            # ended without a token: the bytes the detokenizer held for one that never came
+            delta = self._response(delta=router_pb2.TokenDelta(
+                sample_index=self.sample_index, index=self.completion_tokens, text=held, attempt=attempt))
+        if delta is not None:
             if self.stop is not None:
                 delta.delta.text, hit = self.stop.feed(delta.delta.text, bool(finish))
                 if hit:

@@ -9,19 +9,20 @@ import threading
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.launcher import Cluster, ClusterSpec
 from kervan.block_hash import hash_blocks
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.chaos.checker import check, process_gone, record, stream, wait_baseline
-from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts
+from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts, other_dtype
 
 MAX_TOKENS = 400  # long enough to still run while the test finds its worker
 
 
-def start(llama, tmp_path, *router_args) -> Cluster:
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, **EXACT_MESH,
+def start(llama, tmp_path, *router_args, dtype: str = "auto") -> Cluster:
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, **dict(EXACT_MESH, dtype=dtype),
                                   num_kv_blocks=256, router_args=router_args, registry_args=("--ttl", "2")), tmp_path)
     cluster.start(timeout=240)
     for name in ("both-0", "both-1"):  # ClusterSpec(deterministic=True) reached every engine
@@ -64,12 +65,15 @@ async def registry_match(cluster, prompt) -> kv_registry_pb2.MatchResponse:
             kv_registry_pb2.MatchRequest(block_hashes=hash_blocks(prompt, 16)))
 
 
-def fault_free(llama, prompt, max_tokens=MAX_TOKENS) -> list[int]:
-    return greedy_tokens(llama[1], [prompt], max_tokens, **EXACT_REFERENCE)[0]
+def fault_free(llama, prompt, max_tokens=MAX_TOKENS, dtype: str = "auto") -> list[int]:
+    return greedy_tokens(llama[1], [prompt], max_tokens, **dict(EXACT_REFERENCE, dtype=dtype))[0]
 
 
-def test_a_decode_worker_killed_mid_stream_is_migrated(llama, tmp_path):
-    cluster = start(llama, tmp_path, "--stall-timeout-s", "3")
+@pytest.mark.parametrize("dtype", ["auto", other_dtype()])
+def test_a_decode_worker_killed_mid_stream_is_migrated(llama, tmp_path, dtype):
+    """In the dtype ``auto`` picks and in the other one: the migrated stream's greedy tokens
+    are the fault-free engine's, bit for bit, in either."""
+    cluster = start(llama, tmp_path, "--stall-timeout-s", "3", dtype=dtype)
     try:
         prompt = make_prompts([20], seed=70)[0]
 
@@ -78,11 +82,11 @@ def test_a_decode_worker_killed_mid_stream_is_migrated(llama, tmp_path):
         on_delta, faults = after_a_few_tokens(cluster, kill)
         out = asyncio.run(stream(cluster.router_address, prompt, MAX_TOKENS, on_delta=on_delta))
         process_gone(cluster.procs.pop(faults["worker"]))
-        counts = check([out], [fault_free(llama, prompt)])
+        counts = check([out], [fault_free(llama, prompt, dtype=dtype)])
         assert counts["migrated"] == 1 and max(a for a, _, _ in out.deltas) == 1
         survivor = "both-1" if faults["worker"] == "both-0" else "both-0"
         asyncio.run(wait_baseline(cluster, [survivor]))
-        record("decode_worker_SIGKILL", "SIGKILL to the worker streaming, after 5 tokens", counts,
+        record(f"decode_worker_SIGKILL_{dtype}", f"SIGKILL to the worker streaming, after 5 tokens ({dtype})", counts,
                round(out.first_token_after[1] - faults["at"], 3))
     finally:
         cluster.stop()

@@ -109,6 +109,38 @@ async def test_text_prompt_streams_text(text_mesh, default_model_dir):
     assert fin.finished.usage.prompt_tokens == len(Tokenizer.from_dir(default_model_dir).encode("Once upon a time"))
 
 
+async def test_streamed_text_adds_up_to_the_decoded_tokens_with_no_half_character(text_mesh, default_model_dir):
+    """Sampled at temperature 1.5 the random model emits lone bytes of multi-byte characters:
+    across 48 streams (two samples each, several tokens a message when the stream lags) the
+    deltas concatenate to ``decode(all ids)``, and no delta ends in U+FFFD unless that
+    character is still U+FFFD in the whole text, i.e. nothing partial is printed early."""
+    from kervan.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_dir(default_model_dir)
+    prompts = ["Once upon a time", "The caravan", "caf\u00e9 \u4e16", "A", "Prefill workers read long prompts"]
+
+    async def one(k: int):
+        sampling = common_pb2.SamplingParams(max_tokens=24 + k % 9, temperature=1.5, seed=k, n=2)
+        return await collect(text_mesh.router, router_pb2.GenerateRequest(
+            text=prompts[k % len(prompts)].encode(), sampling=sampling))
+    results = await asyncio.gather(*(one(k) for k in range(48)))
+    num_partial = 0
+    for deltas, fins in results:
+        assert len(fins) == 2
+        for sample in (0, 1):
+            mine = [d.delta for d in deltas if d.delta.sample_index == sample]
+            ids = [t for d in mine for t in d.token_ids]
+            whole = tokenizer.decode(ids)
+            streamed, at = "", 0
+            for d in mine:
+                streamed += d.text
+                at += len(d.text)
+                if d.text.endswith("\ufffd"):
+                    assert whole[at - 1] == "\ufffd"
+            assert streamed == whole
+            num_partial += sum(tokenizer.decode([t]) == "\ufffd" for t in ids)
+    assert num_partial > 20  # the streams really carried lone bytes
+
+
 BAD_INPUT = [  # (request fields, words the message must contain): the router refuses, or for n and
     # the length (the limits a worker registers) the worker refuses before it admits the request
     ({"text": b"\xff\xfe bad"}, "UTF-8"),

@@ -66,3 +66,33 @@ def test_detokenizing_a_long_answer_token_by_token_decodes_each_token_a_bounded_
         streamed += detok.add([token], final=k == len(ids) - 1)
     assert streamed == real(ids)
     assert sum(decoded) < 6 * len(ids)  # re-decoding everything each time was len(ids)**2 / 2 (> 100x here)
+
+
+def lone_bytes(tokenizer: Tokenizer) -> list[int]:
+    """The ids that decode to U+FFFD alone: a byte of a multi-byte character."""
+    return [i for i in range(len(tokenizer.vocabulary())) if tokenizer.decode([i]) == "\ufffd"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_any_token_ids_stream_as_their_decoded_text_with_nothing_partial_printed_early(default_model_dir, data):
+    """Ids a random model may sample, lone bytes of multi-byte characters among them, in any
+    split: the deltas add up to ``decode(ids)``, a delta ends in U+FFFD only where the whole
+    text has one (bytes that never became a character), and a sample that ends without a
+    last token gives what was held through ``flush``."""
+    tokenizer = Tokenizer.from_dir(default_model_dir)
+    num_tokens = len(tokenizer.vocabulary())
+    ids = data.draw(st.lists(st.one_of(st.sampled_from(lone_bytes(tokenizer)), st.integers(0, num_tokens - 1)),
+                             max_size=30))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=8)))
+    chunks = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+    ends_with_flush = data.draw(st.booleans())
+    whole = tokenizer.decode(ids)
+    detok, streamed = Detokenizer(tokenizer), ""
+    for k, chunk in enumerate(chunks):
+        delta = detok.add(chunk, final=k == len(chunks) - 1 and not ends_with_flush)
+        streamed += delta
+        if delta.endswith("\ufffd"):
+            assert whole[len(streamed) - 1] == "\ufffd"
+    streamed += detok.flush() if ends_with_flush else ""
+    assert streamed == whole

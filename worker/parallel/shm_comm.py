@@ -12,9 +12,15 @@ rank writing call ``k + 2``'s slots has passed call ``k + 1``'s barrier, which n
 rank reaches before it has read call ``k``. The counters are monotonic int64 words
 on cache lines of their own; the data is stored before the counter, and x86's store
 order keeps it so (the only CPU group backend tested here). Waiting spins, yielding
-the core after a while; it gives up with a RuntimeError (the group is broken) after
-the group timeout, or as soon as ``alive()`` says a rank is gone. Tensors larger than
-a slot go through the fallback collective (gloo).
+the core after a while; it gives up with a RuntimeError (the group is broken) as soon
+as ``alive()`` says a rank is gone, or once it has waited the group timeout while no
+other rank worked. Each rank says whether it works: a thread of its own stamps a
+heartbeat into its counter's line every fraction of the timeout, and a rank that waits
+says since when. A rank that is slow (emulated bf16 on a loaded core, a kernel probe)
+keeps beating and is waited for; one that is stopped or wedged in native code stops
+beating, and one deadlocked with the others waits itself, so either is taken for hung
+within the timeout. Tensors larger than a slot go through the fallback collective
+(gloo, whose own timeout is the group timeout).
 
 Expert parallel's all-to-all (``exchange_rows``) is the same barrier: each rank writes
 its rows, grouped by destination, with their counts in front, and each reads its
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
@@ -58,6 +65,8 @@ class ShmComm:
         lines = np.ndarray((num_lines, LINE // 8), dtype=np.int64, buffer=self.shm.buf)
         self.counters = lines[:world, 0]  # per rank: collectives arrived at; acks (messages read) in column 1
         self.acks = lines[:world, 1]
+        self.beats = lines[:world, 2]  # per rank: time.monotonic_ns() of its last heartbeat
+        self.waiting = lines[:world, 3]  # per rank: monotonic_ns since it waits for the others; 0 while it works
         self.message = lines[world]  # [0]: messages sent by rank 0, [1]: the last one's length (int64s)
         self.inbox_lines = lines[world + 1:]  # per rank (pipeline): [0] tensors put in its inbox, [1] taken
         self.payload = torch.frombuffer(self.shm.buf, dtype=torch.int64, offset=num_lines * LINE,
@@ -72,6 +81,7 @@ class ShmComm:
         self.taken = int(self.inbox_lines[rank, 1]) if pipeline else 0
         self.sent: dict[int, int] = {}  # pipeline: destination -> tensors put in its inbox
         self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._heartbeat = Heartbeat(self.beats, rank, timeout_s)
 
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.slot_bytes
@@ -160,8 +170,10 @@ class ShmComm:
         self.shm.unlink()
 
     def close(self) -> None:
+        self._heartbeat.stop()
         self._typed.clear()
-        del self.data, self.inboxes, self.counters, self.acks, self.message, self.inbox_lines, self.payload
+        del self.data, self.inboxes, self.counters, self.acks, self.beats, self.waiting, self.message
+        del self.inbox_lines, self.payload
         self.shm.close()
 
     def _exchange(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,18 +196,68 @@ class ShmComm:
 
     def _wait_until(self, done: Callable[[], bool], what: str, idle_sleep_s: float = 0.0) -> None:
         spins, start = 0, None
-        while not done():
-            spins += 1
-            if spins < 256:
-                continue  # the common case: another rank arrives within microseconds
-            now = time.monotonic()
-            start = start or now
-            if idle_sleep_s and now - start > 0.002:
-                time.sleep(idle_sleep_s)  # nothing came for 2 ms: idle, not between two steps
-            else:
-                os.sched_yield()  # a core another rank may need
-            if spins % 64 == 0:
-                if self.alive is not None and not self.alive():
-                    raise RuntimeError(f"a rank of the worker group exited (waiting for {what})")
-                if now - start > self.timeout_s:
-                    raise RuntimeError(f"shared memory: waited {self.timeout_s:.0f}s for {what}: a rank hangs")
+        try:
+            while not done():
+                spins += 1
+                if spins < 256:
+                    continue  # the common case: another rank arrives within microseconds
+                now = time.monotonic()
+                if start is None:
+                    start = now
+                    self.waiting[self.rank] = time.monotonic_ns()
+                if idle_sleep_s and now - start > 0.002:
+                    time.sleep(idle_sleep_s)  # nothing came for 2 ms: idle, not between two steps
+                else:
+                    os.sched_yield()  # a core another rank may need
+                if spins % 64 == 0:
+                    if self.alive is not None and not self.alive():
+                        raise RuntimeError(f"a rank of the worker group exited (waiting for {what})")
+                    if now - start > self.timeout_s and not self.others_work():
+                        raise RuntimeError(f"shared memory: waited {now - start:.0f}s for {what} while no other "
+                                           f"rank worked for {self.timeout_s:g}s ({self.describe_others()}): "
+                                           "a rank hangs")
+        finally:
+            if start is not None:
+                self.waiting[self.rank] = 0
+
+    def others_work(self) -> bool:
+        """Whether another rank beat within the timeout and is not itself waiting: while
+        one does, the group still moves, however slowly."""
+        fresh = time.monotonic_ns() - int(self.timeout_s * 1e9)
+        return any(int(self.beats[r]) > fresh and int(self.waiting[r]) == 0
+                   for r in range(self.world) if r != self.rank)
+
+    def describe_others(self) -> str:
+        now = time.monotonic_ns()
+        parts = []
+        for r in range(self.world):
+            if r != self.rank:
+                since = int(self.waiting[r])
+                state = f"waiting {(now - since) / 1e9:.0f}s" if since else "not waiting"
+                parts.append(f"rank {r}: last heartbeat {(now - int(self.beats[r])) / 1e9:.1f}s ago, {state}")
+        return "; ".join(parts)
+
+
+class Heartbeat:
+    """A daemon thread that stamps ``time.monotonic_ns()`` (one clock for every process of
+    the host) into ``beats[rank]`` several times per timeout. It needs the GIL only for
+    microseconds, which PyTorch's kernels release and a Python loop yields every few ms,
+    so it beats while its rank computes and stops when the process is stopped or hangs
+    holding the GIL."""
+
+    def __init__(self, beats: np.ndarray, rank: int, timeout_s: float):
+        self.beats, self.rank = beats, rank
+        self.interval_s = min(1.0, timeout_s / 4)
+        self._stopped = threading.Event()
+        self.beats[rank] = time.monotonic_ns()
+        self._thread = threading.Thread(target=self._run, name=f"kervan-group-heartbeat-{rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval_s):
+            self.beats[self.rank] = time.monotonic_ns()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+        del self.beats  # the segment can close only once no view of it is left
