@@ -50,6 +50,28 @@ async def test_completions_streamed_and_not_give_the_same_greedy_text(front):
     await wait_idle(mesh)
 
 
+async def test_streamed_chunks_add_up_to_the_decoded_tokens_with_no_half_character(front):
+    """Sampled hot, the random model emits lone bytes of multi-byte characters: the streamed
+    chunks of each seeded request concatenate to ``decode`` of the tokens the same request
+    gets over gRPC (the mesh is deterministic), U+FFFD only where that text has it."""
+    from services.proto import common_pb2, router_pb2
+    from tests.services.mesh_helpers import collect, token_ids
+    client, _, mesh, model_dir = front
+    tokenizer = Tokenizer.from_dir(model_dir)
+    num_partial = 0
+    for seed in range(8):
+        chunks = [c async for c in await client.completions.create(
+            model=model_dir.name, prompt="Once upon a time", max_tokens=24, temperature=1.5, seed=seed, stream=True,
+            extra_body={"ignore_eos": True})]
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        deltas, _ = await collect(mesh.router, router_pb2.GenerateRequest(text=b"Once upon a time", sampling=(
+            common_pb2.SamplingParams(max_tokens=24, temperature=1.5, seed=seed, ignore_eos=True))))
+        ids = token_ids(deltas)
+        assert streamed == tokenizer.decode(ids), seed
+        num_partial += sum(tokenizer.decode([t]) == "\ufffd" for t in ids)
+    assert num_partial > 0  # the streams really carried lone bytes
+
+
 async def test_token_id_prompts_batches_n_and_logprobs(front):
     client, _, _, model_dir = front
     model = model_dir.name
