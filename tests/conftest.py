@@ -39,10 +39,11 @@ def _configs():
     }
 
 
-def pytest_report_header(config):
-    """The machine a run proves, in its log: the CPU's ISA after any cap, and what dtype=auto picks."""
+def pytest_terminal_summary(terminalreporter):
+    """The machine a run proved, at the end of its log (also under ``-q``): the CPU's ISA after
+    any cap, and what dtype=auto picks."""
     from worker.platform import current_platform
-    return f"kervan: {current_platform().summary()}"
+    terminalreporter.write_line(f"kervan: {current_platform().summary()}")
 
 
 def pytest_configure(config):

@@ -59,13 +59,13 @@ async def test_streamed_chunks_add_up_to_the_decoded_tokens_with_no_half_charact
     client, _, mesh, model_dir = front
     tokenizer = Tokenizer.from_dir(model_dir)
     num_partial = 0
-    for seed in range(8):
+    for seed in range(4):
         chunks = [c async for c in await client.completions.create(
-            model=model_dir.name, prompt="Once upon a time", max_tokens=24, temperature=1.5, seed=seed, stream=True,
+            model=model_dir.name, prompt="Once upon a time", max_tokens=16, temperature=1.5, seed=seed, stream=True,
             extra_body={"ignore_eos": True})]
         streamed = "".join(c.choices[0].text for c in chunks if c.choices)
         deltas, _ = await collect(mesh.router, router_pb2.GenerateRequest(text=b"Once upon a time", sampling=(
-            common_pb2.SamplingParams(max_tokens=24, temperature=1.5, seed=seed, ignore_eos=True))))
+            common_pb2.SamplingParams(max_tokens=16, temperature=1.5, seed=seed, ignore_eos=True))))
         ids = token_ids(deltas)
         assert streamed == tokenizer.decode(ids), seed
         num_partial += sum(tokenizer.decode([t]) == "\ufffd" for t in ids)
