@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,6 +183,9 @@ def pytest_collection_modifyitems(config, items):
     """The long files first (``LONG_FILES``). The README's second run, ISA capped to AVX2,
     proves the AVX2 path on a CPU with AVX-512. On an x86 CPU without it the uncapped run
     already took that path: the capped run says so and skips rather than repeat it."""
+    root = Path(__file__).resolve().parents[1]
+    if missing := [name for name in LONG_FILES if not (root / name).is_file()]:
+        raise pytest.UsageError(f"tests/conftest.py's LONG_FILES names files that are gone: {missing}")
     rank = {name: k for k, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONG_FILES)))  # stable: files stay whole
     if config.getoption("markexpr") != "isa" or os.environ.get("ATEN_CPU_CAPABILITY", "").lower() != "avx2":

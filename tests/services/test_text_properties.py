@@ -96,3 +96,24 @@ def test_any_token_ids_stream_as_their_decoded_text_with_nothing_partial_printed
             assert whole[len(streamed) - 1] == "\ufffd"
     streamed += detok.flush() if ends_with_flush else ""
     assert streamed == whole
+
+
+def test_a_sample_that_ends_without_a_token_still_streams_the_bytes_held_for_it(default_model_dir):
+    """A lone byte of a multi-byte character, then the end with no further token (an abort, a
+    length cut by the worker): the held byte goes out, as U+FFFD, before the sample's end."""
+    import time
+
+    from services.proto import common_pb2, worker_pb2
+    from services.router.sample_stream import SampleStream
+    tokenizer = Tokenizer.from_dir(default_model_dir)
+    word, byte = tokenizer.encode("caf"), [lone_bytes(tokenizer)[0]]
+    ids = word + byte
+    sample = SampleStream("r", 0, tokenizer, [], num_prompt_tokens=3, start=time.perf_counter())
+    first = sample.take(worker_pb2.TokenUpdate(token_ids=word), attempt=0, cached_prompt_tokens=0)
+    held = sample.take(worker_pb2.TokenUpdate(index=len(word), token_ids=byte), attempt=0, cached_prompt_tokens=0)
+    assert [r.delta.text for r in first + held] == ["caf", ""]  # the byte is held
+    last = sample.take(worker_pb2.TokenUpdate(finish_reason=common_pb2.FINISH_REASON_ABORT), attempt=0,
+                       cached_prompt_tokens=0)
+    assert [r.WhichOneof("kind") for r in last] == ["delta", "finished"]
+    assert last[0].delta.text == "\ufffd" and not last[0].delta.token_ids
+    assert "caf" + last[0].delta.text == tokenizer.decode(ids)
