@@ -5,7 +5,6 @@ README does not tell a user to run."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 SECTION = "## Two commands"
@@ -21,4 +20,3 @@ def readme_commands(readme: str) -> list[str]:
 
 if __name__ == "__main__":
     print("\n".join(readme_commands((Path(__file__).resolve().parents[1] / "README.md").read_text())))
-    sys.exit(0)
