@@ -1,6 +1,7 @@
 """The API's sources lint clean and the committed stubs match them, whichever patch release
 of the generator a fresh install takes; the runtime floors in pyproject cover the stubs."""
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -10,8 +11,10 @@ from pathlib import Path
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "protos"))
-import generate  # noqa: E402  (protos/generate.py: a script, not a package)
+# protos/generate.py is a script, not a package: loaded by path, leaving sys.path alone
+_spec = importlib.util.spec_from_file_location("generate", ROOT / "protos" / "generate.py")
+generate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(generate)
 
 STUBS = ROOT / "services" / "proto"
 
