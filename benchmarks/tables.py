@@ -116,6 +116,37 @@ def quantization() -> str:
     return "\n".join(rows) + "\n"
 
 
+ACTIVATION_ROWS = {"float": "Kervan, float activations", "int8": "Kervan, int8 activations",
+                   "auto": "Kervan, auto (LM head float)", "llama_cpp": "llama.cpp", "llama_cpp_pp_build":
+                   "llama.cpp, the prompt build"}
+
+
+def quant_activations() -> str:
+    """Per report: batch 1, batch 8 and a 512-token prompt for each kernel and llama.cpp;
+    then what int8 activations do to perplexity and agreement."""
+    rows = ["| report | CPU (ISA), dtype | system | batch 1 ms/token | vs float kernel | vs llama.cpp "
+            "| batch 8 tok/s | prompt 512 tok/s | prompt vs llama.cpp |", "|---|---|---|---|---|---|---|---|---|"]
+    quality = ["| report | dequantized path perplexity | float kernel | int8 kernel | int8 top-1 agreement "
+               "| greedy tokens the same |", "|---|---|---|---|---|---|"]
+    for label, report in cells.reports("quant_activations"):
+        m, s = report["machine"], report["speed"]
+        where = f"{m['cpu']} ({m['isa']}), {m['dtype']}"
+        for key, name in ACTIVATION_ROWS.items():
+            if key not in s:
+                continue
+            x = s[key]
+            rows.append(f"| {label} | {where} | {name} | {cells.maybe(x.get('batch_1_ms'), '{:,.2f}')} "
+                        f"| {cells.ratio(x['batch_1_speedup_vs_float']) if 'batch_1_speedup_vs_float' in x else '–'} "
+                        f"| {cells.ratio(x['batch_1_vs_llama_cpp']) if 'batch_1_vs_llama_cpp' in x else '–'} "
+                        f"| {cells.maybe(x.get('batch_8_tok_s'))} | {cells.maybe(x.get('pp_tok_s'))} "
+                        f"| {cells.ratio(x['pp_vs_llama_cpp']) if 'pp_vs_llama_cpp' in x else '–'} |")
+        q, g = report["quality"], report["greedy"]
+        quality.append(f"| {label} | {q['dequantized']['perplexity']:.4f} | {q['float']['perplexity']:.4f} "
+                       f"| {q['int8']['perplexity']:.4f} | {q['int8']['top1_agreement_with_dequantized']:.4f} "
+                       f"| {g['same_token_share']:.3f} |")
+    return "\n".join(rows) + "\n\n" + "\n".join(quality) + "\n"
+
+
 KERNELS = ("kervan_int8", "torch_int8pack", "kervan_int4", "torch_int4pack")
 
 
@@ -229,7 +260,7 @@ def measured(benchmark: str, keys: tuple[str, ...] = ("summary",)) -> str:
 
 
 TABLES = {"engine_throughput": engine_throughput, "step_profile": step_profile, "linear_kernels": linear_kernels,
-          "quantization": quantization, "quant-kernels": quant_kernels,
+          "quantization": quantization, "quant-kernels": quant_kernels, "quant_activations": quant_activations,
           "speculative": speculative, "parallel": parallel, "linear_packing": linear_packing,
           "interference": mesh_tables.interference, "prefix_placement": mesh_tables.prefix_placement,
           "mesh_throughput": mesh_tables.mesh_throughput, "place_path": mesh_tables.place_path,

@@ -56,6 +56,18 @@ def weight_packing() -> str:
         raise ValueError(f"{KERVAN_WEIGHT_PACKING}={value!r}; expected auto, onednn or off")
     return value
 
+
+# the kernel of quantized matmuls' decode-step calls: "auto" (each weight shape's faster on this CPU, timed
+# at load), "float" (x as it comes, codes decoded in registers) or "int8" (x quantized to int8 per call)
+KERVAN_QUANT_ACTIVATIONS = "KERVAN_QUANT_ACTIVATIONS"
+
+
+def quant_activations() -> str:
+    value = os.environ.get(KERVAN_QUANT_ACTIVATIONS, "auto")
+    if value not in ("auto", "float", "int8"):
+        raise ValueError(f"{KERVAN_QUANT_ACTIVATIONS}={value!r}; expected auto, float or int8")
+    return value
+
 # standard variables Kervan honours: oneDNN's ISA cap (PyTorch's own,
 # ATEN_CPU_CAPABILITY, is read back through torch.backends.cpu.get_cpu_capability())
 # and the C++ compiler the native kernels are built with

@@ -14,6 +14,7 @@ import torch
 
 from tests.cache_helpers import fresh_cache
 from worker.pull import CATALOG, PullError, resolve_model
+from worker.quant.model import quantized_weights
 
 NAME = "smollm2-135m"
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
@@ -86,11 +87,14 @@ def test_the_served_weights_are_the_gguf_s_own_values(pulled):
     assert sum(p.numel() for p in model.parameters()) == 30 * 2 * 576 + 576  # only the norms stay in float
 
 
-def test_greedy_text_matches_transformers_on_chat_prompts(pulled):
+def test_greedy_text_matches_transformers_on_chat_prompts(pulled, monkeypatch):
     """Same chat template, same tokens, same stop at <|im_end|> as transformers running
     the GGUF dequantized to float32; Kervan serves the blocks themselves (float32
-    activations: the same products, summed in another order). The same again with the
-    shipped EAGLE head guessing (float32: verification rows cannot flip a near-tie)."""
+    activations, ``KERVAN_QUANT_ACTIVATIONS=float``: the same products, summed in another
+    order). The same again with the shipped EAGLE head guessing (float32: verification
+    rows cannot flip a near-tie). With int8 activations (llama.cpp's rounding of x), given
+    the first answer's first token (a near-tie: "The" has p = 0.15, and int8 on AVX-512
+    picks "L'"), the rest of the answer is the same."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.router.chat_template import ChatTemplate
@@ -104,6 +108,7 @@ def test_greedy_text_matches_transformers_on_chat_prompts(pulled):
                                                        add_generation_prompt=True, tokenize=False)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=Path(CATALOG[NAME].gguf_member).name,
                                                      dtype=torch.float32).eval()
+    monkeypatch.setenv("KERVAN_QUANT_ACTIVATIONS", "float")
     engine = Engine.from_pretrained(model_dir, dtype="float32")
     try:
         outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
@@ -127,6 +132,15 @@ def test_greedy_text_matches_transformers_on_chat_prompts(pulled):
         assert got.text == tokenizer.decode(want, skip_special_tokens=True)
     [capital] = outs[0].outputs
     assert capital.text == "The capital of France is Paris." and capital.finish_reason == "stop"
+    monkeypatch.setenv("KERVAN_QUANT_ACTIVATIONS", "int8")
+    int8 = Engine.from_pretrained(model_dir, dtype="float32")
+    try:
+        assert all(w.int8 is not None for w in quantized_weights(int8.runner.model))
+        [answer] = int8.generate([outs[0].prompt_token_ids + capital.token_ids[:1]],
+                                 SamplingParams(max_tokens=24, temperature=0.0))
+    finally:
+        int8.close()
+    assert answer.outputs[0].token_ids == capital.token_ids[1:]
 
 
 def test_kervan_up_serves_it_by_name_in_real_text(pulled):

@@ -28,7 +28,7 @@ from services.worker.async_engine import AsyncEngine
 from services.worker.decode_peers import DecodePeers
 from services.worker.kv_transfer import sweep_stale_segments
 from services.worker.membership import Membership
-from services.worker.metrics import EngineCollector
+from services.worker.metrics import EngineCollector, KernelChoiceCollector
 from services.worker.servicer import CALLERS, WorkerServicer
 from worker.config import SPECULATIVE_METHODS, ConfigError, EngineConfig
 from worker.platform import DTYPE_CHOICES, dtype_name
@@ -159,6 +159,7 @@ async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: 
         tasks.append(loop.create_task(_exit_when_unhealthy(async_engine, handle)))
     if args.metrics_port is not None:
         REGISTRY.register(EngineCollector(async_engine))
+        REGISTRY.register(KernelChoiceCollector(async_engine.engine.runner.kernel_choices))
         serve_metrics(args.metrics_port, args.host, "worker")
     print(f"worker ready on {args.host}:{handle.port}", flush=True)
 

@@ -65,6 +65,22 @@ class EngineCollector(Collector):
         yield from _spec_decode_metrics(stats)
 
 
+class KernelChoiceCollector(Collector):
+    """Which kernel each quantized weight shape's decode-step matmuls take on this CPU, and
+    why (``worker/quant/kernel_choice.py``): an info gauge, 1 per shape."""
+
+    def __init__(self, choices):
+        self.choices = choices
+
+    def collect(self):
+        family = GaugeMetricFamily("kervan_quant_kernel_info", "The kernel of a quantized weight shape's few-row "
+                                   "matmuls (float or int8 activations) and why it was chosen",
+                                   labels=["shape", "method", "kernel", "reason"])
+        for c in self.choices:
+            family.add_metric([f"{c.out_features}x{c.in_features}", c.method, c.kernel, c.reason], 1)
+        yield family
+
+
 def _spec_decode_metrics(stats):
     """Speculative decoding, under vLLM's names (``spec_decode_*``), and the two ratios its
     logger prints, since the start."""

@@ -5,6 +5,8 @@
   summing in float32 (bf16 x on AVX512_BF16: bf16 values and ``vdpbf16ps``). A step reads
   the codes once: 4-bit weights are a quarter of bf16's bytes, and a decode step is bound
   by the bytes it reads.
+  Or, where ``kernel_choice.py`` timed it faster on this CPU, ``quant_matmul_i8``: x
+  quantized to int8 by blocks of 32 and the codes multiplied as bytes (llama.cpp's path).
 - More rows: tiles of ``TILE_ELEMENTS`` weights are dequantized to x's dtype and go
   through that dtype's own matmul (oneDNN's bf16 kernels, or cuBLAS), so a prompt chunk
   costs what it costs unquantized plus one pass over the codes; the whole matrix is never
@@ -34,8 +36,13 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     """x: [rows, in_features] -> [rows, out_features] in x's dtype."""
     if x.device.type == "cpu" and has_native_kernels():
         if x.shape[0] <= DIRECT_MAX_ROWS:
-            return torch.ops.kervan.quant_matmul(x if x.stride(-1) == 1 else x.contiguous(), w.codes, w.scales,
-                                                 w.zeros, w.lut, int(w.format), w.group, w.tensor_scale, bias)
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            packed = w.int8
+            if packed is not None:
+                return torch.ops.kervan.quant_matmul_i8(x, packed.data, w.out_features, w.group, packed.four_bit,
+                                                        packed.signed_codes, packed.half_params, packed.terms, bias)
+            return torch.ops.kervan.quant_matmul(x, w.codes, w.scales, w.zeros, w.lut, int(w.format), w.group,
+                                                 w.tensor_scale, bias)
     elif x.device.type == "cuda" and w.format == CodeFormat.E4M3 and has_fp8_tensor_cores(x.device):
         return fp8_scaled_mm(x, w, bias)
     return tiled_linear(x, w, bias)

@@ -77,6 +77,15 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
     return {"quantized": quantized, "float": floats, "total": quantized + floats}
 
 
+def quantized_weights(model: nn.Module) -> list[QuantizedWeight]:
+    """Every quantized matrix of the model once (a tied head and its embedding are one)."""
+    found: dict[int, QuantizedWeight] = {}
+    for module in model.modules():
+        for q in _quantized_of(module):
+            found.setdefault(id(q.codes), q)
+    return list(found.values())
+
+
 def _quantized_of(module: nn.Module) -> list[QuantizedWeight]:
     found = getattr(module, "quant", None)
     experts = getattr(module, "expert_quants", None) or []

@@ -17,8 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from worker.quant.int8_layout import Int8Layout
 
 
 class CodeFormat(IntEnum):
@@ -41,6 +45,9 @@ class QuantizedWeight:
     in_features: int
     tensor_scale: float = 1.0
     method: str = ""  # the name it was made by, for reports ("int4", "gguf-q4_1", ...)
+    # the codes packed for the int8-activation kernel, where it computes this weight's few-row calls
+    # (``kernel_choice.py``): made for the whole matrix, so slicing drops it
+    int8: Int8Layout | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -73,7 +80,7 @@ class QuantizedWeight:
     def rows(self, index: slice | torch.Tensor) -> QuantizedWeight:
         def take(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[index].contiguous()
-        return replace(self, codes=take(self.codes), scales=take(self.scales), zeros=take(self.zeros))
+        return replace(self, codes=take(self.codes), scales=take(self.scales), zeros=take(self.zeros), int8=None)
 
     def columns(self, start: int, stop: int) -> QuantizedWeight:
         if (start, stop) == (0, self.in_features):
@@ -88,13 +95,13 @@ class QuantizedWeight:
             return None if t is None else t[:, start // width:stop // width].contiguous()
         return replace(self, codes=self.codes[:, start // per:stop // per].contiguous(),
                        scales=cut(self.scales, self.group), zeros=cut(self.zeros, self.group),
-                       in_features=stop - start)
+                       in_features=stop - start, int8=None)
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
         return replace(self, codes=move(self.codes), scales=move(self.scales), zeros=move(self.zeros),
-                       lut=move(self.lut))
+                       lut=move(self.lut), int8=None)
 
     def values(self) -> torch.Tensor:
         """The codes' values, float32 [out, in], before scaling."""
@@ -135,4 +142,4 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
                first.zeros is None) or (p.lut is not None and not torch.equal(p.lut, first.lut)) for p in parts):
         raise ValueError("the parts of a merged linear are quantized differently")
     return replace(first, codes=torch.cat([p.codes for p in parts]), scales=torch.cat([p.scales for p in parts]),
-                   zeros=None if first.zeros is None else torch.cat([p.zeros for p in parts]))
+                   zeros=None if first.zeros is None else torch.cat([p.zeros for p in parts]), int8=None)

@@ -25,6 +25,7 @@ from worker.models.decoder import DecoderModel
 from worker.parallel import get_parallel_state, kv_shards, pipeline
 from worker.parallel.group import GroupFailed, GroupLeader
 from worker.parallel.step_inputs import StepInputs
+from worker.quant.kernel_choice import choose_kernels
 from worker.runner.graphs import GRAPH_MAX_CONTEXT, CudaGraphRunner, decode_buckets
 from worker.runner.sampler import Sampler, SamplingRow
 from worker.spec.verifier import Verifier
@@ -64,6 +65,8 @@ class ModelRunner:
                                         config.dtype, self.device)
         self.kv_caches = list(self.kv_pool.unbind(0))
         self.native_kernels = self.device.type == "cpu" and has_native_kernels()
+        # each quantized weight's decode-step kernel, timed on this CPU (before deterministic mode probes them)
+        self.kernel_choices = choose_kernels(model, config.dtype, config.deterministic) if self.native_kernels else []
         if config.deterministic:
             if not self.native_kernels:
                 raise ConfigError("deterministic mode needs the native CPU kernels (its one attention kernel for "
