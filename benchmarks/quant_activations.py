@@ -2,7 +2,7 @@
 (``worker/kernels/quant_int8.cpp``), and llama.cpp on the same file, in one run.
 
 - Speed: batch-1 decode ms per token (a 64-token prompt, then ``--new-tokens`` greedy
-  steps, the median step) and batch-8 output tok/s, for the engine with
+  steps, the median step) and batch-8 and batch-32 decode tok/s, for the engine with
   ``KERVAN_QUANT_ACTIVATIONS=float``, ``int8`` and ``auto`` (the per-shape choice timed at
   load), and prompt processing of 512 tokens (tok/s of one 512-token prefill); llama.cpp's
   ``llama-bench`` (``tg``: batch 1, ``pp``: the prompt) in every round, after Kervan's runs,
@@ -46,7 +46,7 @@ def engine_with(kernel: str, args):
     from worker import Engine
     os.environ["KERVAN_QUANT_ACTIVATIONS"] = kernel  # read when the engine loads
     try:
-        return Engine.from_pretrained(args.model, dtype=args.dtype, max_num_seqs=16)
+        return Engine.from_pretrained(args.model, dtype=args.dtype, max_num_seqs=32)
     finally:
         del os.environ["KERVAN_QUANT_ACTIVATIONS"]
 
@@ -95,13 +95,15 @@ def speed(args) -> dict:
     choices = [c.describe() for c in engines["auto"].runner.kernel_choices]
     gguf = str(next(p for p in os.scandir(args.model) if p.name.endswith(".gguf")).path)
     threads = torch.get_num_threads()
-    rows: dict[str, dict[str, list[float]]] = {k: {"batch_1_ms": [], "batch_8_tok_s": [], "pp_tok_s": []}
+    rows: dict[str, dict[str, list[float]]] = {k: {"batch_1_ms": [], "batch_8_tok_s": [], "batch_32_tok_s": [],
+                                                   "pp_tok_s": []}
                                                for k in (*KERNELS, "llama_cpp", "llama_cpp_pp_build")}
     for round_ in range(args.rounds):
         order = KERNELS[round_ % len(KERNELS):] + KERNELS[:round_ % len(KERNELS)]
         for k in order:
             rows[k]["batch_1_ms"].append(batch1_ms(engines[k], args.new_tokens))
             rows[k]["batch_8_tok_s"].append(batch_rate(engines[k], 8, args.new_tokens))
+            rows[k]["batch_32_tok_s"].append(batch_rate(engines[k], 32, args.new_tokens))
             rows[k]["pp_tok_s"].append(prompt_rate(engines[k], args.prompt_tokens, round_))
         if args.llama_bench:
             rows["llama_cpp"]["batch_1_ms"].append(1e3 / llama_bench(args.llama_bench, gguf, threads, 0, 128))

@@ -58,7 +58,7 @@ def test_the_kernel_is_x_rounded_to_int8_times_the_weight(name, dtype):
     w = weights()[name]
     packed = with_int8(w)
     bias = torch.randn(98, generator=torch.Generator().manual_seed(1)).to(dtype)
-    for rows in (1, 2, 3, 4, 5, 8, 16):
+    for rows in (1, 2, 3, 4, 5, 8, 16, 33, 64):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
         got = quant_linear(x, packed, bias)
         assert got.shape == (rows, 98) and got.dtype == dtype
@@ -71,12 +71,15 @@ def test_the_kernel_is_x_rounded_to_int8_times_the_weight(name, dtype):
 @native
 @pytest.mark.parametrize("name", ["int4-g32", "int8"])
 def test_rows_never_mix(name):
-    """A row's result is the same bits alone and among 15 others: batch-invariant."""
+    """A row's result is the same bits alone and among 63 others: batch-invariant; past
+    ``INT8_MAX_ROWS`` a call takes the dequantized tiles."""
+    from worker.quant.matmul import INT8_MAX_ROWS, tiled_linear
     packed = with_int8(weights()[name])
-    x = torch.randn(16, packed.in_features, generator=torch.Generator().manual_seed(3))
-    together = quant_linear(x, packed)
-    for r in (0, 5, 15):
+    x = torch.randn(INT8_MAX_ROWS + 1, packed.in_features, generator=torch.Generator().manual_seed(3))
+    together = quant_linear(x[:INT8_MAX_ROWS], packed)
+    for r in (0, 5, 15, INT8_MAX_ROWS - 1):
         assert torch.equal(quant_linear(x[r:r + 1], packed)[0], together[r])
+    assert torch.equal(quant_linear(x, packed), tiled_linear(x, packed, None))
 
 
 @native

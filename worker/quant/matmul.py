@@ -6,7 +6,8 @@
   the codes once: 4-bit weights are a quarter of bf16's bytes, and a decode step is bound
   by the bytes it reads.
   Or, where ``kernel_choice.py`` timed it faster on this CPU, ``quant_matmul_i8``: x
-  quantized to int8 by blocks of 32 and the codes multiplied as bytes (llama.cpp's path).
+  quantized to int8 by blocks of 32 and the codes multiplied as bytes (llama.cpp's path),
+  for calls of up to ``INT8_MAX_ROWS``.
 - More rows: tiles of ``TILE_ELEMENTS`` weights are dequantized to x's dtype and go
   through that dtype's own matmul (oneDNN's bf16 kernels, or cuBLAS), so a prompt chunk
   costs what it costs unquantized plus one pass over the codes; the whole matrix is never
@@ -29,20 +30,23 @@ from worker.quant.weight import CodeFormat, QuantizedWeight
 # calls of up to this many rows decode in registers; above, dequantized tiles and the dtype's
 # matmul win (bf16 on AVX-512: the direct kernel's float32 FMAs do one row of x per weight decoded)
 DIRECT_MAX_ROWS = 16
+# the int8 kernel's calls: up to 64 rows it beat dequantized tiles on SmolLM2's MLP shapes, bf16 with
+# AMX and float32 capped to AVX2 alike (32 rows: 2.2x and 1.8x; 128 rows: 0.8x and 0.9x; the AMX Xeon)
+INT8_MAX_ROWS = 64
 TILE_ELEMENTS = 1 << 20  # weights per dequantized tile: 2 MB in bf16, within L2 next to its outputs
 
 
 def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [rows, in_features] -> [rows, out_features] in x's dtype."""
     if x.device.type == "cpu" and has_native_kernels():
+        packed = w.int8
+        if packed is not None and x.shape[0] <= INT8_MAX_ROWS:
+            return torch.ops.kervan.quant_matmul_i8(x if x.stride(-1) == 1 else x.contiguous(), packed.data,
+                                                    w.out_features, w.group, packed.four_bit, packed.signed_codes,
+                                                    packed.half_params, packed.terms, bias)
         if x.shape[0] <= DIRECT_MAX_ROWS:
-            x = x if x.stride(-1) == 1 else x.contiguous()
-            packed = w.int8
-            if packed is not None:
-                return torch.ops.kervan.quant_matmul_i8(x, packed.data, w.out_features, w.group, packed.four_bit,
-                                                        packed.signed_codes, packed.half_params, packed.terms, bias)
-            return torch.ops.kervan.quant_matmul(x, w.codes, w.scales, w.zeros, w.lut, int(w.format), w.group,
-                                                 w.tensor_scale, bias)
+            return torch.ops.kervan.quant_matmul(x if x.stride(-1) == 1 else x.contiguous(), w.codes, w.scales,
+                                                 w.zeros, w.lut, int(w.format), w.group, w.tensor_scale, bias)
     elif x.device.type == "cuda" and w.format == CodeFormat.E4M3 and has_fp8_tensor_cores(x.device):
         return fp8_scaled_mm(x, w, bias)
     return tiled_linear(x, w, bias)
