@@ -9,6 +9,8 @@
   where ``--llama-bench`` names a build (``--llama-bench-pp`` another build for prompts:
   a build's AMX path may crash on prompts, see the README). Rounds alternate the systems;
   each ratio is the median of per-round ratios with its min-max.
+- Memory: the bytes of the weights each engine holds (``quantized_bytes``: the int8 kernel's
+  packed copies beside the GGUF's blocks).
 - Quality: perplexity on held-out text (``benchmarks/quantization.py``'s docstrings), float32
   activations in, teacher-forced through the paged model in chunks of 16 tokens (so every
   matmul is a few-row call, the kernels' domain) with each kernel, against the dequantized
@@ -112,6 +114,8 @@ def speed(args) -> dict:
         if args.llama_bench_pp != args.llama_bench:  # the prompt build's own batch 1, for the record
             rows["llama_cpp_pp_build"]["batch_1_ms"].append(1e3 / llama_bench(args.llama_bench_pp, gguf, threads, 0,
                                                                                128))
+    from worker.quant.model import quantized_bytes
+    held = {k: quantized_bytes(engines[k].runner.model)["total"] for k in KERNELS}  # the packed copies included
     for engine in engines.values():
         engine.close()
     out: dict = {"kernel_choices": choices, "threads": threads}
@@ -119,6 +123,7 @@ def speed(args) -> dict:
         if any(series.values()):
             out[name] = {key: spread(values) for key, values in series.items() if values}
     for k in KERNELS:
+        out[k]["weight_bytes"] = held[k]
         out[k]["batch_1_speedup_vs_float"] = spread([f / v for f, v in zip(rows["float"]["batch_1_ms"],
                                                                             rows[k]["batch_1_ms"])])
         if rows["llama_cpp"]["batch_1_ms"]:

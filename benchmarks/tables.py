@@ -124,9 +124,9 @@ ACTIVATION_ROWS = {"float": "Kervan, float activations", "int8": "Kervan, int8 a
 def quant_activations() -> str:
     """Per report: batch 1, batch 8 and a 512-token prompt for each kernel and llama.cpp;
     then what int8 activations do to perplexity and agreement."""
-    rows = ["| report | CPU (ISA), dtype | system | batch 1 ms/token | vs float kernel | vs llama.cpp "
+    rows = ["| report | CPU (ISA), dtype | system | weights MB | batch 1 ms/token | vs float kernel | vs llama.cpp "
             "| batch 8 tok/s | batch 32 tok/s | prompt 512 tok/s | prompt vs llama.cpp |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     quality = ["| report | dequantized path perplexity | float kernel | int8 kernel | int8 top-1 agreement "
                "| greedy tokens the same |", "|---|---|---|---|---|---|"]
     for label, report in cells.reports("quant_activations"):
@@ -136,7 +136,8 @@ def quant_activations() -> str:
             if key not in s:
                 continue
             x = s[key]
-            rows.append(f"| {label} | {where} | {name} | {cells.maybe(x.get('batch_1_ms'), '{:,.2f}')} "
+            held = f"{x['weight_bytes'] / 1e6:,.1f}" if "weight_bytes" in x else "–"
+            rows.append(f"| {label} | {where} | {name} | {held} | {cells.maybe(x.get('batch_1_ms'), '{:,.2f}')} "
                         f"| {cells.ratio(x['batch_1_speedup_vs_float']) if 'batch_1_speedup_vs_float' in x else '–'} "
                         f"| {cells.ratio(x['batch_1_vs_llama_cpp']) if 'batch_1_vs_llama_cpp' in x else '–'} "
                         f"| {cells.maybe(x.get('batch_8_tok_s'))} | {cells.maybe(x.get('batch_32_tok_s'))} "

@@ -58,7 +58,7 @@ def test_the_kernel_is_x_rounded_to_int8_times_the_weight(name, dtype):
     w = weights()[name]
     packed = with_int8(w)
     bias = torch.randn(98, generator=torch.Generator().manual_seed(1)).to(dtype)
-    for rows in (1, 2, 3, 4, 5, 8, 16, 33, 64):
+    for rows in (1, 2, 3, 4, 5, 8, 13, 16):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
         got = quant_linear(x, packed, bias)
         assert got.shape == (rows, 98) and got.dtype == dtype
@@ -71,7 +71,7 @@ def test_the_kernel_is_x_rounded_to_int8_times_the_weight(name, dtype):
 @native
 @pytest.mark.parametrize("name", ["int4-g32", "int8"])
 def test_rows_never_mix(name):
-    """A row's result is the same bits alone and among 63 others: batch-invariant; past
+    """A row's result is the same bits alone and among the others of a call: batch-invariant; past
     ``INT8_MAX_ROWS`` a call takes the dequantized tiles."""
     from worker.quant.matmul import INT8_MAX_ROWS, tiled_linear
     packed = with_int8(weights()[name])

@@ -1,4 +1,4 @@
-"""Which kernel computes a quantized matmul's few-row calls (decode steps) on this CPU,
+"""Which kernel computes a quantized matmul's decode-step calls on this CPU,
 chosen by timing them on the model's own weights when it loads.
 
 The candidates:
@@ -22,7 +22,9 @@ the capital of France?" starts with "The" at p = 0.15; one int8 term in the head
 turned it into "L'Étoile, la Marseillaise", in the decoder's layers alone it stayed).
 ``KERVAN_QUANT_ACTIVATIONS=float`` or ``int8`` forces one kernel wherever it applies;
 deterministic mode and worker groups do not time (a choice must not change between starts,
-nor differ between ranks): they take ``int8`` where it applies."""
+nor differ between ranks): they take the integer kernel where it applies. The packed codes
+are a second copy of the weight (the first stays for the embedding's rows and for calls
+of more than ``matmul.INT8_MAX_ROWS`` rows)."""
 
 from __future__ import annotations
 

@@ -30,9 +30,11 @@ from worker.quant.weight import CodeFormat, QuantizedWeight
 # calls of up to this many rows decode in registers; above, dequantized tiles and the dtype's
 # matmul win (bf16 on AVX-512: the direct kernel's float32 FMAs do one row of x per weight decoded)
 DIRECT_MAX_ROWS = 16
-# the int8 kernel's calls: up to 64 rows it beat dequantized tiles on SmolLM2's MLP shapes, bf16 with
-# AMX and float32 capped to AVX2 alike (32 rows: 2.2x and 1.8x; 128 rows: 0.8x and 0.9x; the AMX Xeon)
-INT8_MAX_ROWS = 64
+# the int8 kernel's calls: decode-sized ones. Up to 64 rows it beat dequantized tiles on SmolLM2's MLP
+# shapes (32 rows: 2.2x bf16 with AMX, 1.8x float32 capped to AVX2), but a short prompt's rows then
+# round x too, and on the AMX Xeon that flipped SmolLM2's near-tie first answer token (p = 0.15) where
+# rounding only decode rows did not: prompts keep x unrounded until a step can tell its rows apart
+INT8_MAX_ROWS = 16
 TILE_ELEMENTS = 1 << 20  # weights per dequantized tile: 2 MB in bf16, within L2 next to its outputs
 
 
