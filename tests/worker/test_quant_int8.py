@@ -12,7 +12,7 @@ from worker.kernels import has_native_kernels
 from worker.quant.int4 import quantize_int4
 from worker.quant.int8 import quantize_int8
 from worker.quant.int8_layout import code_offset
-from worker.quant.matmul import quant_linear
+from worker.quant.matmul import decode_only, quant_linear
 from worker.quant.method import get_method
 from worker.quant.weight import CodeFormat, QuantizedWeight
 
@@ -58,9 +58,10 @@ def test_the_kernel_is_x_rounded_to_int8_times_the_weight(name, dtype):
     w = weights()[name]
     packed = with_int8(w)
     bias = torch.randn(98, generator=torch.Generator().manual_seed(1)).to(dtype)
-    for rows in (1, 2, 3, 4, 5, 8, 13, 16):
+    for rows in (1, 2, 3, 4, 5, 8, 13, 16, 33, 64):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
-        got = quant_linear(x, packed, bias)
+        with decode_only():
+            got = quant_linear(x, packed, bias)
         assert got.shape == (rows, 98) and got.dtype == dtype
         want = q8_reference(x, w) + bias.double()
         # float32: only the order of float32 sums differs; bf16: the output's one rounding
@@ -71,15 +72,20 @@ def test_the_kernel_is_x_rounded_to_int8_times_the_weight(name, dtype):
 @native
 @pytest.mark.parametrize("name", ["int4-g32", "int8"])
 def test_rows_never_mix(name):
-    """A row's result is the same bits alone and among the others of a call: batch-invariant; past
-    ``INT8_MAX_ROWS`` a call takes the dequantized tiles."""
-    from worker.quant.matmul import INT8_MAX_ROWS, tiled_linear
+    """A row's result is the same bits alone and among the others of a call: batch-invariant.
+    Calls of more than 16 rows take the dequantized tiles, but inside ``decode_only`` (a step
+    without prompt rows) up to 64."""
+    from worker.quant.matmul import DIRECT_MAX_ROWS, INT8_DECODE_MAX_ROWS, decode_only, tiled_linear
     packed = with_int8(weights()[name])
-    x = torch.randn(INT8_MAX_ROWS + 1, packed.in_features, generator=torch.Generator().manual_seed(3))
-    together = quant_linear(x[:INT8_MAX_ROWS], packed)
-    for r in (0, 5, 15, INT8_MAX_ROWS - 1):
+    x = torch.randn(INT8_DECODE_MAX_ROWS + 1, packed.in_features, generator=torch.Generator().manual_seed(3))
+    with decode_only():
+        together = quant_linear(x[:INT8_DECODE_MAX_ROWS], packed)
+        assert torch.equal(quant_linear(x, packed), tiled_linear(x, packed, None))
+    for r in (0, 5, 15, INT8_DECODE_MAX_ROWS - 1):
         assert torch.equal(quant_linear(x[r:r + 1], packed)[0], together[r])
-    assert torch.equal(quant_linear(x, packed), tiled_linear(x, packed, None))
+    assert torch.equal(quant_linear(x[:DIRECT_MAX_ROWS], packed), together[:DIRECT_MAX_ROWS])
+    rows = x[:DIRECT_MAX_ROWS + 1]
+    assert torch.equal(quant_linear(rows, packed), tiled_linear(rows, packed, None))
 
 
 @native
@@ -187,3 +193,29 @@ def test_a_quantized_engine_with_int8_activations_answers_and_exports_its_choice
         assert {s.labels["reason"] for s in family.samples} == {"forced"}
     finally:
         engine.close()
+
+
+@native
+def test_only_steps_without_prompt_rows_round_more_than_16_rows(hf_models, monkeypatch):
+    """The runner's decode-only steps let 20 rows take the int8 kernel; a step with a prompt
+    chunk keeps prompts' x unrounded past 16 rows (deterministic mode: one rule always)."""
+    import worker.layers.linear as linear
+    from worker import Engine, SamplingParams
+    from worker.quant import matmul
+    _, path = hf_models("llama")
+    monkeypatch.setenv("KERVAN_QUANT_ACTIVATIONS", "int8")
+    seen: list[tuple[int, int]] = []
+
+    def recorded(x, w, bias=None):
+        seen.append((x.shape[0], matmul._int8_max_rows.get()))
+        return matmul.quant_linear(x, w, bias)
+    monkeypatch.setattr(linear, "quant_linear", recorded)
+    engine = Engine.from_pretrained(path, dtype="float32", quantization="int4-g32", num_kv_blocks=64)
+    try:
+        prompts = [[5 + i, 9, 13, 2] for i in range(20)]
+        outs = engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
+    finally:
+        engine.close()
+    assert (80, matmul.DIRECT_MAX_ROWS) in seen  # the prompts: 20 x 4 rows in one step
+    assert (20, matmul.INT8_DECODE_MAX_ROWS) in seen  # their decodes

@@ -24,7 +24,7 @@ turned it into "L'Étoile, la Marseillaise", in the decoder's layers alone it st
 deterministic mode and worker groups do not time (a choice must not change between starts,
 nor differ between ranks): they take the integer kernel where it applies. The packed codes
 are a second copy of the weight (the first stays for the embedding's rows and for calls
-of more than ``matmul.INT8_MAX_ROWS`` rows)."""
+of more rows than ``matmul.quant_linear`` gives the int8 kernel)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@
   by the bytes it reads.
   Or, where ``kernel_choice.py`` timed it faster on this CPU, ``quant_matmul_i8``: x
   quantized to int8 by blocks of 32 and the codes multiplied as bytes (llama.cpp's path),
-  for calls of up to ``INT8_MAX_ROWS``.
+  for calls of up to ``DIRECT_MAX_ROWS``, and of up to ``INT8_DECODE_MAX_ROWS`` inside
+  ``decode_only()`` (the runner's steps without prompt rows).
 - More rows: tiles of ``TILE_ELEMENTS`` weights are dequantized to x's dtype and go
   through that dtype's own matmul (oneDNN's bf16 kernels, or cuBLAS), so a prompt chunk
   costs what it costs unquantized plus one pass over the codes; the whole matrix is never
@@ -22,6 +23,10 @@ model's shapes (``benchmarks/README.md``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 
 from worker.kernels import has_native_kernels
@@ -30,11 +35,23 @@ from worker.quant.weight import CodeFormat, QuantizedWeight
 # calls of up to this many rows decode in registers; above, dequantized tiles and the dtype's
 # matmul win (bf16 on AVX-512: the direct kernel's float32 FMAs do one row of x per weight decoded)
 DIRECT_MAX_ROWS = 16
-# the int8 kernel's calls: decode-sized ones. Up to 64 rows it beat dequantized tiles on SmolLM2's MLP
-# shapes (32 rows: 2.2x bf16 with AMX, 1.8x float32 capped to AVX2), but a short prompt's rows then
-# round x too, and on the AMX Xeon that flipped SmolLM2's near-tie first answer token (p = 0.15) where
-# rounding only decode rows did not: prompts keep x unrounded until a step can tell its rows apart
-INT8_MAX_ROWS = 16
+# the int8 kernel's calls in a step without prompt rows: up to 64 rows it beat dequantized tiles on
+# SmolLM2's MLP shapes (32 rows: 2.2x bf16 with AMX, 1.8x float32 capped to AVX2; 128: 0.8x, 0.9x).
+# A step with prompt rows keeps DIRECT_MAX_ROWS: 64 let a short prompt's rows round x too, and on the
+# AMX Xeon that flipped SmolLM2's near-tie first answer token (p = 0.15); rounding decode rows did not
+INT8_DECODE_MAX_ROWS = 64
+_int8_max_rows: ContextVar[int] = ContextVar("int8_max_rows", default=DIRECT_MAX_ROWS)
+
+
+@contextmanager
+def decode_only() -> Iterator[None]:
+    """Calls inside take the int8 kernel up to ``INT8_DECODE_MAX_ROWS`` rows: every row is a
+    decode row (the runner's steps without prompt chunks)."""
+    token = _int8_max_rows.set(INT8_DECODE_MAX_ROWS)
+    try:
+        yield
+    finally:
+        _int8_max_rows.reset(token)
 TILE_ELEMENTS = 1 << 20  # weights per dequantized tile: 2 MB in bf16, within L2 next to its outputs
 
 
@@ -42,7 +59,7 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     """x: [rows, in_features] -> [rows, out_features] in x's dtype."""
     if x.device.type == "cpu" and has_native_kernels():
         packed = w.int8
-        if packed is not None and x.shape[0] <= INT8_MAX_ROWS:
+        if packed is not None and x.shape[0] <= _int8_max_rows.get():
             return torch.ops.kervan.quant_matmul_i8(x if x.stride(-1) == 1 else x.contiguous(), packed.data,
                                                     w.out_features, w.group, packed.four_bit, packed.signed_codes,
                                                     packed.half_params, packed.terms, bias)

@@ -11,6 +11,7 @@ and with speculative guesses (``worker/spec/``) the rows from its next token on.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,7 @@ from worker.parallel import get_parallel_state, kv_shards, pipeline
 from worker.parallel.group import GroupFailed, GroupLeader
 from worker.parallel.step_inputs import StepInputs
 from worker.quant.kernel_choice import choose_kernels
+from worker.quant.matmul import decode_only
 from worker.runner.graphs import GRAPH_MAX_CONTEXT, CudaGraphRunner, decode_buckets
 from worker.runner.sampler import Sampler, SamplingRow
 from worker.spec.verifier import Verifier
@@ -157,6 +159,13 @@ class ModelRunner:
                 cache[:, dst].copy_(cache[:, src])
         for write in kv_writes:
             self.write_blocks(write.block_ids, write.data)
+        # a step of decode rows alone may round them all to int8 (quantized weights); prompts keep x as is.
+        # Deterministic mode probed its call sizes without it: it keeps one rule for every step
+        with decode_only() if not step.prefills and not self.config.deterministic else nullcontext():
+            return self._forward(step, kv_writes, carried)
+
+    def _forward(self, step: StepInputs, kv_writes: Sequence[KVWrite], carried: torch.Tensor | None
+                 ) -> torch.Tensor | None:
         if self.graphs is not None and not kv_writes and self.graphs.can_run(step):
             hidden = self.graphs.run(step)
         else:
