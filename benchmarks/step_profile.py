@@ -37,16 +37,26 @@ OP_CLASSES = {  # op name -> class; anything else is "other" (allocations, views
     "attention", "kervan::write_kv": "kv_write", "kervan::add_rms_norm": "norm", "kervan::rms_norm": "norm",
     "kervan::silu_and_mul": "activation", "kervan::rotary": "rotary", "kervan::argmax_rows": "sampling",
     "aten::argmax": "sampling", "aten::embedding": "embedding",
+    "kervan::quant_matmul": "linear", "kervan::quant_matmul_i8": "linear",
 }
 
 
 def model_costs(engine: Engine) -> dict:
-    """Bytes of the weights a step reads and matmul FLOPs per token."""
+    """Bytes of the weights a step reads and matmul FLOPs per token (a quantized weight: the
+    bytes its decode kernel reads, the int8 kernel's packed copy or the codes, scales and zeros)."""
     model = engine.runner.model
     cfg = model.cfg
-    matmul_params = sum(_weight(m).numel() for m in model.dense_linears())
     element = torch.empty((), dtype=engine.config.dtype).element_size()
-    return {"weight_bytes": matmul_params * element, "matmul_flops_per_token": 2 * matmul_params,
+    matmul_params, weight_bytes = 0, 0
+    for m in model.dense_linears():
+        q = m.quant
+        if q is not None:
+            matmul_params += q.out_features * q.in_features
+            weight_bytes += q.int8.nbytes if q.int8 is not None else q.nbytes
+        else:
+            matmul_params += _weight(m).numel()
+            weight_bytes += _weight(m).numel() * element
+    return {"weight_bytes": weight_bytes, "matmul_flops_per_token": 2 * matmul_params,
             "kv_bytes_per_token": cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element,
             "attention_flops_per_context_token": cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim}
 

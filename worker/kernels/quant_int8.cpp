@@ -1,20 +1,21 @@
 // Quantized linears with int8 activations: llama.cpp's Q8 path for Kervan's weight codes.
-// A decode step's matmuls are too small to be bound by anything but the instructions per
-// weight, and decoding 4-bit codes to float32 for FMAs costs several per weight (widen,
-// convert, scale, multiply-add, 8 or 16 at a time). Here each row of x is quantized once
-// per call, by blocks of 32, to int8 with a float32 scale (amax / 127, rounded to nearest
-// even: llama.cpp's Q8_0), and the codes are multiplied as bytes, 32 per instruction:
+// Decoding 4-bit codes to float32 for FMAs costs several instructions per weight (widen,
+// convert, scale, multiply-add, 8 or 16 at a time); here each row of x is quantized once per
+// call, by blocks of 32, to int8 with a float32 scale (amax / 127, rounded to nearest even:
+// llama.cpp's Q8_0), and the codes are multiplied as bytes, 32 or 64 per instruction:
 //
 //   x[m, k] ~= xd[m, k / 32] * xq[m, k]                       xq in -127..127
-//   out[m, n] = sum_blocks  scale[n, g] * xd[m, b] * (codes[n, b] . xq[m, b])
-//             + sum_groups  zero'[n, g] * xsum[m, g]           xsum: x's exact float sums
+//   out[m, n] = sum over blocks b (group g) of
+//               xd[m, b] * (scale[n, g] * (codes[n, b] . xq[m, b]) + zero'[n, g] * sum(xq[m, b]))
 //
-// with zero' = zero + offset * scale (4-bit codes whose table is offset + 0..15). Codes: 4-bit
-// unsigned (int4 with zeros, GGUF Q4_1; Q4_0 with offset -8) and int8 (int8 per channel,
-// GGUF Q8_0); groups a multiple of 32. The error is x's rounding to int8 per block, the one
-// llama.cpp makes; ``worker/quant/matmul.py`` chooses this kernel or the float one by timing
-// both on this CPU (``kernel_choice.py``), and ``benchmarks/quantization.py`` measures what it
-// does to perplexity and greedy agreement. Rows of x never mix: batch-invariant.
+// with zero' = zero + offset * scale (codes standing for offset + 0..15: Q4_0's -8; int8 codes
+// shifted to unsigned for vpdpbusd: -128). Both terms see the same rounded x, so the error is
+// the weight times x's rounding (llama.cpp's), not the codes' offset times it. Codes: 4-bit
+// (int4 with zeros, GGUF Q4_0 and Q4_1) and int8 (int8 per channel, GGUF Q8_0); groups a
+// multiple of 32. ``terms`` 2 rounds x to two int8 rows, x's and its remainder's (the LM head).
+// ``worker/quant/kernel_choice.py`` chooses this kernel or the float one by timing both on this
+// CPU; ``benchmarks/quant_activations.py`` measures speed, perplexity and greedy agreement.
+// Rows of x never mix: batch-invariant.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,7 +35,6 @@
 #include "vec.h"
 
 namespace kervan::q8 {
-
 
 // x as int8 by blocks of 32: q [M, K], and per block its scale d and the sum of its int8
 // values, as a float (for the zeros' term) [M, K / 32]
