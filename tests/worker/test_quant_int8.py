@@ -150,9 +150,10 @@ def test_the_choice_is_set_on_every_quantized_weight(hf_models, monkeypatch, set
     one matrix."""
     from worker.loader import load_model
     from worker.quant.kernel_choice import choose_kernels
-    from worker.quant.model import quantized_weights
+    from worker.quant.model import quantized_bytes, quantized_weights
     _, path = hf_models("qwen2")  # tied embeddings
     model = load_model(path, torch.float32, 64, quantization="int4-g32")
+    before = quantized_bytes(model)["quantized"]
     if setting in ("float", "int8"):
         monkeypatch.setenv("KERVAN_QUANT_ACTIVATIONS", setting)
     choices = choose_kernels(model, torch.float32, deterministic=setting == "deterministic")
@@ -173,6 +174,7 @@ def test_the_choice_is_set_on_every_quantized_weight(hf_models, monkeypatch, set
         assert (w.int8 is not None) == (chosen != "float")
     assert model.lm_head.quant is model.embed.quant
     packed = [w.int8.data for w in quantized_weights(model) if w.int8 is not None]
+    assert quantized_bytes(model)["quantized"] == before + sum(p.nbytes for p in packed)  # the copy is counted
     if len(packed) > 1:  # one buffer, in the model's order: a step streams it front to back
         assert len({p.untyped_storage().data_ptr() for p in packed}) == 1
         assert [p.data_ptr() for p in packed] == sorted(p.data_ptr() for p in packed)

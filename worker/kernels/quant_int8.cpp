@@ -36,10 +36,10 @@
 
 namespace kervan::q8 {
 
-// x as int8 by blocks of 32: q [M, K], and per block its scale d and the sum of its int8
-// values, as a float (for the zeros' term) [M, K / 32]
 constexpr int64_t kAheadBytes = 2048;  // how far ahead of its reads a tile's stream is prefetched
 
+// x as int8 by blocks of 32: q [M, K], and per block its scale d and the sum of its int8
+// values, as a float (for the zeros' term) [M, K / 32]
 struct QuantizedRows {
   int64_t M, K;
   std::vector<int8_t> q;
