@@ -68,6 +68,17 @@ def quant_activations() -> str:
         raise ValueError(f"{KERVAN_QUANT_ACTIVATIONS}={value!r}; expected auto, float or int8")
     return value
 
+# decode steps through the native decode stack ("auto": wherever it applies, worker/models/decode_stack.py)
+# or the model's Python modules ("off": the reference path, and the baseline its benchmark compares with)
+KERVAN_DECODE_STACK = "KERVAN_DECODE_STACK"
+
+
+def decode_stack() -> str:
+    value = os.environ.get(KERVAN_DECODE_STACK, "auto")
+    if value not in ("auto", "off"):
+        raise ValueError(f"{KERVAN_DECODE_STACK}={value!r}; expected auto or off")
+    return value
+
 # standard variables Kervan honours: oneDNN's ISA cap (PyTorch's own,
 # ATEN_CPU_CAPABILITY, is read back through torch.backends.cpu.get_cpu_capability())
 # and the C++ compiler the native kernels are built with

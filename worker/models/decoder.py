@@ -27,6 +27,7 @@ from worker.layers.moe import SparseMoe
 from worker.layers.norm import RMSNorm
 from worker.layers.paged_attention import AttentionMetadata, paged_attention
 from worker.layers.rotary import RotaryEmbedding
+from worker.models.decode_stack import DecodeStack
 from worker.parallel import get_parallel_state
 
 # architecture -> (MLP prefix in the checkpoint, expert naming family, shared-expert prefix)
@@ -105,6 +106,9 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    # decode steps' layers as one native call, where the runner built one (``decode_stack.py``)
+    decode_stack: DecodeStack | None = None
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int):
         super().__init__()
         self.cfg = cfg
@@ -132,6 +136,9 @@ class DecoderModel(nn.Module):
         """The final hidden states [num_tokens, hidden]; on a pipeline stage but the last,
         ``carried`` for the next: [2, num_tokens, hidden], the last layer's output and the
         residual stream (a stage but the first takes the previous one's instead of ids)."""
+        stack = self.decode_stack
+        if carried is None and stack is not None and stack.serves(input_ids.shape[0], meta):
+            return stack.run(self.embed(input_ids), positions, meta)
         x, residual = (self.embed(input_ids), None) if carried is None else (carried[0], carried[1])
         # submodules' forward is called directly here and in the layers: nn.Module.__call__'s hook
         # machinery cost ~2 us a call, 300 calls a decode step of a 30-layer model

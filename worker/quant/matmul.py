@@ -52,6 +52,11 @@ def decode_only() -> Iterator[None]:
         yield
     finally:
         _int8_max_rows.reset(token)
+
+
+def int8_max_rows() -> int:
+    """The most rows a call gives the int8 kernel here (inside ``decode_only()`` or not)."""
+    return _int8_max_rows.get()
 TILE_ELEMENTS = 1 << 20  # weights per dequantized tile: 2 MB in bf16, within L2 next to its outputs
 
 

@@ -22,6 +22,7 @@ from worker.config import ConfigError, EngineConfig
 from worker.kernels import has_native_kernels
 from worker.kv.memory import zeros_on_huge_pages
 from worker.layers.paged_attention import AttentionMetadata
+from worker.models.decode_stack import build_decode_stack
 from worker.models.decoder import DecoderModel
 from worker.parallel import get_parallel_state, kv_shards, pipeline
 from worker.parallel.group import GroupFailed, GroupLeader
@@ -75,6 +76,8 @@ class ModelRunner:
                                   "prompts and decodes), and they are off here: see the warning above, or unset "
                                   "KERVAN_ATTENTION_BACKEND=torch")
             model.make_batch_invariant(config.max_num_batched_tokens, max_logit_rows(config))
+        if self.native_kernels:
+            model.decode_stack = build_decode_stack(model, self.kv_caches, config.deterministic)
         self.sampler = Sampler(config.seed)
         self.verifier = Verifier(self.sampler, cfg.vocab_size)
         # keep the last forward's final hidden states of every row (an EAGLE head reads them); one process only

@@ -1,0 +1,99 @@
+"""A decode step's decoder layers as one native call (``worker/kernels/decode_stack.cpp``):
+the CPU's counterpart of replaying a CUDA graph.
+
+A 30-layer model like SmolLM2-135M calls about ten kernels a layer; at batch 1 each
+layer's kernels take ~100 us and the Python around them (module calls, views, the
+dispatcher) another ~40 us. The stack holds each layer's weights and KV cache once, and
+runs the same kernels in the same order from C++, so it computes bit for bit what
+``DecoderModel``'s modules compute (``tests/worker/test_decode_stack.py``).
+
+It serves a step when every row is a decode row (no prompt chunk), on the CPU with the
+native kernels, on one process (no tensor or pipeline parallel: a collective between the
+kernels), for dense layers (no MoE), outside deterministic mode (its row plans split
+calls), and when no linear would take another kernel for that many rows than the one the
+stack was given (``max_rows``; the int8 kernel's limit is ``matmul.int8_max_rows()``).
+``KERVAN_DECODE_STACK=off`` keeps the modules (the reference, and the benchmark's baseline)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import nn
+
+from kervan.envs import decode_stack as decode_stack_mode
+from worker.layers.linear import RowParallelLinear
+from worker.layers.mlp import SwiGLU
+from worker.layers.packing import BRGEMM_MAX_ROWS
+from worker.layers.paged_attention import AttentionMetadata
+from worker.parallel import get_parallel_state
+from worker.quant.matmul import DIRECT_MAX_ROWS, int8_max_rows
+
+log = logging.getLogger(__name__)
+
+# the kernel each linear takes (decode_stack.cpp's ``Kind``)
+INT8, QUANT, BRGEMM, ONEDNN, PLAIN = range(5)
+
+
+class DecodeStack:
+    def __init__(self, native: torch.ScriptObject, max_rows: float, uses_int8: bool):
+        self.native = native
+        self.max_rows = max_rows  # the rows every linear's kernel serves, the int8 kernel's aside
+        self.uses_int8 = uses_int8
+
+    def serves(self, rows: int, meta: AttentionMetadata) -> bool:
+        if not meta.native or meta.prefills or rows > self.max_rows:
+            return False
+        return not self.uses_int8 or rows <= int8_max_rows()
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x: the embedding's output [rows, hidden] -> the final norm's [rows, hidden]."""
+        return self.native.run(x, positions, meta.slots, meta.decode_tables, meta.decode_lens)
+
+
+def build_decode_stack(model, kv_caches: list[torch.Tensor], deterministic: bool) -> DecodeStack | None:
+    """The stack for ``model`` (a ``DecoderModel``) and its caches, or None where it does not
+    apply (see the module's docstring)."""
+    if (decode_stack_mode() == "off" or deterministic or get_parallel_state().world != 1 or model.moes
+            or model.norm is None or model.embed is None or not all(isinstance(l.mlp, SwiGLU) for l in model.layers)):
+        return None
+    first = model.layers[0].attn
+    cfg = model.cfg
+    native = torch.classes.kervan.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim, first.scale,
+                                              cfg.rms_norm_eps, first.rotary.cos, first.rotary.sin, model.norm.weight)
+    max_rows, uses_int8 = math.inf, False
+    for layer, cache in zip(model.layers, kv_caches):
+        if cache.device.type != "cpu":
+            return None
+        indices = []
+        for module in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down):
+            spec = linear_spec(module)
+            if spec is None:
+                return None
+            kind, tensors, ints, real, rows = spec
+            max_rows = min(max_rows, rows)
+            uses_int8 |= kind == INT8
+            indices.append(native.add_linear(kind, tensors, ints, real, module.bias))
+        native.add_layer(layer.input_norm.weight, layer.post_attn_norm.weight, cache, *indices)
+    return DecodeStack(native, max_rows, uses_int8)
+
+
+def linear_spec(module: nn.Module) -> tuple[int, list, list[int], float, float] | None:
+    """(kind, tensors, ints, real, the most rows it serves) of the kernel ``layers/linear.py``
+    gives this module's decode rows; None where the stack cannot take it (row plans; a
+    row-parallel bias, which the modules add after the all-reduce)."""
+    if module.row_plan is not None or (isinstance(module, RowParallelLinear) and module.bias is not None):
+        return None
+    q = module.quant
+    if q is not None:
+        if q.int8 is not None:
+            p = q.int8
+            ints = [q.out_features, q.group, int(p.four_bit), int(p.signed_codes), int(p.half_params), p.terms]
+            return INT8, [p.data], ints, 0.0, math.inf  # the int8 kernel's rows: ``int8_max_rows()``
+        return QUANT, [q.codes, q.scales, q.zeros, q.lut], [int(q.format), q.group], q.tensor_scale, DIRECT_MAX_ROWS
+    if module.brgemm_weight is not None:
+        return BRGEMM, [module.brgemm_weight], [], 0.0, BRGEMM_MAX_ROWS
+    if module.packed_weight is not None:
+        return ONEDNN, [module.packed_weight], [], 0.0, math.inf
+    return PLAIN, [module.weight], [], 0.0, math.inf
