@@ -202,12 +202,18 @@ static void decode_vec(const DecodeArgs<T>& a) {
           for (auto& chain : s)
             for (auto& row : chain)
               for (auto& x : row) x = Vec(0.f);
+          // unrolled whole, so the accumulators live in registers (GCC otherwise keeps them on the stack)
+#pragma GCC unroll 64
           for (int64_t d = 0; d < kD; d += kChains) {
+#pragma GCC unroll 4
             for (int64_t ch = 0; ch < kChains; ++ch) {
               Vec krow[kCols];
+#pragma GCC unroll 8
               for (int64_t c = 0; c < kCols; ++c) krow[c] = load_floats(kb + (d + ch) * kBS + c * kW);
+#pragma GCC unroll 16
               for (int64_t g = 0; g < kG; ++g) {
                 const Vec qv(qh[g * kD + d + ch]);
+#pragma GCC unroll 8
                 for (int64_t c = 0; c < kCols; ++c) s[ch][g][c] = at::vec::fmadd(qv, krow[c], s[ch][g][c]);
               }
             }
