@@ -13,7 +13,9 @@
   (``brgemm_weight``) for the decoder's linears whose output features are a multiple of
   32, while they fit ``BRGEMM_BUDGET_BYTES``, and taken by calls of at most
   ``BRGEMM_MAX_ROWS`` rows; long prompt chunks and the LM head (wide: the fixed cost
-  vanishes, and oneDNN's blocking wins) take oneDNN's.
+  vanishes, and oneDNN's blocking wins) take oneDNN's. The brgemm copies sit side by side
+  on huge pages in the order a step reads them (``kv.memory.in_one_arena``: SmolLM2's bf16
+  layers in a decode step 9.5 -> 8.7 ms on the AMX Xeon).
 
 Whether a dtype is packed is the platform's decision (``Platform.can_pack``, which
 reads the capped ISA level), never an assumption. When oneDNN refuses anyway the
@@ -29,6 +31,7 @@ from torch import nn
 
 from kervan.envs import weight_packing
 from worker.kernels import has_native_kernels
+from worker.kv.memory import in_one_arena
 from worker.layers.batch_invariant import RowPlan
 from worker.platform import current_platform, dtype_name
 
@@ -87,6 +90,9 @@ def pack_weights(modules: list[nn.Module], dtype: torch.dtype, device: str, wide
         module.packed_weight = packed  # a plain attribute (class default None): read on every call, no module lookup
         if not getattr(module, "keep_weight", False):
             module.register_parameter("weight", None)  # the packed copy replaces it: no double memory
+    small = [m for m in modules if m.brgemm_weight is not None]
+    for module, moved in zip(small, in_one_arena([m.brgemm_weight for m in small])):
+        module.brgemm_weight = moved
     return len(modules)
 
 

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from kervan.envs import quant_activations
-from worker.kv.memory import zeros_on_huge_pages
+from worker.kv.memory import in_one_arena
 from worker.parallel import get_parallel_state
 from worker.quant.int8_layout import code_offset, pack_int8
 from worker.quant.weight import QuantizedWeight
@@ -106,17 +106,8 @@ def in_one_buffer(weights: list[QuantizedWeight]) -> list[QuantizedWeight]:
     model's, which is the order a step reads them): a decode step then streams one region
     front to back, a TLB entry per 2 MiB instead of per 4 KiB (the 30 MB LM head read at
     21 GB/s from 4 KiB pages and 24 from huge ones, measured on the AMX Xeon)."""
-    if not weights:
-        return []
-    sizes = [w.int8.data.numel() for w in weights]
-    arena = zeros_on_huge_pages((sum(sizes),), torch.uint8)
-    moved, start = [], 0
-    for w, size in zip(weights, sizes):
-        data = arena[start:start + size].view(w.int8.data.shape)
-        data.copy_(w.int8.data)
-        moved.append(replace(w, int8=replace(w.int8, data=data)))
-        start += size
-    return moved
+    return [replace(w, int8=replace(w.int8, data=data)) for w, data in zip(weights, in_one_arena([w.int8.data
+                                                                                               for w in weights]))]
 
 
 def with_int8(w: QuantizedWeight, terms: int = 1) -> QuantizedWeight:
