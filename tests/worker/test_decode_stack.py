@@ -74,17 +74,18 @@ def kinds(engine) -> set[int]:
     ({"dtype": "bfloat16", "quantization": "int4-g32"}, "float"),
     ({"dtype": "float32", "quantization": "int8"}, "int8"),
 ], ids=["float32", "other-dtype", "int4-int8-activations", "int4-float-kernel", "int8-weights"])
-def test_a_decode_step_through_the_stack_is_bit_for_bit_the_modules(hf_models, kind, options, activations,
+@pytest.mark.parametrize("batch", [3, 5])  # float32: 3 rows take the gemv layout, 5 oneDNN's
+def test_a_decode_step_through_the_stack_is_bit_for_bit_the_modules(hf_models, kind, options, activations, batch,
                                                                     monkeypatch):
     _, path = hf_models(kind)
-    engine = decoding_engine(path, 5, monkeypatch, activations, **options)
+    engine = decoding_engine(path, batch, monkeypatch, activations, **options)
     expected = {"int8": {INT8}, "float": {QUANT}}.get(activations if "quantization" in options else "",
                                                       {BRGEMM, ONEDNN, PLAIN})
     assert kinds(engine) <= expected
     step = next_step_inputs(engine)
-    assert not step.prefills and len(step.token_ids) == 5
+    assert not step.prefills and len(step.token_ids) == batch
     with_stack, with_modules = both_paths(engine, step)
-    assert with_stack.shape == (5, 128)
+    assert with_stack.shape == (batch, 128)
     assert torch.equal(with_stack, with_modules)
 
 

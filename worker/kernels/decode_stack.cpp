@@ -40,8 +40,14 @@ struct Linear {
   std::vector<int64_t> ints;
   double real;
   OptTensor bias;
+  OptTensor gemv;  // float32 calls of up to gemv_rows rows take gemv.cpp's layout instead
+  int64_t gemv_rows;
 
   at::Tensor operator()(const at::Tensor& x) const {
+    if (gemv.has_value() && x.size(0) <= gemv_rows) {
+      static const auto op = handle<at::Tensor(at::Tensor, at::Tensor, OptTensor)>("kervan::gemv_linear");
+      return op.call(x, *gemv, bias);
+    }
     switch (kind) {
       case kInt8: {  // data; out_features, group, four_bit, signed_codes, half_params, terms
         static const auto op = handle<at::Tensor(at::Tensor, at::Tensor, int64_t, int64_t, bool, bool, bool, int64_t,
@@ -88,13 +94,13 @@ struct DecodeStack : torch::CustomClassHolder {
         sin(std::move(sin)), final_norm(std::move(final_norm)) {}
 
   int64_t add_linear(int64_t kind, std::vector<OptTensor> tensors, std::vector<int64_t> ints, double real,
-                     OptTensor bias) {
+                     OptTensor bias, OptTensor gemv, int64_t gemv_rows) {
     TORCH_CHECK(kind >= kInt8 && kind <= kPlain, "unknown linear kind ", kind);
     TORCH_CHECK(!tensors.empty() && tensors[0].has_value(), "a linear needs its weight");
     const size_t want_ints = kind == kInt8 ? 6 : kind == kQuant ? 2 : 0;
     TORCH_CHECK(ints.size() == want_ints && (kind != kQuant || tensors.size() == 4), "linear kind ", kind,
                 " takes ", want_ints, " ints");
-    linears.push_back({kind, std::move(tensors), std::move(ints), real, std::move(bias)});
+    linears.push_back({kind, std::move(tensors), std::move(ints), real, std::move(bias), std::move(gemv), gemv_rows});
     return static_cast<int64_t>(linears.size()) - 1;
   }
 

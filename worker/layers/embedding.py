@@ -56,9 +56,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     row_plan: RowPlan | None = None  # deterministic mode: batch-invariant calls
     packed_weight: torch.Tensor | None = None  # the loader's packed copy (``packing.pack_weights``)
     brgemm_weight = None  # never: the head keeps oneDNN's layout (``packing.pack_weights``)
+    gemv_weight: torch.Tensor | None = None  # float32: few rows take gemv's layout (``packing.pack_weights``)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return all_gather_last_dim(quantized_linear(hidden, self.quant, None, self.row_plan))
         return all_gather_last_dim(packed_linear(hidden, self.weight, self.packed_weight, None,
-                                                 self.row_plan))
+                                                 self.row_plan, None, self.gemv_weight))

@@ -32,6 +32,7 @@ class MergedColumnParallelLinear(nn.Module):
     row_plan: RowPlan | None = None  # deterministic mode: batch-invariant calls (``DecoderModel.make_batch_invariant``)
     packed_weight: torch.Tensor | None = None  # the loader's packed copy (``packing.pack_weights``)
     brgemm_weight: torch.Tensor | None = None  # and, for small calls, its brgemm layout
+    gemv_weight: torch.Tensor | None = None  # or, float32, its gemv layout (``packing.py``)
     quant: QuantizedWeight | None = None  # low-precision weights, in place of ``weight``
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype, head_dim: int = 0):
@@ -94,6 +95,7 @@ class RowParallelLinear(nn.Module):
     row_plan: RowPlan | None = None  # as MergedColumnParallelLinear's
     packed_weight: torch.Tensor | None = None
     brgemm_weight: torch.Tensor | None = None
+    gemv_weight: torch.Tensor | None = None
     quant: QuantizedWeight | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
@@ -140,7 +142,7 @@ def _linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> tor
         return quantized_linear(x, layer.quant, bias, layer.row_plan)
     packed = layer.packed_weight
     return packed_linear(x, layer.weight if packed is None else None, packed, bias, layer.row_plan,
-                         layer.brgemm_weight)
+                         layer.brgemm_weight, layer.gemv_weight)
 
 
 def quantized_linear(x: torch.Tensor, quant: QuantizedWeight, bias: torch.Tensor | None,

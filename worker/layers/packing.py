@@ -16,6 +16,9 @@
   vanishes, and oneDNN's blocking wins) take oneDNN's. The brgemm copies sit side by side
   on huge pages in the order a step reads them (``kv.memory.in_one_arena``: SmolLM2's bf16
   layers in a decode step 9.5 -> 8.7 ms on the AMX Xeon).
+- gemv's (``worker/kernels/gemv.cpp``), float32 only: column blocks of 32, each [K, 32]
+  contiguous, for calls of at most ``GEMV_MAX_ROWS`` rows outside deterministic mode, the LM
+  head's included; under the same budget as brgemm's (it is a second copy too).
 
 Whether a dtype is packed is the platform's decision (``Platform.can_pack``, which
 reads the capped ISA level), never an assumption. When oneDNN refuses anyway the
@@ -47,16 +50,24 @@ BRGEMM_MAX_ROWS = 256
 # long enough that oneDNN's fixed cost no longer counts
 BRGEMM_BUDGET_BYTES = 1 << 30
 BATCH_HINT = 64  # the row count oneDNN tunes its layout for: 64 did as well as any other, at 1 to 2,048 rows
+# float32 calls of up to this many rows take the gemv layout (``worker/kernels/gemv.cpp``): oneDNN's
+# float32 linear read SmolLM2's weights 1.2-1.7x slower at one row (capped to AVX2 on the AMX Xeon)
+GEMV_MAX_ROWS = 4
+GEMV_BLOCK_N = 32  # gemv.cpp's column block
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,
                   bias: torch.Tensor | None, row_plan: RowPlan | None = None,
-                  small: torch.Tensor | None = None) -> torch.Tensor:
+                  small: torch.Tensor | None = None, gemv: torch.Tensor | None = None) -> torch.Tensor:
     """x: [rows, in_features]. ``small``: the brgemm layout, taken for calls of at most
-    ``BRGEMM_MAX_ROWS`` rows. With a ``row_plan``, batch-invariant: as calls of the row
-    counts it allows (``batch_invariant.py``)."""
+    ``BRGEMM_MAX_ROWS`` rows; ``gemv``: the float32 blocked layout, for calls of at most
+    ``GEMV_MAX_ROWS`` rows, and never under a row plan (its sums run in another order than
+    oneDNN's). With a ``row_plan``, batch-invariant: as calls of the row counts it allows
+    (``batch_invariant.py``)."""
     if row_plan is not None:
         return row_plan.run(lambda rows: packed_linear(rows, weight, packed, bias, None, small), x)
+    if gemv is not None and x.shape[0] <= GEMV_MAX_ROWS:
+        return torch.ops.kervan.gemv_linear(x, gemv, bias)
     if small is not None and x.shape[0] <= BRGEMM_MAX_ROWS:
         return torch.ops.kervan.brgemm_linear(x, small, bias)
     if packed is None:
@@ -73,8 +84,13 @@ def pack_weights(modules: list[nn.Module], dtype: torch.dtype, device: str, wide
         return 0
     narrow = [m for m in modules if m is not wide and m.weight.shape[0] % BRGEMM_BLOCK_N == 0
               and m.weight.shape[1] % 2 == 0]  # whole column blocks, pairs of K
-    use_brgemm = (weight_packing() == "auto" and brgemm_packs(dtype)
-                  and sum(m.weight.nbytes for m in narrow) <= BRGEMM_BUDGET_BYTES)
+    within_budget = weight_packing() == "auto" and sum(m.weight.nbytes for m in narrow) <= BRGEMM_BUDGET_BYTES
+    use_brgemm = within_budget and brgemm_packs(dtype)
+    # gemv's layout for the head too (its 32-column blocks suit a wide matrix as well): SmolLM2's float32 head
+    # took 5.3 ms a batch-1 step through oneDNN, capped to AVX2
+    gemv = [m for m in modules if m.weight.shape[0] % GEMV_BLOCK_N == 0]
+    use_gemv = (weight_packing() == "auto" and dtype == torch.float32 and has_native_kernels()
+                and sum(m.weight.nbytes for m in gemv) <= BRGEMM_BUDGET_BYTES)
     for count, module in enumerate(modules):
         weight = module.weight.data
         try:
@@ -87,12 +103,15 @@ def pack_weights(modules: list[nn.Module], dtype: torch.dtype, device: str, wide
             return count
         if use_brgemm and module in narrow:
             use_brgemm = _add_brgemm(module, weight, check=module is narrow[0])
+        if use_gemv and module in gemv:
+            module.gemv_weight = torch.ops.kervan.pack_gemv(weight)
         module.packed_weight = packed  # a plain attribute (class default None): read on every call, no module lookup
         if not getattr(module, "keep_weight", False):
             module.register_parameter("weight", None)  # the packed copy replaces it: no double memory
-    small = [m for m in modules if m.brgemm_weight is not None]
-    for module, moved in zip(small, in_one_arena([m.brgemm_weight for m in small])):
-        module.brgemm_weight = moved
+    for name in ("brgemm_weight", "gemv_weight"):
+        small = [m for m in modules if getattr(m, name, None) is not None]
+        for module, moved in zip(small, in_one_arena([getattr(m, name) for m in small])):
+            setattr(module, name, moved)
     return len(modules)
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from kervan.envs import decode_stack as decode_stack_mode
 from worker.layers.linear import RowParallelLinear
 from worker.layers.mlp import SwiGLU
-from worker.layers.packing import BRGEMM_MAX_ROWS
+from worker.layers.packing import BRGEMM_MAX_ROWS, GEMV_MAX_ROWS
 from worker.layers.paged_attention import AttentionMetadata
 from worker.parallel import get_parallel_state
 from worker.quant.matmul import DIRECT_MAX_ROWS, int8_max_rows
@@ -74,14 +74,15 @@ def build_decode_stack(model, kv_caches: list[torch.Tensor], deterministic: bool
             kind, tensors, ints, real, rows = spec
             max_rows = min(max_rows, rows)
             uses_int8 |= kind == INT8
-            indices.append(native.add_linear(kind, tensors, ints, real, module.bias))
+            indices.append(native.add_linear(kind, tensors, ints, real, module.bias, module.gemv_weight, GEMV_MAX_ROWS))
         native.add_layer(layer.input_norm.weight, layer.post_attn_norm.weight, cache, *indices)
     return DecodeStack(native, max_rows, uses_int8)
 
 
 def linear_spec(module: nn.Module) -> tuple[int, list, list[int], float, float] | None:
     """(kind, tensors, ints, real, the most rows it serves) of the kernel ``layers/linear.py``
-    gives this module's decode rows; None where the stack cannot take it (row plans; a
+    gives this module's decode rows (calls of up to ``GEMV_MAX_ROWS`` rows take the module's
+    ``gemv_weight`` where it has one); None where the stack cannot take it (row plans; a
     row-parallel bias, which the modules add after the all-reduce)."""
     if module.row_plan is not None or (isinstance(module, RowParallelLinear) and module.bias is not None):
         return None
