@@ -37,7 +37,7 @@ OP_CLASSES = {  # op name -> class; anything else is "other" (allocations, views
     "attention", "kervan::write_kv": "kv_write", "kervan::add_rms_norm": "norm", "kervan::rms_norm": "norm",
     "kervan::silu_and_mul": "activation", "kervan::rotary": "rotary", "kervan::argmax_rows": "sampling",
     "aten::argmax": "sampling", "aten::embedding": "embedding",
-    "kervan::quant_matmul": "linear", "kervan::quant_matmul_i8": "linear",
+    "kervan::quant_matmul": "linear", "kervan::quant_matmul_i8": "linear", "kervan::gemv_linear": "linear",
 }
 
 
