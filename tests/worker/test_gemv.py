@@ -1,4 +1,4 @@
-"""float32 linears of a few rows through the gemv layout (``worker/kernels/gemv.cpp``): each
+"""float32 linears of up to eight rows through the gemv layout (``worker/kernels/gemv.cpp``): each
 row the float64 answer to float32's precision, independent of the other rows, for strided
 rows and a bias; the decoder's narrow linears get the layout beside oneDNN's, calls of at
 most ``GEMV_MAX_ROWS`` rows take it, and deterministic mode's row plans never do."""
@@ -22,8 +22,8 @@ def test_each_row_is_the_dot_product_whatever_the_other_rows(bias):
     weight = torch.randn(96, 161, generator=gen) / 8  # an odd K: the last k outside the pairs
     b = torch.randn(96, generator=gen) if bias else None
     packed = torch.ops.kervan.pack_gemv(weight)
-    wide = torch.randn(6, 200, generator=gen)
-    for rows in (0, 1, 2, 3, 4):
+    wide = torch.randn(8, 200, generator=gen)
+    for rows in (0, 1, 2, 3, 8):
         x = wide[:rows, :161]  # strided rows
         got = torch.ops.kervan.gemv_linear(x, packed, b)
         want = x.double() @ weight.double().t() + (0 if b is None else b.double())
@@ -36,8 +36,8 @@ def test_shapes_it_cannot_take_are_refused():
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.kervan.pack_gemv(torch.zeros(40, 16))
     packed = torch.ops.kervan.pack_gemv(torch.zeros(32, 16))
-    with pytest.raises(RuntimeError, match="rows <= 4"):
-        torch.ops.kervan.gemv_linear(torch.zeros(5, 16), packed, None)
+    with pytest.raises(RuntimeError, match="rows <= 8"):
+        torch.ops.kervan.gemv_linear(torch.zeros(9, 16), packed, None)
     with pytest.raises(RuntimeError, match="does not match"):
         torch.ops.kervan.gemv_linear(torch.zeros(1, 8), packed, None)
 

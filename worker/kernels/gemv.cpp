@@ -1,4 +1,4 @@
-// float32 linears of one to four rows (a decode step of a few sequences) streaming a blocked
+// float32 linears of one to eight rows (a decode step of a few sequences) streaming a blocked
 // copy of the weight. oneDNN's float32 linear reads SmolLM2's weights at ~18 GB/s at one row
 // on an AVX2 CPU (the step profile, capped AVX2 on the AMX Xeon, where a 1 GiB sum reads 27):
 // its packed layout is tuned for many rows. Here the weight [N, K] is kept as column blocks
@@ -25,7 +25,7 @@ using kervan::kW;
 using kervan::Vec;
 
 constexpr int64_t kBlock = 32;     // columns per block
-constexpr int64_t kMaxRows = 4;    // rows per call
+constexpr int64_t kMaxRows = 8;    // rows per call
 constexpr int64_t kV = kBlock / kW;  // vectors per block row: 4 with AVX2, 2 with AVX-512
 
 // weight [N, K] -> [N / kBlock, K, kBlock]
@@ -78,7 +78,9 @@ at::Tensor gemv_linear(at::Tensor x, at::Tensor packed, std::optional<at::Tensor
   at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
     for (int64_t nb = nb0; nb < nb1; ++nb) {
       const float* w = wp + nb * K * kBlock;
-      for (int64_t m = 0; m < M; ++m) {  // a block is 72 KB at K 576: the second row reads it from L2
+      // a row at a time: a block is 72 KB at K 576, and rows after the first read it from L2 (two rows
+      // sharing each weight load were no faster, capped to AVX2 on the AMX Xeon)
+      for (int64_t m = 0; m < M; ++m) {
         Vec acc[kV];
         row_block(xp + m * ldx, w, K, acc);
         for (int64_t v = 0; v < kV; ++v) {

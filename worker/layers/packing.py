@@ -51,8 +51,9 @@ BRGEMM_MAX_ROWS = 256
 BRGEMM_BUDGET_BYTES = 1 << 30
 BATCH_HINT = 64  # the row count oneDNN tunes its layout for: 64 did as well as any other, at 1 to 2,048 rows
 # float32 calls of up to this many rows take the gemv layout (``worker/kernels/gemv.cpp``): oneDNN's
-# float32 linear read SmolLM2's weights 1.2-1.7x slower at one row (capped to AVX2 on the AMX Xeon)
-GEMV_MAX_ROWS = 4
+# float32 linear took 1.2-1.4x its time on SmolLM2's MLP shapes at 1 to 8 rows, 1.0 at 16 (capped
+# to AVX2 on the AMX Xeon)
+GEMV_MAX_ROWS = 8
 GEMV_BLOCK_N = 32  # gemv.cpp's column block
 
 
