@@ -150,6 +150,27 @@ def quant_activations() -> str:
     return "\n".join(rows) + "\n\n" + "\n".join(quality) + "\n"
 
 
+PARITY_SYSTEMS = {"kervan": "Kervan", "kervan_modules": "Kervan, decode stack off", "llama_cpp": "llama.cpp"}
+
+
+def llama_cpp_parity() -> str:
+    """One row per (report, system): batch 1, a 512-token prompt, batch 8 and 32, each with
+    its ratio to llama.cpp (higher: Kervan ahead)."""
+    metrics = (("batch_1_ms", "{:,.2f}"), ("pp_tok_s", "{:,.0f}"), ("batch_8_tok_s", "{:,.0f}"),
+               ("batch_32_tok_s", "{:,.0f}"))
+    rows = ["| report | CPU (ISA), dtype | system | batch 1 ms/token | vs llama.cpp | prompt 512 tok/s | vs llama.cpp "
+            "| batch 8 tok/s | vs llama.cpp | batch 32 tok/s | vs llama.cpp |", "|---|---|---|" + "---|---|" * 4]
+    for label, report in cells.reports("llama_cpp_parity"):
+        m = report["machine"]
+        where = f"{m['cpu']} ({m['isa']}{', AMX' if m.get('amx') and m['isa'] == 'avx512' else ''}), {m['dtype']}"
+        for key, name in PARITY_SYSTEMS.items():
+            x, vs = report["systems"][key], report.get(f"{key}_vs_llama_cpp", {})
+            row = [cells.maybe(x.get(metric), fmt) + " | " + (cells.ratio(vs[metric]) if metric in vs else "–")
+                   for metric, fmt in metrics]
+            rows.append(f"| {label} | {where} | {name} | " + " | ".join(row) + " |")
+    return "\n".join(rows) + "\n"
+
+
 KERNELS = ("kervan_int8", "torch_int8pack", "kervan_int4", "torch_int4pack")
 
 
@@ -264,6 +285,7 @@ def measured(benchmark: str, keys: tuple[str, ...] = ("summary",)) -> str:
 
 TABLES = {"engine_throughput": engine_throughput, "step_profile": step_profile, "linear_kernels": linear_kernels,
           "quantization": quantization, "quant-kernels": quant_kernels, "quant_activations": quant_activations,
+          "llama_cpp_parity": llama_cpp_parity,
           "speculative": speculative, "parallel": parallel, "linear_packing": linear_packing,
           "interference": mesh_tables.interference, "prefix_placement": mesh_tables.prefix_placement,
           "mesh_throughput": mesh_tables.mesh_throughput, "place_path": mesh_tables.place_path,
