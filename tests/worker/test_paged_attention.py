@@ -19,10 +19,9 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def run(native, dtype, heads, kv_heads, head_dim, block_size, decode_lens, prefill, seed=0):
+def run(native, dtype, heads, kv_heads, head_dim, block_size, decode_lens, prefill, seed=0, num_blocks=64):
     """One step: decodes of the given lengths, plus one prefill chunk (n, context) if given."""
     g = torch.Generator().manual_seed(seed)
-    num_blocks = 64
     [cache] = allocate_kv_caches(1, num_blocks, kv_heads, block_size, head_dim, dtype, torch.device("cpu"))
     cache.copy_(torch.randn(cache.shape, generator=g).to(dtype))
     perm = torch.randperm(num_blocks, generator=g).tolist()
@@ -60,3 +59,28 @@ def test_native_kernels_match_torch(dtype, heads, kv_heads, head_dim, block_size
     assert torch.equal(cache_native, cache_torch)  # the same bytes land in the same slots
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out_native, out_torch, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[1300], [1300, 512, 513, 40, 1024]])  # one row: parts are the only parallelism
+def test_rows_past_a_part_are_walked_in_parts_and_match_torch(dtype, lens):
+    """Rows longer than 512 tokens run as parts of 512 (flash-decoding), combined after."""
+    args = (dtype, 9, 3, 64, 16, lens, None)
+    out_native, _ = run(True, *args, num_blocks=320)
+    out_torch, _ = run(False, *args, num_blocks=320)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out_native, out_torch, rtol=tol, atol=tol)
+
+
+def test_a_long_row_is_computed_alike_alone_and_in_a_batch():
+    """Where a row's parts fall depends on its own length only: batch-invariant (deterministic mode)."""
+    g = torch.Generator().manual_seed(4)
+    [cache] = allocate_kv_caches(1, 300, 3, 16, 64, torch.bfloat16, torch.device("cpu"))
+    cache.copy_(torch.randn(cache.shape, generator=g).to(torch.bfloat16))
+    lens = torch.tensor([1100, 37, 700, 512])
+    tables = torch.randperm(300, generator=g)[:4 * 69].view(4, 69)
+    q = torch.randn(4, 9, 64, generator=g).to(torch.bfloat16)
+    together = torch.ops.kervan.paged_decode(q, cache, tables, lens, 0.125)
+    for i in range(4):
+        alone = torch.ops.kervan.paged_decode(q[i:i + 1], cache, tables[i:i + 1].contiguous(), lens[i:i + 1], 0.125)
+        assert torch.equal(alone[0], together[i])

@@ -5,7 +5,7 @@
 //
 // One query token per sequence attends to its first lens[b] cached tokens, read
 // in place through the block table: no gathered copy of K/V is made. Work is
-// split over (sequence, kv head); the G = num_heads / num_kv_heads query heads of
+// split over (sequence, kv head, part of 512 tokens: see decode_vec); the G = num_heads / num_kv_heads query heads of
 // a group share each K/V element they read. Inside a block the cache is head-major,
 // so one (block, head) is one contiguous run of memory: K as [head_dim,
 // block_size] (scores of a block accumulate as one vector, no horizontal sums),
@@ -128,13 +128,14 @@ using kervan::kW;
 using kervan::load_floats;
 using kervan::Vec;
 
-// exp(x - max) in place over n scores; returns their sum.
-static inline float softmax_in_place(float* x, int64_t n) {
+// exp(x - max) in place over n scores; returns their sum, and the max in *max_out.
+static inline float softmax_in_place(float* x, int64_t n, float* max_out) {
   Vec mv(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
   for (; t + kW <= n; t += kW) mv = at::vec::maximum(mv, Vec::loadu(x + t));
   float mx = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, mv);
   for (; t < n; ++t) mx = std::max(mx, x[t]);
+  *max_out = mx;
   const Vec mxv(mx);
   Vec sv(0.f);
   for (t = 0; t + kW <= n; t += kW) {
@@ -150,6 +151,33 @@ static inline float softmax_in_place(float* x, int64_t n) {
   return sum;
 }
 
+// A split sequence's rows: its parts' outputs weighed by exp(part max - max), in part order,
+// over the parts' sums weighed alike.
+template <typename T>
+static void combine_parts(const DecodeArgs<T>& a, int64_t D, const std::vector<int64_t>& first_part,
+                          const std::vector<float>& acc, const std::vector<float>& mx, const std::vector<float>& sums) {
+  at::parallel_for(0, a.B * a.Hq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> out(D);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / a.Hq, h = w % a.Hq, p0 = first_part[b], parts = first_part[b + 1] - p0;
+      if (parts == 1) continue;  // written by its item
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < parts; ++p) m = std::max(m, mx[(p0 + p) * a.Hq + h]);
+      std::fill(out.begin(), out.end(), 0.f);
+      float total = 0.f;
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t slot = (p0 + p) * a.Hq + h;
+        const float weight = std::exp(mx[slot] - m);
+        total += sums[slot] * weight;
+        for (int64_t d = 0; d < D; ++d) out[d] += acc[slot * D + d] * weight;
+      }
+      const float inv = 1.f / total;
+      T* dst = a.out + (b * a.Hq + h) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(out[d] * inv);
+    }
+  });
+}
+
 // The common shapes: head_dim kD, block_size kBS and kG query heads per kv head
 // fixed at compile time, written with ATen's Vectorized (AVX2 or AVX-512, as the
 // library was built) so that every accumulator stays in a register. One pass
@@ -158,28 +186,57 @@ static inline float softmax_in_place(float* x, int64_t n) {
 //
 // A work item is a sequence with all its kv heads when there are enough
 // sequences to keep every thread busy (a block's heads are one contiguous run of
-// memory, read in one sweep), else one (sequence, kv head) pair.
+// memory, read in one sweep), else one (sequence, kv head) pair; and a sequence
+// longer than kPart tokens is walked in parts of kPart (flash-decoding): each part
+// its own item, with its own softmax maximum and sum, combined in part order after
+// (``combine_parts``). One sequence of 4,096 tokens on SmolLM2's 3 kv heads is then
+// 24 items, not 3 for 2 threads. Where a row's parts fall depends on its length
+// alone, never on the batch: the result is batch-invariant (deterministic mode).
+constexpr int64_t kPart = 512;
+
 template <typename T, int64_t kD, int64_t kBS, int64_t kG>
 static void decode_vec(const DecodeArgs<T>& a) {
   static_assert(kBS % kW == 0 && kD % kW == 0, "a block row and a head must be whole vectors");
+  static_assert(kPart % kBS == 0, "a part must be whole blocks");
   constexpr int64_t kCols = kBS / kW;                   // vectors per K row: one block's scores of a head
   constexpr int64_t kChains = kG * kCols <= 4 ? 2 : 1;  // independent FMA chains the registers can hold
   constexpr int64_t kChunk = std::min<int64_t>(kD, kW * std::max<int64_t>(1, 8 / kG));  // V columns a pass
   constexpr int64_t kChunkVecs = kChunk / kW;
   constexpr int64_t kSpan = kD * kBS;  // elements of one (block, head)
+  constexpr int64_t kPartBlocks = kPart / kBS;
   const int64_t heads = a.B >= 2 * at::get_num_threads() ? a.Hkv : 1;  // kv heads per work item
   const int64_t items_per_seq = a.Hkv / heads, rows = heads * kG;      // rows: query heads per item
-  at::parallel_for(0, a.B * items_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, scores, acc, inv;  // [rows, kD], [rows, nblocks * kBS], [rows, kD], [rows]
+  // (sequence, part) of each work item's part index, and where each sequence's parts start
+  std::vector<int64_t> part_seq, part_index, first_part(a.B + 1, 0);
+  for (int64_t b = 0; b < a.B; ++b) {
+    const int64_t parts = std::max<int64_t>(1, (a.lens[b] + kPart - 1) / kPart);
+    first_part[b + 1] = first_part[b] + parts;
+    for (int64_t p = 0; p < parts; ++p) {
+      part_seq.push_back(b);
+      part_index.push_back(p);
+    }
+  }
+  const int64_t total_parts = first_part[a.B];
+  // a split sequence's parts: unnormalised outputs [part, head, kD], and each row's maximum and sum
+  const bool split = total_parts > a.B;
+  std::vector<float> part_acc(split ? total_parts * a.Hq * kD : 0), part_max(split ? total_parts * a.Hq : 0),
+      part_sum(split ? total_parts * a.Hq : 0);
+  at::parallel_for(0, total_parts * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, scores, acc, mx, sums;  // [rows, kD], [rows, part blocks * kBS], [rows, kD], [rows] x 2
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = w / items_per_seq, h0 = w % items_per_seq * heads;
-      const int64_t len = a.lens[b], nblocks = (len + kBS - 1) / kBS, stride = nblocks * kBS;
-      const int64_t* table = a.tables + b * a.max_blocks;
+      const int64_t pi = w / items_per_seq, b = part_seq[pi], part = part_index[pi];
+      const int64_t h0 = w % items_per_seq * heads, len = a.lens[b];
+      const int64_t parts = first_part[b + 1] - first_part[b];
+      const int64_t j0 = part * kPartBlocks, t_begin = j0 * kBS;  // this part's first block and token
+      const int64_t n_tokens = std::min(len, t_begin + kPart) - t_begin;
+      const int64_t nblocks = (n_tokens + kBS - 1) / kBS, stride = nblocks * kBS;
+      const int64_t* table = a.tables + b * a.max_blocks + j0;
       const T* q = a.q + b * a.q_row + h0 * kG * kD;  // this item's query heads are adjacent
       qf.resize(rows * kD);
       scores.resize(rows * stride);  // whole blocks, so every store is a whole vector
       acc.assign(rows * kD, 0.f);
-      inv.resize(rows);
+      mx.resize(rows);
+      sums.resize(rows);
       float* __restrict__ sc = scores.data();
       for (int64_t i = 0; i < rows * kD; ++i) qf[i] = to_float(q, i) * a.scale;
       auto k_at = [&](int64_t j) { return a.k + table[j] * a.block_stride + h0 * kSpan; };
@@ -226,37 +283,47 @@ static void decode_vec(const DecodeArgs<T>& a) {
             }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) inv[r] = 1.f / softmax_in_place(sc + r * stride, len);
+      for (int64_t r = 0; r < rows; ++r) sums[r] = softmax_in_place(sc + r * stride, n_tokens, &mx[r]);
       // values: V is [block_size, head_dim] per (block, head); kChunk columns of the
       // output at a time stay in registers over a block's tokens
       for (int64_t j = 0; j < nblocks; ++j) {
-        const int64_t t0 = j * kBS, n = std::min(kBS, len - t0);
+        const int64_t t0 = j * kBS, n = std::min(kBS, n_tokens - t0);
         for (int64_t hh = 0; hh < heads; ++hh) {
           const T* __restrict__ vb = v_at(j) + hh * kSpan;
           float* acc_h = acc.data() + hh * kG * kD;
           const float* p_h = sc + hh * kG * stride + t0;
           for (int64_t c0 = 0; c0 < kD; c0 += kChunk) {
-            Vec part[kG][kChunkVecs];
+            Vec part_v[kG][kChunkVecs];
             for (int64_t g = 0; g < kG; ++g)
-              for (int64_t u = 0; u < kChunkVecs; ++u) part[g][u] = Vec::loadu(acc_h + g * kD + c0 + u * kW);
+              for (int64_t u = 0; u < kChunkVecs; ++u) part_v[g][u] = Vec::loadu(acc_h + g * kD + c0 + u * kW);
             for (int64_t i = 0; i < n; ++i) {
               Vec v[kChunkVecs];
               for (int64_t u = 0; u < kChunkVecs; ++u) v[u] = load_floats(vb + i * kD + c0 + u * kW);
               for (int64_t g = 0; g < kG; ++g) {
                 const Vec p(p_h[g * stride + i]);
-                for (int64_t u = 0; u < kChunkVecs; ++u) part[g][u] = at::vec::fmadd(p, v[u], part[g][u]);
+                for (int64_t u = 0; u < kChunkVecs; ++u) part_v[g][u] = at::vec::fmadd(p, v[u], part_v[g][u]);
               }
             }
             for (int64_t g = 0; g < kG; ++g)
-              for (int64_t u = 0; u < kChunkVecs; ++u) part[g][u].store(acc_h + g * kD + c0 + u * kW);
+              for (int64_t u = 0; u < kChunkVecs; ++u) part_v[g][u].store(acc_h + g * kD + c0 + u * kW);
           }
         }
       }
-      T* out = a.out + (b * a.Hq + h0 * kG) * kD;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t d = 0; d < kD; ++d) out[r * kD + d] = static_cast<T>(acc[r * kD + d] * inv[r]);
+      if (parts == 1) {  // the whole sequence: normalise in place
+        T* out = a.out + (b * a.Hq + h0 * kG) * kD;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float inv = 1.f / sums[r];
+          for (int64_t d = 0; d < kD; ++d) out[r * kD + d] = static_cast<T>(acc[r * kD + d] * inv);
+        }
+      } else {
+        const int64_t slot = (first_part[b] + part) * a.Hq + h0 * kG;
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + slot * kD);
+        std::copy(mx.begin(), mx.end(), part_max.begin() + slot);
+        std::copy(sums.begin(), sums.end(), part_sum.begin() + slot);
+      }
     }
   });
+  if (split) combine_parts(a, kD, first_part, part_acc, part_max, part_sum);
 }
 
 // q: [B, Hq, D]; kv: [2, num_blocks, Hkv, block_size * D] (K half [D, block_size], V half [block_size, D]); tables: [B, max_blocks] int64; lens: [B] int64
