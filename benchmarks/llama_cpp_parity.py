@@ -36,6 +36,7 @@ import json
 import os
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -154,7 +155,7 @@ def main() -> None:
     gguf = str(next(p for p in os.scandir(args.model) if p.name.endswith(".gguf")).path)
     threads = torch.get_num_threads()
     engines = {name: engine_with(stack, args) for name, stack in KERVAN.items()}
-    systems = {name: (lambda e: lambda r: kervan_round(e, args, r))(e) for name, e in engines.items()}
+    systems = {name: partial(kervan_round, engine, args) for name, engine in engines.items()}
     systems["llama_cpp"] = lambda r: llama_round(args, gguf, threads)
     rounds: dict[str, list[dict]] = {name: [] for name in systems}
     for r in range(args.rounds):

@@ -55,8 +55,9 @@ class DecodeStack:
 def build_decode_stack(model, kv_caches: list[torch.Tensor], deterministic: bool) -> DecodeStack | None:
     """The stack for ``model`` (a ``DecoderModel``) and its caches, or None where it does not
     apply (see the module's docstring)."""
-    if (decode_stack_mode() == "off" or deterministic or get_parallel_state().world != 1 or model.moes
-            or model.norm is None or model.embed is None or not all(isinstance(l.mlp, SwiGLU) for l in model.layers)):
+    dense = all(isinstance(layer.mlp, SwiGLU) for layer in model.layers)
+    if (decode_stack_mode() == "off" or deterministic or get_parallel_state().world != 1 or not dense
+            or model.norm is None or model.embed is None):
         return None
     first = model.layers[0].attn
     cfg = model.cfg
@@ -76,6 +77,7 @@ def build_decode_stack(model, kv_caches: list[torch.Tensor], deterministic: bool
             uses_int8 |= kind == INT8
             indices.append(native.add_linear(kind, tensors, ints, real, module.bias, module.gemv_weight, GEMV_MAX_ROWS))
         native.add_layer(layer.input_norm.weight, layer.post_attn_norm.weight, cache, *indices)
+    log.info("decode steps of up to %s rows run as one native call over %d layers", max_rows, len(model.layers))
     return DecodeStack(native, max_rows, uses_int8)
 
 
