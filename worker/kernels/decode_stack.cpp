@@ -13,8 +13,12 @@
 // and after the last, the final norm. Each linear is one of the kernels the Python path
 // would call for these rows (``worker/models/decode_stack.py`` builds the stack and says
 // which rows it serves).
-#include <ATen/ATen.h>
+// the narrow headers, not <ATen/ATen.h> (every op's declaration): a first start compiles faster
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
