@@ -54,6 +54,9 @@ def test_the_decoders_float32_linears_take_it_for_few_rows_and_give_the_same_log
     assert torch.equal(small, torch.ops.kervan.gemv_linear(x[:GEMV_MAX_ROWS], layer.gemv_weight, None))
     onednn = packed_linear(x, None, layer.packed_weight, None, None, None, layer.gemv_weight)  # one row too many
     torch.testing.assert_close(small, onednn[:GEMV_MAX_ROWS], rtol=1e-5, atol=1e-5)
+    # the copies sit side by side in step order (one arena on huge pages): each starts where the one before ends
+    copies = [m.gemv_weight for m in model.dense_linears()]
+    assert all(b.data_ptr() == a.data_ptr() + a.nbytes for a, b in zip(copies, copies[1:]))
     prompt = make_prompts([3])[0]  # three rows: every linear through gemv
     torch.testing.assert_close(logits(model, prompt), logits(plain_model(path, torch.float32, monkeypatch), prompt),
                                rtol=1e-5, atol=1e-5)
