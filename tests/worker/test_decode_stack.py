@@ -1,8 +1,11 @@
 """The native decode stack (``worker/models/decode_stack.py``, ``decode_stack.cpp``): a decode
-step through it computes bit for bit what the model's modules compute, with every kernel
-kind a linear can take, and it steps aside wherever it does not apply."""
+step through it (embedding, layers, head) computes bit for bit what the model's modules
+compute, with every kernel kind a linear can take, and it steps aside wherever it does not
+apply."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -44,19 +47,13 @@ def both_paths(engine, step) -> tuple[torch.Tensor, torch.Tensor]:
     K/V into the same slots)."""
     model = engine.runner.model
     stack = model.decode_stack
-    assert stack is not None and stack.serves(len(step.token_ids), _meta(engine, step))
+    assert stack is not None and stack.serves(step)
     with_stack = engine.runner.forward(step)
     model.decode_stack = None
     try:
         return with_stack, engine.runner.forward(step)
     finally:
         model.decode_stack = stack
-
-
-def _meta(engine, step):
-    from worker.layers.paged_attention import AttentionMetadata
-    return AttentionMetadata.build(step.slots, step.decode_tables, step.decode_lens, step.prefills,
-                                   engine.config.block_size, torch.device("cpu"), True)
 
 
 def kinds(engine) -> set[int]:
@@ -107,12 +104,29 @@ def test_steps_with_prompt_rows_or_more_rows_than_a_kernel_serves_take_the_modul
     stack = engine.runner.model.decode_stack
     assert stack.max_rows == 16  # the float kernel's rows (DIRECT_MAX_ROWS); above, dequantized tiles
     served, run = [], DecodeStack.run
-    monkeypatch.setattr(DecodeStack, "run", lambda self, *a: served.append(a[0].shape[0]) or run(self, *a))
+    monkeypatch.setattr(DecodeStack, "run", lambda self, step: served.append(len(step.token_ids)) or run(self, step))
     engine.step()  # two decode rows
     engine.add_request(make_prompts([9])[0], SamplingParams(max_tokens=2, temperature=0))
     engine.step()  # the prompt's rows with them: the modules
     assert served == [2]
-    assert not stack.serves(17, _meta(engine, next_step_inputs(engine)))
+    step = next_step_inputs(engine)
+    assert stack.serves(step)
+    assert not stack.serves(replace(step, token_ids=step.token_ids * 9))  # 18 rows
+    assert not stack.serves(replace(step, logit_rows=step.logit_rows * 9))  # 18 samples: the head's kernel
+
+
+def test_the_rows_that_sample_are_the_logits_it_returns(llama, monkeypatch):
+    """n > 1 samples a row several times, speculative steps sample rows out of order: the
+    head takes the rows ``logit_rows`` names, as the modules' path does."""
+    _, path = llama
+    engine = decoding_engine(path, 3, monkeypatch)
+    step = next_step_inputs(engine)
+    for rows in ([2, 0, 0, 1], [1], []):
+        with_stack, with_modules = both_paths(engine, replace(step, logit_rows=rows))
+        if not rows:
+            assert with_stack is None and with_modules is None
+        else:
+            assert with_stack.shape == (len(rows), 128) and torch.equal(with_stack, with_modules)
 
 
 @pytest.mark.parametrize("kind,options,why", [

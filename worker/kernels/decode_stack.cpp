@@ -12,12 +12,15 @@
 //   x           = down(silu_and_mul(gate_up(x)))
 // and after the last, the final norm. Each linear is one of the kernels the Python path
 // would call for these rows (``worker/models/decode_stack.py`` builds the stack and says
-// which rows it serves).
+// which rows it serves). ``step`` runs the whole decode step: the embedding's lookup (plain,
+// or quantized rows dequantized), the layers, and the LM head on the rows that sample.
 // the narrow headers, not <ATen/ATen.h> (every op's declaration): a first start compiles faster
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/embedding.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -80,6 +83,26 @@ struct Linear {
   }
 };
 
+// the embedding's table: a plain weight [vocab, hidden], or quantized rows (codes, scales,
+// zeros?, lut?; format, group; tensor_scale) that ``kervan::quant_dequantize`` decodes
+struct Embedding {
+  std::vector<OptTensor> tensors;
+  std::vector<int64_t> ints;
+  double tensor_scale = 0.0;
+  c10::ScalarType dtype = c10::ScalarType::Float;
+
+  at::Tensor operator()(const at::Tensor& ids) const {
+    if (ints.empty()) return at::embedding(*tensors[0], ids);
+    static const auto dequantize = handle<at::Tensor(at::Tensor, at::Tensor, OptTensor, OptTensor, int64_t, int64_t,
+                                                     double, c10::ScalarType)>("kervan::quant_dequantize");
+    auto rows = [&](const OptTensor& t) -> OptTensor {
+      return t.has_value() ? OptTensor(at::index_select(*t, 0, ids)) : std::nullopt;
+    };
+    return dequantize.call(*rows(tensors[0]), *rows(tensors[1]), rows(tensors[2]), tensors[3], ints[0], ints[1],
+                           tensor_scale, dtype);
+  }
+};
+
 struct Layer {
   at::Tensor input_norm, post_norm, kv;
   int64_t qkv, o_proj, gate_up, down;  // indices into DecodeStack::linears
@@ -91,6 +114,8 @@ struct DecodeStack : torch::CustomClassHolder {
   at::Tensor cos, sin, final_norm;
   std::vector<Linear> linears;
   std::vector<Layer> layers;
+  std::optional<Embedding> embedding;
+  int64_t head = -1;  // index into linears
 
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps, at::Tensor cos,
               at::Tensor sin, at::Tensor final_norm)
@@ -113,6 +138,27 @@ struct DecodeStack : torch::CustomClassHolder {
     const int64_t n = static_cast<int64_t>(linears.size());
     for (int64_t i : {qkv, o_proj, gate_up, down}) TORCH_CHECK(i >= 0 && i < n, "no linear ", i);
     layers.push_back({std::move(input_norm), std::move(post_norm), std::move(kv), qkv, o_proj, gate_up, down});
+  }
+
+  // the embedding's table (``ints`` empty: a plain weight; else format, group) and the head's linear
+  void set_ends(std::vector<OptTensor> tensors, std::vector<int64_t> ints, double tensor_scale, int64_t head_linear) {
+    TORCH_CHECK(!tensors.empty() && tensors[0].has_value(), "the embedding needs its table");
+    TORCH_CHECK(ints.empty() || (ints.size() == 2 && tensors.size() == 4), "a quantized embedding takes ",
+                "codes, scales, zeros, lut and two ints");
+    TORCH_CHECK(head_linear >= 0 && head_linear < static_cast<int64_t>(linears.size()), "no linear ", head_linear);
+    embedding = Embedding{std::move(tensors), std::move(ints), tensor_scale, final_norm.scalar_type()};
+    head = head_linear;
+  }
+
+  // A whole decode step: ids, positions, slots [rows]; tables [rows, max_blocks]; lens [rows];
+  // logit_rows: the rows that sample, in order (None: every row once). Returns the final
+  // hidden states [rows, hidden] and the logits [logit rows, vocab].
+  std::vector<at::Tensor> step(at::Tensor ids, at::Tensor positions, at::Tensor slots, at::Tensor tables,
+                               at::Tensor lens, OptTensor logit_rows) const {
+    TORCH_CHECK(embedding.has_value() && head >= 0, "the stack has no embedding and head (set_ends)");
+    at::Tensor hidden = run((*embedding)(ids), positions, slots, tables, lens);
+    const at::Tensor sampled = logit_rows.has_value() ? at::index_select(hidden, 0, *logit_rows) : hidden;
+    return {hidden, linears[head](sampled)};
   }
 
   // x: [rows, hidden] (the embedding's output); positions, slots: [rows]; tables: [rows, max_blocks];
@@ -165,5 +211,7 @@ TORCH_LIBRARY_FRAGMENT(kervan, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor>())
       .def("add_linear", &DecodeStack::add_linear)
       .def("add_layer", &DecodeStack::add_layer)
-      .def("run", &DecodeStack::run);
+      .def("set_ends", &DecodeStack::set_ends)
+      .def("run", &DecodeStack::run)
+      .def("step", &DecodeStack::step);
 }

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -164,36 +165,40 @@ at::Tensor quant_matmul_i8(at::Tensor x, at::Tensor data, int64_t out_features, 
   const int64_t M = x.size(0), width = tiles * tile;
   auto out = at::empty({M, out_features}, x.options());
   if (M == 0) return out;
-  std::vector<float> out32(M * terms * width);
+  std::unique_ptr<float[]> out32(new float[M * terms * width]);  // every element written: no zeroing
   KERVAN_DISPATCH(x.scalar_type(), "quant_matmul_i8", [&] {
     using T = scalar_t;
     const QuantizedRows xq = quantize_rows<T>(x, terms);
     const uint8_t* dp = data.data_ptr<uint8_t>();
-    float* o = out32.data();
+    float* o = out32.get();
+    const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+    T* op = out.data_ptr<T>();
+    // each thread's features into x's dtype as its tiles finish (no serial pass after)
+    auto done = [&](int64_t n0, int64_t n1) {
+      n1 = std::min(n1, out_features);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* src = o + m * terms * width;
+        for (int64_t n = n0; n < n1; ++n) {
+          const float v = terms == 2 ? src[n] + src[width + n] : src[n];
+          op[m * out_features + n] = static_cast<T>(bp != nullptr ? v + static_cast<float>(bp[n]) : v);
+        }
+      }
+    };
     auto run = [&](auto params) {
       using S = decltype(params);
 #if defined(CPU_CAPABILITY_AVX512)
-      if (vnni && four_bit) return vnni::matmul<true, false, S>(xq, dp, tiles, group, o);
-      if (vnni) return vnni::matmul<false, false, S>(xq, dp, tiles, group, o);
+      if (vnni && four_bit) return vnni::matmul<true, false, S>(xq, dp, tiles, group, o, done);
+      if (vnni) return vnni::matmul<false, false, S>(xq, dp, tiles, group, o, done);
 #endif
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-      if (four_bit) return plain::matmul<true, false, S>(xq, dp, tiles, group, o);
-      plain::matmul<false, true, S>(xq, dp, tiles, group, o);
+      if (four_bit) return plain::matmul<true, false, S>(xq, dp, tiles, group, o, done);
+      plain::matmul<false, true, S>(xq, dp, tiles, group, o, done);
 #endif
     };
     if (half_params)
       run(c10::Half());
     else
       run(0.0f);
-    const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
-    T* op = out.data_ptr<T>();
-    for (int64_t m = 0; m < M; ++m) {
-      const float* src = out32.data() + m * terms * width;
-      for (int64_t n = 0; n < out_features; ++n) {
-        const float v = terms == 2 ? src[n] + src[width + n] : src[n];
-        op[m * out_features + n] = static_cast<T>(bp != nullptr ? v + static_cast<float>(bp[n]) : v);
-      }
-    }
   });
   return out;
 }

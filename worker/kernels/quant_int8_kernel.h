@@ -31,6 +31,7 @@ __attribute__((always_inline)) inline IVec dot_add(IVec acc, IVec w, IVec x) {
   return _mm512_dpbusd_epi32(acc, w, x);
 }
 __attribute__((always_inline)) inline IVec zero_i() { return _mm512_setzero_si512(); }
+__attribute__((always_inline)) inline IVec add_i(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
 __attribute__((always_inline)) inline FVec zero_f() { return _mm512_setzero_ps(); }
 __attribute__((always_inline)) inline FVec to_float(IVec v) { return _mm512_cvtepi32_ps(v); }
 __attribute__((always_inline)) inline FVec set_f(float v) { return _mm512_set1_ps(v); }
@@ -67,6 +68,7 @@ __attribute__((always_inline)) inline IVec dot_add(IVec acc, IVec w, IVec x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
 __attribute__((always_inline)) inline IVec zero_i() { return _mm256_setzero_si256(); }
+__attribute__((always_inline)) inline IVec add_i(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
 __attribute__((always_inline)) inline FVec zero_f() { return _mm256_setzero_ps(); }
 __attribute__((always_inline)) inline FVec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
 __attribute__((always_inline)) inline FVec set_f(float v) { return _mm256_set1_ps(v); }
@@ -107,6 +109,9 @@ inline void tile_rows(const QuantizedRows& x, int64_t m0, const uint8_t* tile, i
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) dot[r] = zero_i();
       if constexpr (kFour) {
+        IVec dhi[R];  // the high nibbles' sums apart: two dependency chains, not one (int32: exact either way)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) dhi[r] = zero_i();
 #pragma GCC unroll 4
         for (int l = 0; l < 4; ++l) {
           const IVec v = load_i(c + l * step_bytes), lo = low_nibbles(v), hi = high_nibbles(v);
@@ -114,9 +119,11 @@ inline void tile_rows(const QuantizedRows& x, int64_t m0, const uint8_t* tile, i
           for (int r = 0; r < R; ++r) {
             const int8_t* xr = x.q.data() + (m0 + r) * K + b * 32;
             dot[r] = dot_add<false>(dot[r], lo, bcast_i(xr + 4 * l));
-            dot[r] = dot_add<false>(dot[r], hi, bcast_i(xr + 16 + 4 * l));
+            dhi[r] = dot_add<false>(dhi[r], hi, bcast_i(xr + 16 + 4 * l));
           }
         }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) dot[r] = add_i(dot[r], dhi[r]);
       } else {
 #pragma GCC unroll 8
         for (int l = 0; l < 8; ++l) {
@@ -139,8 +146,8 @@ inline void tile_rows(const QuantizedRows& x, int64_t m0, const uint8_t* tile, i
 }
 
 // out: float32 [M, tiles * kTile] (the padded features too); ``data``: the tiles' records
-template <bool kFour, bool kSigned, typename S>
-void matmul(const QuantizedRows& x, const uint8_t* data, int64_t tiles, int64_t group, float* out) {
+template <bool kFour, bool kSigned, typename S, typename Done>
+void matmul(const QuantizedRows& x, const uint8_t* data, int64_t tiles, int64_t group, float* out, const Done& done) {
   const int64_t K = x.K, ld = tiles * kTile;
   const int64_t tile_bytes = (K / group) * 2 * kTile * static_cast<int64_t>(sizeof(S)) +
                              (K / 32) * kTile * (kFour ? 16 : 32);
@@ -159,5 +166,6 @@ void matmul(const QuantizedRows& x, const uint8_t* data, int64_t tiles, int64_t 
         }
       }
     }
+    done(t0 * kTile, t1 * kTile);
   });
 }

@@ -75,11 +75,10 @@ class AttentionMetadata:
             return AttentionMetadata(native, slot, slot // block_size, slot % block_size, len(decode_lens), tables,
                                      lens, None, [])
         if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            tables = _padded(decode_tables, width).to(device)
+            tables = padded_tables(decode_tables).to(device)
             lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
             if not native:
-                mask = (torch.arange(width * block_size, device=device)[None, :] < lens[:, None])[:, None, None, :]
+                mask = (torch.arange(tables.shape[1] * block_size, device=device)[None, :] < lens[:, None])[:, None, None, :]
         spans = []
         for start, n, ctx, blocks in prefills:
             if ctx == 0:
@@ -93,9 +92,13 @@ class AttentionMetadata:
                                  lens, mask, spans)
 
 
+def padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    """[len(tables), the longest] long: block tables padded with block 0 (never read: a
+    row's length stops before it)."""
+    return _padded(tables, max(map(len, tables)))
+
+
 def _padded(tables: list[list[int]], width: int) -> torch.Tensor:
-    """[len(tables), width] long: block tables padded with block 0 (never read: a row's
-    length stops before it)."""
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).view(len(tables), width)
 
 

@@ -26,7 +26,8 @@ from kervan.envs import decode_stack as decode_stack_mode
 from worker.layers.linear import RowParallelLinear
 from worker.layers.mlp import SwiGLU
 from worker.layers.packing import BRGEMM_MAX_ROWS, GEMV_MAX_ROWS
-from worker.layers.paged_attention import AttentionMetadata
+from worker.layers.paged_attention import padded_tables
+from worker.parallel.step_inputs import StepInputs
 from worker.parallel import get_parallel_state
 from worker.quant.matmul import DIRECT_MAX_ROWS, int8_max_rows
 
@@ -37,19 +38,32 @@ INT8, QUANT, BRGEMM, ONEDNN, PLAIN = range(5)
 
 
 class DecodeStack:
-    def __init__(self, native: torch.ScriptObject, max_rows: float, uses_int8: bool):
+    def __init__(self, native: torch.ScriptObject, max_rows: float, uses_int8: bool, head_rows: float,
+                 head_int8: bool):
         self.native = native
         self.max_rows = max_rows  # the rows every linear's kernel serves, the int8 kernel's aside
         self.uses_int8 = uses_int8
+        self.head_rows, self.head_int8 = head_rows, head_int8  # the same of the LM head's logit rows
 
-    def serves(self, rows: int, meta: AttentionMetadata) -> bool:
-        if not meta.native or meta.prefills or rows > self.max_rows:
+    def serves(self, step: StepInputs) -> bool:
+        """Whether ``step`` (on the CPU, native kernels) runs here: decode rows only, each
+        linear's kernel the one the modules would call for that many rows."""
+        rows, logit_rows = len(step.token_ids), len(step.logit_rows)
+        if step.prefills or not rows or rows > self.max_rows or logit_rows > self.head_rows:
             return False
-        return not self.uses_int8 or rows <= int8_max_rows()
+        return (not self.uses_int8 or rows <= int8_max_rows()) and (not self.head_int8 or logit_rows <= int8_max_rows())
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """x: the embedding's output [rows, hidden] -> the final norm's [rows, hidden]."""
-        return self.native.run(x, positions, meta.slots, meta.decode_tables, meta.decode_lens)
+    def run(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final norm's hidden states [rows, hidden] and the logits of ``step.logit_rows``
+        (None when no row samples): the embedding, every layer and the head in one call."""
+        rows = len(step.token_ids)
+        # one tensor for the step's integers, then views: a cold interpreter pays each torch.tensor
+        flat = torch.tensor(step.token_ids + step.positions + step.slots + step.decode_lens + step.logit_rows)
+        ids, positions, slots, lens, logit_rows = flat.split([rows, rows, rows, rows, len(step.logit_rows)])
+        tables = padded_tables(step.decode_tables)
+        in_order = len(step.logit_rows) == rows and step.logit_rows == list(range(rows))
+        hidden, logits = self.native.step(ids, positions, slots, tables, lens, None if in_order else logit_rows)
+        return hidden, logits if step.logit_rows else None
 
 
 def build_decode_stack(model, kv_caches: list[torch.Tensor], deterministic: bool) -> DecodeStack | None:
@@ -77,8 +91,23 @@ def build_decode_stack(model, kv_caches: list[torch.Tensor], deterministic: bool
             uses_int8 |= kind == INT8
             indices.append(native.add_linear(kind, tensors, ints, real, module.bias, module.gemv_weight, GEMV_MAX_ROWS))
         native.add_layer(layer.input_norm.weight, layer.post_attn_norm.weight, cache, *indices)
+    head, embed = model.lm_head, model.embed
+    spec = linear_spec(head)
+    if spec is None or embed.dtype != model.norm.weight.dtype:
+        return None
+    head_kind, tensors, ints, real, head_rows = spec
+    native.set_ends(*embedding_spec(embed), native.add_linear(head_kind, tensors, ints, real, None, head.gemv_weight,
+                                                              GEMV_MAX_ROWS))
     log.info("decode steps of up to %s rows run as one native call over %d layers", max_rows, len(model.layers))
-    return DecodeStack(native, max_rows, uses_int8)
+    return DecodeStack(native, max_rows, uses_int8, head_rows, head_kind == INT8)
+
+
+def embedding_spec(embed: nn.Module) -> tuple[list, list[int], float]:
+    """(tensors, ints, tensor_scale) of the embedding's table for ``DecodeStack.set_ends``."""
+    q = embed.quant
+    if q is None:
+        return [embed.weight], [], 0.0
+    return [q.codes, q.scales, q.zeros, q.lut], [int(q.format), q.group], q.tensor_scale
 
 
 def linear_spec(module: nn.Module) -> tuple[int, list, list[int], float, float] | None:

@@ -106,7 +106,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    # decode steps' layers as one native call, where the runner built one (``decode_stack.py``)
+    # decode steps as one native call, embedding to logits, where the runner built one and runs it (``decode_stack.py``)
     decode_stack: DecodeStack | None = None
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int):
@@ -136,9 +136,6 @@ class DecoderModel(nn.Module):
         """The final hidden states [num_tokens, hidden]; on a pipeline stage but the last,
         ``carried`` for the next: [2, num_tokens, hidden], the last layer's output and the
         residual stream (a stage but the first takes the previous one's instead of ids)."""
-        stack = self.decode_stack
-        if carried is None and stack is not None and stack.serves(input_ids.shape[0], meta):
-            return stack.run(self.embed(input_ids), positions, meta)
         x, residual = (self.embed(input_ids), None) if carried is None else (carried[0], carried[1])
         # submodules' forward is called directly here and in the layers: nn.Module.__call__'s hook
         # machinery cost ~2 us a call, 300 calls a decode step of a 30-layer model

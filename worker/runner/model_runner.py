@@ -169,6 +169,12 @@ class ModelRunner:
 
     def _forward(self, step: StepInputs, kv_writes: Sequence[KVWrite], carried: torch.Tensor | None
                  ) -> torch.Tensor | None:
+        stack = self.model.decode_stack
+        if stack is not None and carried is None and stack.serves(step):
+            hidden, logits = stack.run(step)  # the embedding, the layers and the head: one native call
+            if self.keep_hidden:
+                self.last_hidden = hidden
+            return logits
         if self.graphs is not None and not kv_writes and self.graphs.can_run(step):
             hidden = self.graphs.run(step)
         else:
