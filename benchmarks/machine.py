@@ -30,12 +30,14 @@ def machine(dtype: str | None = None) -> dict:
 
 
 def commit() -> str:
-    """The checkout's commit, ``-dirty`` when it has uncommitted changes (``unknown`` outside git)."""
+    """The checkout's commit, ``-dirty`` when it has uncommitted changes (``unknown`` outside git);
+    the reports under ``benchmarks/results/`` aside, which a series of runs writes one after another."""
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/results"], cwd=root,
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
