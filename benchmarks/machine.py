@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 from pathlib import Path
 
 import torch
 
 from worker.platform import DTYPE_CHOICES, current_platform, dtype_name
+
+MKL_CAP = "MKL_ENABLE_INSTRUCTIONS"  # AVX2 caps MKL as ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA cap the rest
 
 
 def add_dtype_argument(ap: argparse.ArgumentParser) -> None:
@@ -24,6 +27,8 @@ def machine(dtype: str | None = None) -> dict:
     cpu = platform.cpu
     out = {"cpu": cpu.model, "isa": cpu.isa, "torch_capability": cpu.torch_capability,
            "native_bf16": cpu.has_native_bf16, "amx": cpu.has_amx, "cores": cpu.num_cores, "torch": torch.__version__}
+    if os.environ.get(MKL_CAP):  # PyTorch's and oneDNN's caps leave MKL's float32 GEMMs on the CPU's best
+        out["mkl_cap"] = os.environ[MKL_CAP]
     if dtype is not None:
         out.update(dtype_requested=dtype, dtype=dtype_name(platform.resolve_dtype(dtype, "cpu")))
     return out
