@@ -78,7 +78,8 @@ class AttentionMetadata:
             tables = padded_tables(decode_tables).to(device)
             lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
             if not native:
-                mask = (torch.arange(tables.shape[1] * block_size, device=device)[None, :] < lens[:, None])[:, None, None, :]
+                keys = torch.arange(tables.shape[1] * block_size, device=device)
+                mask = (keys[None, :] < lens[:, None])[:, None, None, :]
         spans = []
         for start, n, ctx, blocks in prefills:
             if ctx == 0:

@@ -27,8 +27,8 @@ from worker.layers.linear import RowParallelLinear
 from worker.layers.mlp import SwiGLU
 from worker.layers.packing import BRGEMM_MAX_ROWS, GEMV_MAX_ROWS
 from worker.layers.paged_attention import padded_tables
-from worker.parallel.step_inputs import StepInputs
 from worker.parallel import get_parallel_state
+from worker.parallel.step_inputs import StepInputs
 from worker.quant.matmul import DIRECT_MAX_ROWS, int8_max_rows
 
 log = logging.getLogger(__name__)
