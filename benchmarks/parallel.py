@@ -159,6 +159,11 @@ def forward_ms(engine: Engine, batch: int, compiled: bool, steps: int) -> tuple[
     meta = AttentionMetadata.build([t[CONTEXT // bs] * bs + CONTEXT % bs for t in tables], tables,
                                    [CONTEXT + 1] * batch, [], bs, torch.device("cpu"), runner.native_kernels)
     model = torch.compile(runner.model, dynamic=False) if compiled else runner.model
+    stack = runner.model.decode_stack
+    if stack is not None and not compiled:  # what the engine runs: the embedding, then the stack's layers (no head)
+        def model(ids, positions, kv_caches, meta):
+            return stack.native.run(runner.model.embed(ids), positions, meta.slots, meta.decode_tables,
+                                    meta.decode_lens)
     ids, positions = torch.full((batch,), 5), torch.full((batch,), CONTEXT)
     with torch.inference_mode():
         start = time.perf_counter()
