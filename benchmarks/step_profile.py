@@ -10,7 +10,11 @@ at decode batches of 1, 8, 32 and 64 and on a prefill step, each op class's time
 A decode step of a small model is bound by memory, a prefill step by compute; the report
 gives each step's time over its larger bound (``bound_share``: 1.0 would be the hardware's
 limit). ``python_ms`` is the step's wall time outside any profiled op: the engine's
-Python (scheduling, step inputs, the model's module calls).
+Python (scheduling, step inputs, the model's module calls); a residual of two sets of steps
+(unprofiled walls, profiled ops), it moves by a millisecond between runs. Where the decode
+stack serves every step, ``outside_stack_share`` is measured directly instead, without the
+profiler: the share of the steps' wall time outside its one native call (Python, and the
+sampler's argmax over the logits).
 
     python -m benchmarks.step_profile --model smollm2-135m --dtype bfloat16 \\
         --json-out benchmarks/results/step_profile-amx-smollm2.json
@@ -65,20 +69,48 @@ def _weight(module) -> torch.Tensor:
     return module.weight if module.weight is not None else module.packed_weight
 
 
-def profile_steps(engine: Engine, steps: int) -> tuple[float, dict]:
-    """Median wall time of ``steps`` steps, and each op class's time per step."""
-    walls = []
-    for _ in range(steps):
+class _TimedStack:
+    """The decode stack's native object, timing its one call a step (no profiler)."""
+
+    def __init__(self, native):
+        self.native, self.seconds, self.calls = native, 0.0, 0
+
+    def step(self, *args):
         start = time.perf_counter()
-        engine.step()
-        walls.append(time.perf_counter() - start)
+        try:
+            return self.native.step(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+
+def profile_steps(engine: Engine, steps: int) -> tuple[float, dict, float | None]:
+    """Median wall time of ``steps`` steps, each op class's time per step (over as many more,
+    profiled), and, where the decode stack ran every step, the share of their wall time
+    outside its native call: Python and sampling, measured without a profiler."""
+    stack = engine.runner.model.decode_stack
+    timed = _TimedStack(stack.native) if stack is not None else None
+    walls = []
+    if timed is not None:
+        stack.native = timed
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - start)
+    finally:
+        if timed is not None:
+            stack.native = timed.native
+    outside = None
+    if timed is not None and timed.calls == steps:
+        outside = round(1 - timed.seconds / sum(walls), 3)
     with torch.profiler.profile() as prof:
         for _ in range(steps):
             engine.step()
     classes: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         classes[OP_CLASSES.get(event.key, "other")] += event.self_cpu_time_total / 1e3 / steps
-    return median(walls), dict(classes)
+    return median(walls), dict(classes), outside
 
 
 def decode_point(engine: Engine, batch: int, context: int, costs: dict, bandwidth: float, peak: float,
@@ -91,13 +123,14 @@ def decode_point(engine: Engine, batch: int, context: int, costs: dict, bandwidt
     while engine.scheduler.waiting or any(seq.num_computed_tokens < seq.num_tokens - 1
                                           for seq in engine.scheduler.running):  # prompts still prefilling
         engine.step()
-    wall, classes = profile_steps(engine, steps)
+    wall, classes, outside = profile_steps(engine, steps)
     while engine.has_unfinished_requests():
         engine.step()
     kv_bytes = batch * (context + 2 * steps) * costs["kv_bytes_per_token"]
     flops = batch * costs["matmul_flops_per_token"]
+    extra = {} if outside is None else {"outside_stack_share": outside}
     return _point(f"decode batch {batch}", wall, classes, costs["weight_bytes"] + kv_bytes, flops, bandwidth, peak,
-                  batch=batch, context=context)
+                  batch=batch, context=context, **extra)
 
 
 def prefill_point(engine: Engine, prompts: int, length: int, costs: dict, bandwidth: float, peak: float,

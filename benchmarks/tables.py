@@ -65,8 +65,14 @@ def step_profile() -> str:
                         f"| {point['memory_bound_ms']:.1f} / {point['compute_bound_ms']:.1f} "
                         f"| **{point['bound_share']:.2f}** | {ops.get('linear', 0.0):.1f} "
                         f"| {ops.get('attention', 0.0):.1f} | {elementwise:.1f} | {rest:.1f} "
-                        f"| {point['python_ms']:.1f} |")
+                        f"| {point['python_ms']:.1f}{_outside(point)} |")
     return "\n".join(rows) + "\n"
+
+
+def _outside(point: dict) -> str:
+    """`` (4.2% outside the stack)``, where the report measured it."""
+    share = point.get("outside_stack_share")
+    return "" if share is None else f" ({share:.1%} outside the stack)"
 
 
 def linear_kernels() -> str:
