@@ -1,10 +1,13 @@
 """benchmarks/step_profile.py on the embedded model: every point has its wall time, its op
 classes (the linears and attention among them), and both bounds from the run's own
-measurements of the machine."""
+measurements of the machine; where the decode stack serves the decode steps, the share of
+their time outside its one native call."""
 
 import json
 import subprocess
 import sys
+
+from worker.kernels import has_native_kernels
 
 
 def test_step_profile_reports_each_step_against_its_bounds(tmp_path):
@@ -20,6 +23,10 @@ def test_step_profile_reports_each_step_against_its_bounds(tmp_path):
         assert {"linear", "attention"} <= set(point["ops_ms"]), point["ops_ms"]
         bound = max(point["memory_bound_ms"], point["compute_bound_ms"])
         assert abs(point["bound_share"] - bound / point["wall_ms"]) < 0.01
+        if point["step"].startswith("decode") and has_native_kernels():  # the embedded model's stack serves it
+            assert 0 < point["outside_stack_share"] < 1, point
+        else:
+            assert "outside_stack_share" not in point, point
     costs = report["costs"]
     assert costs["matmul_flops_per_token"] == 2 * costs["weight_bytes"] / (
         4 if report["machine"]["dtype"] == "float32" else 2)
