@@ -13,6 +13,7 @@ import torch
 
 from worker.platform import DTYPE_CHOICES, current_platform, dtype_name
 
+ROOT = Path(__file__).resolve().parent.parent  # the checkout a report stamps
 MKL_CAP = "MKL_ENABLE_INSTRUCTIONS"  # AVX2 caps MKL as ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA cap the rest
 
 
@@ -34,10 +35,9 @@ def machine(dtype: str | None = None) -> dict:
     return out
 
 
-def commit() -> str:
+def commit(root: Path = ROOT) -> str:
     """The checkout's commit, ``-dirty`` when it has uncommitted changes (``unknown`` outside git);
     the reports under ``benchmarks/results/`` aside, which a series of runs writes one after another."""
-    root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
