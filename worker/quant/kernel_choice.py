@@ -106,8 +106,8 @@ def in_one_buffer(weights: list[QuantizedWeight]) -> list[QuantizedWeight]:
     model's, which is the order a step reads them): a decode step then streams one region
     front to back, a TLB entry per 2 MiB instead of per 4 KiB (the 30 MB LM head read at
     21 GB/s from 4 KiB pages and 24 from huge ones, measured on the AMX Xeon)."""
-    return [replace(w, int8=replace(w.int8, data=data)) for w, data in zip(weights, in_one_arena([w.int8.data
-                                                                                               for w in weights]))]
+    moved = in_one_arena([w.int8.data for w in weights])
+    return [replace(w, int8=replace(w.int8, data=data)) for w, data in zip(weights, moved)]
 
 
 def with_int8(w: QuantizedWeight, terms: int = 1) -> QuantizedWeight:
