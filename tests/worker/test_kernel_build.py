@@ -33,10 +33,23 @@ def test_the_cache_key_names_torch_the_isa_level_the_compiler_and_the_source(tmp
     assert key.startswith("torch2.") and "-avx2-gcc12-" in key and key.endswith(build.source_hash())
     for isa, march in (("avx2", "-march=x86-64-v3"), ("avx512", "-march=x86-64-v4")):
         compiles, link = compile_commands("c++", isa, tmp_path / "out.so")
-        assert len(compiles) == len(build.SOURCES) >= 2
+        assert len(compiles) == build.UNITS < len(build.SOURCES)
+        compiled = sorted(arg for cmd in compiles for arg in cmd if arg.endswith(".cpp"))
+        assert compiled == sorted(map(str, build.SOURCES))  # every source in one unit, once
         for cmd in compiles:
             assert march in cmd and not any("native" in flag for flag in cmd)  # portable to any CPU of the level
         assert "-shared" in link and link[link.index("-o") + 1] == str(tmp_path / "out.so")
+
+
+def test_sources_are_grouped_into_units_of_about_equal_weight(tmp_path):
+    for name, size in (("a", 900), ("b", 500), ("c", 400), ("d", 100)):
+        (tmp_path / f"{name}.cpp").write_text("x" * size)
+    (tmp_path / "big.h").write_text("y" * 1000)
+    (tmp_path / "d.cpp").write_text('#include "big.h"\n')  # weighed with the header it includes
+    units = build.compile_units(sorted(tmp_path.glob("*.cpp")), units=2)
+    assert [[p.stem for p in unit] for unit in units] == [["c", "d"], ["a", "b"]]  # 1418 and 1400
+    singles = build.compile_units(sorted(tmp_path.glob("*.cpp")), units=8)  # never more units than sources
+    assert [[p.stem for p in unit] for unit in singles] == [["d"], ["a"], ["b"], ["c"]]
 
 
 @isa
