@@ -1,8 +1,8 @@
 """GGUF files served as they ship: llama.cpp's blocks repacked into ``QuantizedWeight``
 by copying bytes, never through float.
 
-Read with llama.cpp's own ``gguf`` package (a memory map: a rank reads only the rows,
-or the blocks of columns, its slice needs). Supported block types, per 32 weights:
+Read through a memory map (``gguf_index``, with llama.cpp's ``gguf`` package's constants):
+a rank reads only the rows, or the blocks of columns, its slice needs. Supported block types, per 32 weights:
 
 - Q4_0: float16 ``d`` and 16 bytes of 4-bit codes; ``w = d * (q - 8)`` -> table -8..7, scale d;
 - Q4_1: float16 ``d`` and ``m``, 16 bytes of codes; ``w = d * q + m`` -> codes 0..15, scale d, zero m;
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from worker.config import ConfigError, ModelConfig
+from worker.quant.gguf_index import read_index
 from worker.quant.weight import CodeFormat, QuantizedWeight
 
 # GGUF name -> Hugging Face name ({} is the layer)
@@ -108,23 +109,16 @@ def repack(raw: np.ndarray, kind: str, in_features: int) -> QuantizedWeight:
 
 
 def iter_gguf_tensors(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, GgufTensor]]:
-    try:
-        from gguf import GGUFReader
-    except ImportError as exc:  # a dependency of kervan; absent only in a broken install
-        raise ConfigError(f"reading {path.name} needs llama.cpp's gguf package ({exc})") from None
-    reader = GGUFReader(str(path))
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        if kind not in BLOCK_BYTES and kind not in FLOAT_TYPES:
-            raise ConfigError(f"{path.name}: tensor {t.name} is {kind}; Kervan reads GGUF's "
+    for t in read_index(path):
+        if t.kind not in BLOCK_BYTES and t.kind not in FLOAT_TYPES:
+            raise ConfigError(f"{path.name}: tensor {t.name} is {t.kind}; Kervan reads GGUF's "
                               f"{', '.join([*BLOCK_BYTES, *FLOAT_TYPES])}")
-        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
         name = hf_name(t.name)
         order = None
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
-            order = unpermuted_rows(shape[0], heads)
-        yield name, GgufTensor(name, kind, t.data, shape, dtype, order)
+            order = unpermuted_rows(t.shape[0], heads)
+        yield name, GgufTensor(name, t.kind, t.data, t.shape, dtype, order)
 
 
 def unpermuted_rows(rows: int, heads: int) -> torch.Tensor:
