@@ -18,17 +18,36 @@ def env_name(service: str, dest: str) -> str:
     return f"KERVAN_{service.upper().replace('-', '_')}_{dest.upper()}"
 
 
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def parse_bool(name: str, value: str) -> bool:
+    """An environment boolean: 1/true/yes/on or 0/false/no/off (any case); anything else is
+    refused, naming the variable (a bare non-empty string once meant True, ``false`` too)."""
+    word = value.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise ValueError(f"{name}={value!r}: expected one of {'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)}")
+
+
 def parse_args(parser: argparse.ArgumentParser, service: str, argv: list[str] | None = None) -> argparse.Namespace:
     for action in parser._actions:
         if action.dest == "help" or action.option_strings == []:
             continue
-        value = os.environ.get(env_name(service, action.dest))
+        name = env_name(service, action.dest)
+        value = os.environ.get(name)
         if value is None:
             continue
         try:
-            action.default = action.type(value) if callable(action.type) else value
-        except ValueError:
-            parser.error(f"{env_name(service, action.dest)}={value!r} is not a valid {action.dest}")
+            if action.nargs == 0:  # a switch: the variable is its dest's value (``..._SHORTLIST=false``)
+                action.default = parse_bool(name, value)
+            else:
+                action.default = action.type(value) if callable(action.type) else value
+        except ValueError as exc:
+            parser.error(str(exc) if action.nargs == 0 else f"{name}={value!r} is not a valid {action.dest}")
         action.required = False
     return parser.parse_args(argv)
 

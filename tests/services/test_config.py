@@ -26,3 +26,26 @@ def test_the_step_token_budget_is_a_worker_flag_defaulting_to_the_engines():
     from worker.config import EngineConfig
     assert parse_args([]).max_num_batched_tokens == EngineConfig.max_num_batched_tokens
     assert parse_args(["--max-num-batched-tokens", "256"]).max_num_batched_tokens == 256
+
+
+@pytest.mark.parametrize(("value", "expected"), [("false", False), ("0", False), ("No", False), ("off", False),
+                                                 ("true", True), ("1", True), ("YES", True), (" on ", True)])
+def test_an_environment_switch_means_what_it_says(monkeypatch, value, expected):
+    """``KERVAN_ROUTER_ALLOW_PLAINTEXT=false`` once turned plaintext on: any non-empty string was True."""
+    from services.router.__main__ import parse_args as router_args
+    from services.scheduler.__main__ import parse_args as scheduler_args
+    monkeypatch.setenv("KERVAN_ROUTER_ALLOW_PLAINTEXT", value)
+    monkeypatch.setenv("KERVAN_ROUTER_SALT_PER_KEY", value)
+    monkeypatch.setenv("KERVAN_SCHEDULER_SHORTLIST", value)  # a store_false switch: the variable is its dest
+    args = router_args(["--scheduler", "127.0.0.1:1", "--model", "x"])
+    assert (args.allow_plaintext, args.salt_per_key) == (expected, expected)
+    assert scheduler_args(["--registry", "127.0.0.1:1"]).shortlist is expected
+
+
+@pytest.mark.parametrize("value", ["", "maybe", "2", "enabled"])
+def test_an_environment_switch_that_is_not_a_boolean_is_refused_by_name(monkeypatch, capsys, value):
+    from services.router.__main__ import parse_args as router_args
+    monkeypatch.setenv("KERVAN_ROUTER_ALLOW_PLAINTEXT", value)
+    with pytest.raises(SystemExit):
+        router_args(["--scheduler", "127.0.0.1:1", "--model", "x"])
+    assert f"KERVAN_ROUTER_ALLOW_PLAINTEXT={value!r}" in capsys.readouterr().err
