@@ -205,6 +205,9 @@ def generate(prompt, addr, token_ids, chat, model_dir, max_tokens, temperature, 
               help="mutual TLS between all services, with a throw-away CA and certificates made in the run's directory")
 @click.option("--api-key-file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="the router requires 'authorization: Bearer <key>' with a key from this file")
+@click.option("--shared-prefix-cache", is_flag=True,
+              help="with --api-key-file, the holders of different keys share cached prompt prefixes (by default "
+                   "each key's are salted apart: a tenant never hits, times or counts another's cache)")
 @click.option("--pin-cores", is_flag=True,
               help="pin each worker to its own share of the cores (by default workers only get a thread count "
                    "each, the cores divided evenly, and the OS places them)")
@@ -235,7 +238,8 @@ def generate(prompt, addr, token_ids, chat, model_dir, max_tokens, temperature, 
               "planner: metrics on; the pools start at --prefill/--decode, which are their minimums)")
 @planner_options
 def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens, chat,
-       http_port, metrics, num_routers, num_schedulers, redis_persistent, tls, api_key_file, pin_cores, tensor_parallel,
+       http_port, metrics, num_routers, num_schedulers, redis_persistent, tls, api_key_file, shared_prefix_cache,
+       pin_cores, tensor_parallel,
        expert_parallel, pipeline_parallel, kv_host_bytes, kv_disk_dir, kv_disk_bytes, deterministic,
        quantization, speculative, num_speculative_tokens, speculative_model,
        speculative_disable_by_batch_size, planner, **planner_opts) -> None:
@@ -259,6 +263,7 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
                            http_port=http_port, metrics=metrics or planner, tls=tls, num_routers=num_routers,
                            num_schedulers=num_schedulers, redis_persistent=redis_persistent,
                            api_key_file=Path(api_key_file) if api_key_file else None, pin_cores=pin_cores,
+                           router_args=("--shared-prefix-cache",) if shared_prefix_cache else (),
                            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                            pipeline_parallel=pipeline_parallel, deterministic=deterministic,
                            kv_host_bytes=kv_host_bytes, kv_disk_dir=Path(kv_disk_dir) if kv_disk_dir else None,

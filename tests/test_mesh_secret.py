@@ -17,6 +17,7 @@ from services.proto import (
     common_pb2,
     kv_registry_pb2,
     kv_registry_pb2_grpc,
+    router_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
     worker_pb2,
@@ -33,7 +34,7 @@ def keyed_cluster(llama, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"{KEY}\n{OTHER_KEY}\n")
     c = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, dtype="float32", num_kv_blocks=64,
-                            api_key_file=keys, router_args=("--salt-per-key",)),
+                            api_key_file=keys, router_args=()),
                 tmp_path_factory.mktemp("keyed-cluster-logs"))
     c.start(timeout=240)
     yield c
@@ -81,14 +82,18 @@ async def test_requests_flow_with_the_key_and_the_secret_stays_off_command_lines
             assert keyed_cluster.mesh_secret.encode() not in f.read(), name
 
 
-async def test_with_salt_per_key_a_tenant_never_hits_another_tenants_prefix_cache(keyed_cluster):
-    """`--salt-per-key`: the same prompt under one key is cached for that key only."""
-    async def cached(api_key: str) -> int:
+async def test_with_keys_a_tenant_never_hits_another_tenants_prefix_cache(keyed_cluster):
+    """With API keys, by default: the same prompt under one key is cached for that key only,
+    however the header spells the key."""
+    async def cached(api_key: str, header: str = "Bearer {}") -> int:
         out = Completion()
         request = build_request(token_ids=list(range(5, 53)), max_tokens=1, temperature=0.0)
-        async for msg in stream(keyed_cluster.router_address, request, timeout=60, api_key=api_key):
-            accumulate(out, msg)
+        async with grpc.aio.insecure_channel(keyed_cluster.router_address) as ch:
+            async for msg in router_pb2_grpc.RouterServiceStub(ch).Generate(
+                    request, timeout=60, metadata=[("authorization", header.format(api_key))]):
+                accumulate(out, msg)
         return out.usage["cached_prompt_tokens"]
     assert await cached(KEY) == 0
-    assert await cached(KEY) >= 32  # its own prompt, again: cached
+    assert await cached(KEY, "bearer  {}") >= 32  # its own prompt, again, however spelled: cached
     assert await cached(OTHER_KEY) == 0  # another tenant's: not
+    assert await cached(OTHER_KEY) >= 32

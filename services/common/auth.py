@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import inspect
 import re
@@ -40,6 +41,12 @@ ANY_ROLE = "*"
 class ApiKey:
     secret: bytes
     expires_at: float | None = None  # Unix time; None: never
+
+    @property
+    def identity(self) -> str:
+        """Who holds this key, as the router counts and salts by it: not the key, and the same
+        however the header spells it (``Bearer K``, ``bearer  K ``)."""
+        return "key-" + hashlib.sha256(b"kervan-api-key\0" + self.secret).hexdigest()[:16]
 
 
 class ApiKeys:
@@ -79,18 +86,27 @@ class ApiKeys:
 
     def check(self, metadata: Mapping[str, str]) -> str | None:
         """None when the call carries a valid key, else why not."""
+        return self.match(metadata)[1]
+
+    def identity(self, metadata: Mapping[str, str]) -> str:
+        """The identity of the valid key the call carries ("" for none)."""
+        return self.match(metadata)[0] or ""
+
+    def match(self, metadata: Mapping[str, str]) -> tuple[str | None, str | None]:
+        """(the matched key's identity, None) for a valid key, else (None, why not)."""
         header = metadata.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            return "missing API key: send 'authorization: Bearer <key>'"
+        scheme, _, token = header.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None, "missing API key: send 'authorization: Bearer <key>'"
         given = token.strip().encode()
         # every key is compared (no early exit), each in constant time
         matched = [k for k in self.keys if hmac.compare_digest(k.secret, given)]
         if not matched:
-            return "invalid API key"
-        if all(k.expires_at is not None and k.expires_at < time.time() for k in matched):
-            return "expired API key"
-        return None
+            return None, "invalid API key"
+        live = [k for k in matched if k.expires_at is None or k.expires_at >= time.time()]
+        if not live:
+            return None, "expired API key"
+        return live[0].identity, None
 
 
 Context = grpc.aio.ServicerContext[Any, Any]

@@ -21,8 +21,11 @@ from services.common.metrics import serve_metrics
 from services.common.security import MeshSecurity, mesh_name
 from services.common.server import KEEPALIVE, Service, run_service, serve_until_signal, start_server
 from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.router.admission import Admission
 from services.router.chat_template import ChatTemplate
 from services.router.http_front import OpenAIFront
+from services.router.http_guard import HttpLimits
+from services.router.openai_protocol import MAX_PROMPTS, MAX_SAMPLES, RequestBounds
 from services.router.routes import Placement, ScheduledRoutes, StaticRoutes, worker_channels
 from services.router.runner import MigrationPolicy
 from services.router.servicer import ModelLimits, RouterServicer
@@ -47,18 +50,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--first-token-timeout-s", type=float, default=MigrationPolicy.first_token_timeout_s,
                     help="no first token for this long (queue and prefill): the worker is taken for lost")
     ap.add_argument("--max-in-flight", type=int, default=1024,
-                    help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED")
+                    help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED (HTTP: 429)")
+    ap.add_argument("--max-in-flight-per-key", type=int, default=None,
+                    help="the share of --max-in-flight the holders of one API key may take (default: half of it "
+                         "when --api-key-file holds two keys or more, else all of it)")
+    ap.add_argument("--max-prompts-per-request", type=int, default=MAX_PROMPTS,
+                    help="prompts one HTTP completions body may hold (more: 400, before any starts)")
+    ap.add_argument("--max-samples-per-request", type=int, default=MAX_SAMPLES,
+                    help="prompts x n one HTTP body may ask for (more: 400, before any starts)")
     ap.add_argument("--max-request-bytes", type=int, default=4 << 20,
                     help="larger requests are refused with RESOURCE_EXHAUSTED (HTTP bodies: 413, unread)")
     ap.add_argument("--http-port", type=int, default=None,
                     help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                          "/v1/models, /health) on this port, on --host (0: a free port, printed at start)")
+    ap.add_argument("--http-header-timeout-s", type=float, default=HttpLimits.header_timeout_s,
+                    help="an HTTP connection that has not sent its headers this long after opening is closed")
+    ap.add_argument("--http-body-timeout-s", type=float, default=HttpLimits.body_timeout_s,
+                    help="an HTTP request whose body has not arrived this long after its headers is closed")
+    ap.add_argument("--http-max-connections", type=int, default=HttpLimits.max_connections,
+                    help="open HTTP connections beyond which new ones are closed as they open (at most half "
+                         "the open files limit, which is raised to its hard limit at start)")
+    ap.add_argument("--http-max-connections-per-client", type=int, default=HttpLimits.max_per_client,
+                    help="open HTTP connections one client address may hold")
     ap.add_argument("--api-key-file", default=None,
                     help="clients must send 'authorization: Bearer <key>' with a key from this file (one per line, "
                          "optionally 'expires=<ISO time>'); health and reflection stay open")
-    ap.add_argument("--salt-per-key", action="store_true",
-                    help="salt each request's KV blocks with its API key (and its cache_salt): tenants with "
-                         "different keys never share, hit or time each other's prefix cache")
+    ap.add_argument("--shared-prefix-cache", action="store_true",
+                    help="with --api-key-file, let the holders of different keys share cached prompt prefixes "
+                         "(by default each key's KV blocks are salted apart: a tenant never hits, times or counts "
+                         "another's cache)")
     ap.add_argument("--public-tls-cert", default=None,
                     help="what the public port (gRPC and HTTP) serves to clients, with --public-tls-key (default: "
                          "--tls-cert, this router's mesh certificate); the mesh certificate stays its identity "
@@ -95,9 +115,10 @@ async def serve(args: argparse.Namespace) -> None:
                                         decode_address=args.decode, prefill_address=args.prefill))
     else:
         raise SystemExit("give --scheduler, or --worker, or --prefill and --decode")
+    admission = router_admission(args, api_keys)
     servicer = RouterServicer(routes, Tokenizer.from_dir(model_dir), model_limits(model_dir), args.max_in_flight,
                               MigrationPolicy(args.max_migrations, args.stall_timeout_s, args.first_token_timeout_s),
-                              salt_per_key=args.salt_per_key)
+                              admission=admission, api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache)
     public, towards_self = public_security(args, security)
     handle = await start_server(
         [Service(SERVICE_NAME, lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s))],
@@ -107,7 +128,10 @@ async def serve(args: argparse.Namespace) -> None:
     if args.http_port is not None:
         front = OpenAIFront(own_address(args.host, handle.port), model_limits(model_dir).name,
                             Tokenizer.from_dir(model_dir),
-                            ChatTemplate.from_dir(model_dir), towards_self, api_keys, args.max_request_bytes)
+                            ChatTemplate.from_dir(model_dir), towards_self, api_keys, args.max_request_bytes,
+                            admission, RequestBounds(args.max_prompts_per_request, args.max_samples_per_request),
+                            HttpLimits(args.http_header_timeout_s, args.http_body_timeout_s, args.http_max_connections,
+                                       args.http_max_connections_per_client))
         http_port = await front.start(args.host, args.http_port, tls_cert=args.public_tls_cert or args.tls_cert,
                                       tls_key=args.public_tls_key or args.tls_key)
         scheme = "https" if security.tls else "http"
@@ -125,6 +149,16 @@ async def serve(args: argparse.Namespace) -> None:
             await scheduler_channel.close()
 
     await serve_until_signal(handle, close, on_drain=drain)
+
+
+def router_admission(args: argparse.Namespace, api_keys: ApiKeys | None) -> Admission:
+    per_key = args.max_in_flight_per_key
+    if per_key is None and api_keys is not None and len(api_keys.keys) > 1:
+        per_key = max(1, args.max_in_flight // 2)
+    try:
+        return Admission(args.max_in_flight, per_key)
+    except ValueError as exc:
+        raise SystemExit(f"--max-in-flight: {exc}") from None
 
 
 def public_security(args: argparse.Namespace, mesh: MeshSecurity) -> tuple[MeshSecurity, MeshSecurity]:

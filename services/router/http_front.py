@@ -14,7 +14,11 @@ anything else 500) in OpenAI's error body. A streaming client that disconnects
 cancels its calls, which aborts the request on the workers and frees its KV.
 
 With API keys, every route but ``/health`` needs ``Authorization: Bearer <key>``
-(401 before the body is read); the header goes on to the gRPC call. A body is read
+(401 before the body is read); the header goes on to the gRPC call. A body's prompts are
+bounded (``RequestBounds``: 400) and must all fit the router's slots, shared with its gRPC
+clients and per key (``admission.py``), before any starts (429 with ``Retry-After``). Slow
+and many connections are bounded too (``http_guard.py``: header and body deadlines, caps on
+connections in all and per client address). A body is read
 only up to ``max_body_bytes`` (the router's ``--max-request-bytes``): a longer one, by
 its ``Content-Length`` or as it streams in, gets 413 and is not read further. With TLS the
 front serves HTTPS with the router's certificate."""
@@ -31,7 +35,7 @@ from collections.abc import AsyncIterator
 import grpc
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
@@ -40,11 +44,22 @@ from kervan.tokenizer import Tokenizer
 from services.common.auth import ApiKeys
 from services.common.security import PLAINTEXT, MeshSecurity
 from services.proto import router_pb2, router_pb2_grpc
+from services.router.admission import RETRY_AFTER_S, Admission
 from services.router.chat_template import ChatTemplate
+from services.router.http_guard import (
+    DEFAULT_LIMITS,
+    ConnectionCounts,
+    HttpLimits,
+    guarded_protocol,
+    raise_open_files_limit,
+    within_open_files,
+)
 from services.router.openai_protocol import (
+    DEFAULT_BOUNDS,
     FINISH_REASONS,
     Choice,
     OpenAIRequest,
+    RequestBounds,
     chat_logprobs,
     completion_logprobs,
     parse_chat,
@@ -55,13 +70,18 @@ from services.router.openai_protocol import (
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
                grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.NOT_FOUND: 404,
                grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-               grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+               grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+               grpc.StatusCode.CANCELLED: 503}  # cancelled by the router (stopping, overloaded): retry
+# bodies past this size are parsed off the event loop, which keeps answering /health meanwhile
+THREAD_PARSE_BYTES = 64 << 10
 
 
-def error_response(status: int, message: str, code: str) -> JSONResponse:
+def error_response(status: int, message: str, code: str, retry_after_s: float | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 and status != 429 else (
         "rate_limit_error" if status == 429 else "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
+    headers = None if retry_after_s is None else {"Retry-After": str(max(1, round(retry_after_s)))}
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status,
+                        headers=headers)
 
 
 def rpc_error_response(err: grpc.aio.AioRpcError) -> JSONResponse:
@@ -71,8 +91,13 @@ def rpc_error_response(err: grpc.aio.AioRpcError) -> JSONResponse:
 class OpenAIFront:
     def __init__(self, router_address: str, model_name: str, tokenizer: Tokenizer | None,
                  chat_template: ChatTemplate, security: MeshSecurity = PLAINTEXT, api_keys: ApiKeys | None = None,
-                 max_body_bytes: int = 4 << 20):
+                 max_body_bytes: int = 4 << 20, admission: Admission | None = None,
+                 bounds: RequestBounds = DEFAULT_BOUNDS, http_limits: HttpLimits = DEFAULT_LIMITS):
         self.max_body_bytes = max_body_bytes
+        self.http_limits = http_limits
+        self.connections: ConnectionCounts | None = None
+        self.admission = admission  # the router's, when in its process: room is asked for before calls start
+        self.bounds = bounds
         self.channel = security.channel(router_address)
         self.api_keys = api_keys
         self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
@@ -93,9 +118,11 @@ class OpenAIFront:
                     tls_key: str | None = None) -> int:
         """Serve on ``host:port`` (0: a free port), HTTPS when given a certificate and key;
         returns the port. ``stop`` gives the requests in flight ``grace_s`` seconds."""
+        self.connections = ConnectionCounts(within_open_files(self.http_limits, raise_open_files_limit()))
         self.server = _Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off",
                                              access_log=False, timeout_graceful_shutdown=grace_s,
-                                             ssl_certfile=tls_cert, ssl_keyfile=tls_key))
+                                             ssl_certfile=tls_cert, ssl_keyfile=tls_key,
+                                             http=guarded_protocol(self.connections)))
         self._task = asyncio.get_running_loop().create_task(self.server.serve())
         while not self.server.started:
             if self._task.done():
@@ -125,11 +152,12 @@ class OpenAIFront:
                                                          "created": self.created, "owned_by": "kervan"}]})
 
     async def completions(self, request: Request):
-        return await self._serve(request, "text_completion", lambda body: parse_completion(body, self.model_name))
+        return await self._serve(request, "text_completion",
+                                 lambda body: parse_completion(body, self.model_name, self.bounds))
 
     async def chat_completions(self, request: Request):
         return await self._serve(request, "chat.completion",
-                                 lambda body: parse_chat(body, self.model_name, self.chat_template.render))
+                                 lambda body: parse_chat(body, self.model_name, self.chat_template.render, self.bounds))
 
     async def _bounded_body(self, request: Request) -> bytes | None:
         """The body, or None once it proves longer than ``max_body_bytes`` (the rest unread)."""
@@ -137,11 +165,14 @@ class OpenAIFront:
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             return None
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                return None
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    return None
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone, or closed for sending its body too slowly (http_guard.py)
+            return None
         return b"".join(chunks)
 
     async def _serve(self, request: Request, kind: str, parse):
@@ -151,7 +182,7 @@ class OpenAIFront:
         if raw is None:
             return error_response(413, f"the body is larger than {self.max_body_bytes} bytes", "request_too_large")
         try:
-            body = json.loads(raw)
+            body = json.loads(raw) if len(raw) < THREAD_PARSE_BYTES else await asyncio.to_thread(json.loads, raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return error_response(400, f"the body is not JSON: {exc}", "invalid_argument")
         except RecursionError:
@@ -162,6 +193,9 @@ class OpenAIFront:
             parsed = parse(body)
         except InvalidRequest as exc:
             return error_response(400, str(exc), "invalid_argument")
+        key = self.api_keys.identity(request.headers) if self.api_keys is not None else ""
+        if self.admission is not None and (why := self.admission.refusal(key, len(parsed.prompts))) is not None:
+            return error_response(429, why, "resource_exhausted", RETRY_AFTER_S)
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         rid = f"{prefix}-{uuid.uuid4().hex}"
         metadata = [("authorization", request.headers["authorization"])] if self.api_keys is not None else None

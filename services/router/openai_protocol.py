@@ -10,7 +10,8 @@ What is refused rather than silently ignored: ``echo``, ``suffix``, penalties ot
 than 0, ``logit_bias``, ``best_of`` other than ``n``, ``logprobs`` beyond the sampled
 token's (completions ``logprobs`` 0 or 1, chat ``top_logprobs`` 0), tools and
 response formats. Every integer is bounded by the protobuf field it fills before it is
-set (a 400 naming the field, never protobuf's ValueError as a 500)."""
+set (a 400 naming the field, never protobuf's ValueError as a 500). One body's work is bounded
+before any starts (``RequestBounds``): prompts per body, and prompts x n."""
 
 from __future__ import annotations
 
@@ -23,7 +24,19 @@ FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASO
                   common_pb2.FINISH_REASON_ABORT: "abort"}
 UINT32, UINT64 = (1 << 32) - 1, (1 << 64) - 1
 INT32 = (-(1 << 31), (1 << 31) - 1)
+# one body's work, bounded before any of it starts (a 4 MiB body holds ~800k one-token prompts)
+MAX_PROMPTS = 256  # prompts in one completions body
+MAX_SAMPLES = 1024  # prompts x n: the calls and streams one body may start (the router's default slots)
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "suffix", "logit_bias")
+
+
+@dataclass(frozen=True)
+class RequestBounds:
+    max_prompts: int = MAX_PROMPTS
+    max_samples: int = MAX_SAMPLES
+
+
+DEFAULT_BOUNDS = RequestBounds()
 
 
 @dataclass
@@ -49,10 +62,12 @@ class Choice:
     finish_reason: str | None = None
 
 
-def parse_completion(body: dict, served_model: str) -> OpenAIRequest:
+def parse_completion(body: dict, served_model: str, bounds: RequestBounds = DEFAULT_BOUNDS) -> OpenAIRequest:
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _is_ids(prompt):
         prompts = [prompt]
+    elif isinstance(prompt, list) and len(prompt) > bounds.max_prompts:
+        raise InvalidRequest(f"prompt holds {len(prompt)} prompts; at most {bounds.max_prompts} per request")
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
         prompts = prompt
     else:
@@ -63,18 +78,19 @@ def parse_completion(body: dict, served_model: str) -> OpenAIRequest:
     logprobs = _int(body, "logprobs", None)
     if logprobs is not None and not 0 <= logprobs <= 1:
         raise InvalidRequest("logprobs may be 0 or 1: Kervan returns the sampled token's log-probability only")
-    return _request(body, served_model, prompts, logprobs is not None, "max_tokens")
+    return _request(body, served_model, prompts, logprobs is not None, "max_tokens", bounds)
 
 
-def parse_chat(body: dict, served_model: str, render) -> OpenAIRequest:
+def parse_chat(body: dict, served_model: str, render, bounds: RequestBounds = DEFAULT_BOUNDS) -> OpenAIRequest:
     """``render``: messages -> the prompt text (the model's chat template)."""
     if _int(body, "top_logprobs", 0):
         raise InvalidRequest("top_logprobs must be 0: Kervan returns the sampled token's log-probability only")
     prompt = render(body.get("messages"))
-    return _request(body, served_model, [prompt], _bool(body, "logprobs", False), "max_completion_tokens")
+    return _request(body, served_model, [prompt], _bool(body, "logprobs", False), "max_completion_tokens", bounds)
 
 
-def _request(body: dict, served_model: str, prompts: list, logprobs: bool, max_tokens_key: str) -> OpenAIRequest:
+def _request(body: dict, served_model: str, prompts: list, logprobs: bool, max_tokens_key: str,
+             bounds: RequestBounds) -> OpenAIRequest:
     for key in UNSUPPORTED:
         if body.get(key) not in (None, {}, [], ""):
             raise InvalidRequest(f"{key} is not supported")
@@ -82,6 +98,9 @@ def _request(body: dict, served_model: str, prompts: list, logprobs: bool, max_t
         if _number(body, key, None) not in (None, 0.0, 1.0 if key == "repetition_penalty" else 0.0):
             raise InvalidRequest(f"{key} is not supported (only its neutral value)")
     n = _int(body, "n", 1, 0, UINT32)
+    if len(prompts) * n > bounds.max_samples:
+        raise InvalidRequest(f"{len(prompts)} prompts x n={n} is {len(prompts) * n} samples; at most "
+                             f"{bounds.max_samples} per request")
     best_of = _int(body, "best_of", None)
     if best_of is not None and best_of != n:
         raise InvalidRequest("best_of must equal n (Kervan returns every sample it draws)")

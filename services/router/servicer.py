@@ -9,7 +9,6 @@ addresses and URLs inside it (``public_message``)."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 import time
@@ -21,10 +20,12 @@ from opentelemetry import trace
 
 from kervan.sampling import InvalidRequest, SamplingParams
 from kervan.tokenizer import Tokenizer
+from services.common.auth import ApiKeys
 from services.common.convert import sampling_from_proto
 from services.common.errors import AlreadyExists, NotFound, Overloaded, Unavailable, retry_after_s
 from services.proto import router_pb2, router_pb2_grpc
 from services.router import metrics
+from services.router.admission import Admission
 from services.router.routes import ScheduledRoutes, StaticRoutes
 from services.router.runner import MigrationPolicy, RequestRunner
 from services.router.sample_stream import SampleStream
@@ -60,18 +61,26 @@ class _Deadline:
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
+    """``api_keys``: the keys the public API takes (the interceptor has checked the call's); with
+    them, slots are shared per key (``admission``) and, unless ``shared_prefix_cache``, each
+    key's prompts are salted apart: a tenant never hits, times or counts another's cache."""
+
     def __init__(self, routes: StaticRoutes | ScheduledRoutes, tokenizer: Tokenizer | None, limits: ModelLimits,
-                 max_in_flight: int = 1024, migration: MigrationPolicy | None = None, salt_per_key: bool = False):
+                 max_in_flight: int = 1024, migration: MigrationPolicy | None = None, *,
+                 admission: Admission | None = None, api_keys: ApiKeys | None = None,
+                 shared_prefix_cache: bool = False):
         self.runner = RequestRunner(routes, limits.name, migration or MigrationPolicy())
-        self.salt_per_key = salt_per_key
-        self.max_in_flight = max_in_flight
+        self.admission = admission or Admission(max_in_flight)
+        self.api_keys = api_keys
+        self.salt_per_key = api_keys is not None and not shared_prefix_cache
         self.tokenizer = tokenizer
         self.limits = limits
         self.in_flight: set[str] = set()
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
-        rid, prompt, params = self._admit(request)
+        key = self._key(context)
+        rid, prompt, params = self._admit(request, key)
         # the workers know the request by an id this router mints: a client's id is unique on this
         # router only, and another router's client may reuse it (an abort goes to a worker by id)
         internal = uuid.uuid4().hex
@@ -88,7 +97,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             streams: dict[int, SampleStream] = {}
             cached = 0  # prompt tokens served from a cache, as the first attempt's worker said
             updates = self.runner.run(internal, prompt, params, _Deadline(context),
-                                      self._cache_salt(request.cache_salt, context))
+                                      self._cache_salt(request.cache_salt, key))
             try:
                 async for attempt, update in updates:
                     cached = max(cached, update.cached_prompt_tokens)
@@ -114,17 +123,20 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                      "kervan.cached_prompt_tokens": cached})
         finally:
             self.in_flight.discard(rid)
+            self.admission.give_back(key)
             metrics.IN_FLIGHT.dec()
 
-    def _cache_salt(self, salt: str, context: grpc.aio.ServicerContext) -> str:
-        """With ``salt_per_key``, the caller's API key salts its prompts' KV blocks too: a
-        tenant never hits (or times) another tenant's prefix cache."""
-        if not self.salt_per_key:
-            return salt
-        key = dict(context.invocation_metadata() or ()).get("authorization", "")
-        return hashlib.sha256(key.encode()).hexdigest()[:32] + ":" + salt
+    def _key(self, context: grpc.aio.ServicerContext) -> str:
+        """The identity of the caller's API key ("" without keys)."""
+        if self.api_keys is None:
+            return ""
+        return self.api_keys.identity(dict(context.invocation_metadata() or ()))
 
-    def _admit(self, request: router_pb2.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
+    def _cache_salt(self, salt: str, key: str) -> str:
+        """With ``salt_per_key``, the caller's key salts its prompts' KV blocks too."""
+        return f"{key}:{salt}" if self.salt_per_key else salt
+
+    def _admit(self, request: router_pb2.GenerateRequest, key: str) -> tuple[str, list[int], SamplingParams]:
         """The request id, prompt and sampling of a request this router takes; raises for
         one it refuses (a client mistake, or the router at its in-flight limit)."""
         if request.request_id and not REQUEST_ID.fullmatch(request.request_id):
@@ -138,11 +150,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         # the cheap refusals before the prompt is tokenized (up to the message limit, 4 MiB)
         if rid in self.in_flight:
             raise AlreadyExists(f"request_id {rid!r} is already in flight")
-        if len(self.in_flight) >= self.max_in_flight:
-            raise Overloaded(f"the router has {len(self.in_flight)} requests in flight, its limit; retry later")
+        if (why := self.admission.refusal(key)) is not None:
+            raise Overloaded(why)
         params = sampling_from_proto(request.sampling)
         validate_stop(list(request.sampling.stop), self.tokenizer is not None)
         prompt = self._prompt_ids(request)
+        self.admission.take(key)  # given back when Generate ends, however it ends
         return rid, prompt, params
 
     def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:

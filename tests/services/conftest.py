@@ -59,8 +59,9 @@ async def start_worker(model_dir: Path, role: str, kv_transport: str = "auto", m
 
 
 async def start_mesh(model_dir: Path, disaggregated: bool = False, kv_transport: str = "auto",
-                     max_waiting: int | None = None, **engine_options):
-    """A router over one aggregated worker, or over a prefill and a decode worker."""
+                     max_waiting: int | None = None, router_options: dict | None = None, **engine_options):
+    """A router over one aggregated worker, or over a prefill and a decode worker;
+    ``router_options``: the RouterServicer's keywords (``api_keys`` also guards its server)."""
     stops = []
     if disaggregated:
         prefill, stop = await start_worker(model_dir, "prefill", kv_transport, **engine_options)
@@ -74,10 +75,11 @@ async def start_mesh(model_dir: Path, disaggregated: bool = False, kv_transport:
         stops.append(stop)
         placement = Placement(worker=worker.stub)
         workers = [worker]
+    router_options = router_options or {}
     router_servicer = RouterServicer(StaticRoutes(placement), Tokenizer.from_dir(model_dir),
-                                     model_limits(Path(model_dir)))
+                                     model_limits(Path(model_dir)), **router_options)
     router = await start_server([Service(ROUTER_NAME, lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(
-        router_servicer, s))])
+        router_servicer, s))], api_keys=router_options.get("api_keys"), public=True)
     await router.set_serving(True)
     client = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
     mesh = Mesh(workers, router.port, router_pb2_grpc.RouterServiceStub(client))

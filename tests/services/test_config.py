@@ -35,10 +35,10 @@ def test_an_environment_switch_means_what_it_says(monkeypatch, value, expected):
     from services.router.__main__ import parse_args as router_args
     from services.scheduler.__main__ import parse_args as scheduler_args
     monkeypatch.setenv("KERVAN_ROUTER_ALLOW_PLAINTEXT", value)
-    monkeypatch.setenv("KERVAN_ROUTER_SALT_PER_KEY", value)
+    monkeypatch.setenv("KERVAN_ROUTER_SHARED_PREFIX_CACHE", value)
     monkeypatch.setenv("KERVAN_SCHEDULER_SHORTLIST", value)  # a store_false switch: the variable is its dest
     args = router_args(["--scheduler", "127.0.0.1:1", "--model", "x"])
-    assert (args.allow_plaintext, args.salt_per_key) == (expected, expected)
+    assert (args.allow_plaintext, args.shared_prefix_cache) == (expected, expected)
     assert scheduler_args(["--registry", "127.0.0.1:1"]).shortlist is expected
 
 

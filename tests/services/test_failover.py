@@ -171,7 +171,7 @@ async def test_the_router_refuses_past_its_in_flight_limit_with_retry_info(mesh)
                 async for _ in router_pb2_grpc.RouterServiceStub(ch).Generate(build_request(token_ids=prompt)):
                     pass
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "2 requests in flight, its limit" in refused.value.details() and retry_after_s(refused.value) > 0
+    assert "2 requests in flight and a limit of 2" in refused.value.details() and retry_after_s(refused.value) > 0
     assert check(await asyncio.gather(*held))["completed"] == 2  # the admitted ones finish
 
 
