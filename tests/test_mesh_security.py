@@ -209,6 +209,7 @@ async def test_the_registry_bounds_what_workers_send_and_keeps_fencing_tokens_pr
         listed = await kv_registry_pb2_grpc.KvRegistryServiceStub(ch).ListWorkers(
             kv_registry_pb2.ListWorkersRequest(), timeout=10)
     assert len(listed.workers) == 2 and {w.info.incarnation for w in listed.workers} == {""}
+    assert {w.info.registration_nonce for w in listed.workers} == {""}  # nor what a retried Register shows
     live = listed.workers[0].info
     async with dial(tls_cluster, "worker", "kv-registry") as ch:
         stub = kv_registry_pb2_grpc.KvRegistryServiceStub(ch)
@@ -331,6 +332,60 @@ async def test_a_worker_certificate_registers_only_its_own_address_and_one_worke
                      "holds the live registration")
     after = {w.info.worker_id for w in (await list_workers(tls_cluster)).workers}
     assert after == {decode.worker_id, prefill.worker_id}
+
+
+def shared_certificate(cluster, name: str) -> MeshSecurity:
+    """A worker certificate naming no address, as ``python -m control_plane.certificates``
+    issues the one every worker pod of the k8s deploy mounts."""
+    issued = cluster.authority.issue("worker", name=name)
+    return MeshSecurity.from_files(str(issued.cert), str(issued.key), str(cluster.tls_dir / "ca.pem"))
+
+
+async def test_workers_that_share_an_address_less_certificate_all_serve(tls_cluster):
+    """The k8s manifests mount one worker certificate in every pod: the second worker to
+    register once got PERMISSION_DENIED and exited (a crash loop). Two real worker processes
+    with one such certificate both register, are listed and answer."""
+    issued = tls_cluster.authority.issue("worker", name="pods")
+    flags = ("--tls-cert", str(issued.cert), "--tls-key", str(issued.key))  # after the launcher's own: they win
+    names = []
+    try:
+        for _ in range(2):
+            names.append(tls_cluster.add_worker("both", *flags))
+        listed = {w.info.worker_id for w in (await list_workers(tls_cluster)).workers}
+        ports = {tls_cluster.addresses[n] for n in names}
+        assert {f"both@{a}" for a in ports} <= listed
+        for name in names:
+            assert tls_cluster.procs[name].poll() is None, name  # neither exited
+    finally:
+        for name in names:
+            tls_cluster.stop_process(name)
+
+
+async def test_a_retried_register_returns_the_token_only_to_the_process_that_registered(tls_cluster):
+    """``Register`` with a live worker's id and nonce once returned that worker's fencing
+    token (the retry path), and ``ListWorkers`` listed every nonce: anyone could take a
+    worker's token. The registry now keeps the nonce's digest bound to the registering
+    certificate, and lists neither."""
+    address = "127.0.0.1:9"  # nothing listens: a registration only
+    info = kv_registry_pb2.WorkerInfo(worker_id=f"decode@{address}", address=address,
+                                      role=kv_registry_pb2.WORKER_ROLE_DECODE, model="m", block_size=16,
+                                      hash_name=(await list_workers(tls_cluster)).workers[0].info.hash_name,
+                                      limits=LIMITS, registration_nonce="n-0123456789abcdef")
+    owner, thief = shared_certificate(tls_cluster, "owner"), shared_certificate(tls_cluster, "thief")
+    async with owner.channel(tls_cluster.addresses["kv-registry"], role="kv-registry") as ch:
+        stub = kv_registry_pb2_grpc.KvRegistryServiceStub(ch)
+        first = await stub.Register(kv_registry_pb2.RegisterRequest(worker=info), timeout=10)
+        again = await stub.Register(kv_registry_pb2.RegisterRequest(worker=info), timeout=10)
+        assert again.incarnation == first.incarnation  # its own retry after a timeout: the same registration
+    async with thief.channel(tls_cluster.addresses["kv-registry"], role="kv-registry") as ch:
+        stub = kv_registry_pb2_grpc.KvRegistryServiceStub(ch)
+        await expect(lambda: stub.Register(kv_registry_pb2.RegisterRequest(worker=info), timeout=10),
+                     grpc.StatusCode.ALREADY_EXISTS, "live process")
+    listed = [w.info for w in (await list_workers(tls_cluster)).workers if w.info.worker_id == info.worker_id]
+    assert listed and listed[0].registration_nonce == "" and listed[0].incarnation == ""
+    async with owner.channel(tls_cluster.addresses["kv-registry"], role="kv-registry") as ch:
+        await kv_registry_pb2_grpc.KvRegistryServiceStub(ch).Deregister(kv_registry_pb2.DeregisterRequest(
+            worker_id=info.worker_id, incarnation=first.incarnation), timeout=10)
 
 
 async def list_workers(cluster) -> kv_registry_pb2.ListWorkersResponse:

@@ -6,10 +6,16 @@ arrives with.
   ``ROLE@ADDRESS``: it can neither advertise another worker's address (and be sent its
   tenants' requests) nor hold another worker's id (and lock it out). The registry's
   ``--require-worker-addresses`` refuses certificates that name none.
-- One live registration per certificate: a second worker id under a certificate whose
-  first registration's lease is live is refused (``PrefixIndex.claim_identity``).
+- One live registration per certificate and address: a second worker id for the same
+  address under a certificate whose first registration's lease is live is refused
+  (``PrefixIndex.claim_identity``). Many workers may share a certificate that names no
+  address (a Kubernetes deploy mounting one ``worker`` secret in every pod): each registers
+  its own address.
+- A retried ``Register`` gets its landed registration back only from the process that made
+  it: the registry keeps a digest of the worker's nonce and the caller's certificate
+  (``nonce_digest``), never the nonce, and lists neither.
 
-Without TLS the callers cannot be told apart, and these checks do not apply."""
+Without TLS the callers cannot be told apart, and the certificate checks do not apply."""
 
 from __future__ import annotations
 
@@ -40,3 +46,12 @@ def registration_identity(context: grpc.aio.ServicerContext, worker: WorkerInfo,
             raise PermissionDenied(f"a worker registers as ROLE@ADDRESS ({worker.role}@{worker.address}), "
                                    f"not {worker.worker_id!r}")
     return hashlib.sha256(pem).hexdigest()
+
+
+def nonce_digest(nonce: str, identity: str | None) -> str:
+    """What the registry keeps of a registration's nonce: bound to the certificate that
+    registered it, so a retry from another caller, even one that learned the nonce, is a new
+    registration (refused while the lease is live). "" for no nonce (no retry to recognise)."""
+    if not nonce:
+        return ""
+    return hashlib.sha256(f"kervan-registration\0{identity or ''}\0{nonce}".encode()).hexdigest()

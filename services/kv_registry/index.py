@@ -18,7 +18,7 @@ Keys (``kervan:`` prefix):
                           vouch for (a gap in their events, or the registry
                           restarted) until a full dump replaces them
     fence                 counter of fencing tokens: each registration's incarnation
-    cert:{sha256}         the worker id a certificate last registered (TLS meshes)
+    cert:{sha256}:{addr}  the worker id a certificate last registered at an address (TLS meshes)
     retired               hash: slot -> the worker whose blocks' bits still carry it
     purging:{slot}        the blocks of a retired slot, cleared in batches (then the slot is free)
 
@@ -35,6 +35,7 @@ scripts that register, renew or drop a worker publish its id on ``scripts.LIVE_C
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
 
@@ -76,11 +77,12 @@ def record_fields(worker: WorkerInfo) -> dict[str, str]:
 
 
 def record_of(f: dict[str, str]) -> WorkerInfo:
-    """The record ``record_fields`` stored (its incarnation is never listed)."""
+    """The record ``record_fields`` stored, less what is never listed: its incarnation (the
+    fencing token) and its registration nonce's digest."""
     return WorkerInfo(worker_id=f["worker_id"], address=f["address"], role=WorkerRole(f["role"]), model=f["model"],
                       block_size=int(f["block_size"]), hash_name=f["hash_name"],
                       limits=RequestLimits(max_model_len=int(f["max_model_len"]), max_n=int(f["max_n"])),
-                      kv_capacity_blocks=int(f["kv_capacity_blocks"]), registration_nonce=f["registration_nonce"])
+                      kv_capacity_blocks=int(f["kv_capacity_blocks"]))
 
 
 def _chunks(events: list[tuple[str, int, str, list[str]]]) -> list[list]:
@@ -171,14 +173,16 @@ class PrefixIndex:
                                 f"{await self.r.ttl(LEASE_PREFIX + worker.worker_id)}s left)")
         return answer[0].decode() if isinstance(answer[0], bytes) else str(answer[0])
 
-    async def claim_identity(self, identity: str, worker_id: str) -> None:
-        """Ties a certificate's identity to ``worker_id``; refuses another id while the one
-        it holds has a live lease (one live registration per certificate)."""
-        answer = await self._claim(keys=[f"{P}cert:{identity}"], args=[worker_id, LEASE_PREFIX, IDENTITY_TTL_S])
+    async def claim_identity(self, identity: str, address: str, worker_id: str) -> None:
+        """Ties a certificate's identity and ``address`` to ``worker_id``; refuses another id
+        while the one they hold has a live lease (one live registration per certificate and
+        address; workers sharing a certificate register their own addresses)."""
+        key = f"{P}cert:{identity}:{hashlib.sha256(address.encode()).hexdigest()[:32]}"
+        answer = await self._claim(keys=[key], args=[worker_id, LEASE_PREFIX, IDENTITY_TTL_S])
         if answer != b"ok" and answer != "ok":
             held = answer.decode() if isinstance(answer, bytes) else str(answer)
-            raise PermissionDenied(f"this certificate holds the live registration of worker {held!r}: one worker "
-                                   f"per certificate")
+            raise PermissionDenied(f"this certificate holds the live registration of worker {held!r} at "
+                                   f"{address}: one worker per certificate and address")
 
     async def deregister(self, worker_id: str, incarnation: str) -> None:
         if not await self.purge(worker_id, incarnation):

@@ -9,6 +9,7 @@ and the fencing tokens stay private: ``ListWorkers`` never lists them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from kervan.sampling import InvalidRequest
 from services.common.convert import (
@@ -21,7 +22,7 @@ from services.common.convert import (
 )
 from services.common.errors import FailedPrecondition, Overloaded
 from services.kv_registry.generation import Generations
-from services.kv_registry.identity import registration_identity
+from services.kv_registry.identity import nonce_digest, registration_identity
 from services.kv_registry.index import PrefixIndex, decode_live
 from services.kv_registry.live_feed import LiveFeed
 from services.proto import common_pb2, kv_registry_pb2, kv_registry_pb2_grpc
@@ -78,8 +79,9 @@ class KvRegistryServicer(kv_registry_pb2_grpc.KvRegistryServiceServicer):
                 raise InvalidRequest(f"{name} must be printable text, without control characters")
         identity = registration_identity(context, w, self.require_worker_addresses)
         if identity is not None:
-            await self.index.claim_identity(identity, w.worker_id)
-        token = await self.index.register(w)
+            await self.index.claim_identity(identity, w.address, w.worker_id)
+        token = await self.index.register(dataclasses.replace(
+            w, registration_nonce=nonce_digest(w.registration_nonce, identity)))
         return kv_registry_pb2.RegisterResponse(ttl_s=self.index.ttl_s, incarnation=token)
 
     async def Deregister(self, request, context) -> kv_registry_pb2.DeregisterResponse:
