@@ -110,3 +110,20 @@ KERVAN_MESH_SECRET = "KERVAN_MESH_SECRET"
 # (connect with TLS) and an API key for a router that requires one
 KERVAN_TLS_CA = "KERVAN_TLS_CA"
 KERVAN_API_KEY = "KERVAN_API_KEY"
+
+# the disk tier's MAC key (64 hex digits: 32 bytes), for deploys that keep it in a secret; unset: a key
+# made once in KERVAN_CACHE_DIR/keys/ (never in the tier's own directory, whose files it vouches for)
+KERVAN_KV_DISK_KEY = "KERVAN_KV_DISK_KEY"
+
+
+def kv_disk_key() -> bytes | None:
+    value = os.environ.get(KERVAN_KV_DISK_KEY)
+    if value is None:
+        return None
+    try:
+        key = bytes.fromhex(value.strip())
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise ValueError(f"{KERVAN_KV_DISK_KEY} must be 64 hex digits (32 bytes)")
+    return key

@@ -18,11 +18,18 @@ from tests.conftest import hf_greedy, make_engine, make_prompts
 from tests.worker.test_engine import assert_idle
 from worker import SamplingParams
 from worker.config import ConfigError
-from worker.kv.disk_tier import FILE_NAME, RECORD, DiskTier
+from worker.kv.disk_tier import FILE_NAME, KEY_FILE, RECORD, RECORD_MAGIC, DiskTier, tier_key
+from worker.kv.private_files import UnsafePath
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 BLOCK = 1 << 10  # the tiny llama's block: 1 KiB (float32, block size 4)
 SHAPE = (1, 2, 1, 4)
+
+
+@pytest.fixture(autouse=True)
+def disk_key(monkeypatch):
+    """A MAC key of the test's own, never the user's cache."""
+    monkeypatch.setenv("KERVAN_KV_DISK_KEY", "ab" * 32)
 
 
 def _block(v: float) -> torch.Tensor:
@@ -83,6 +90,94 @@ def test_a_block_whose_bytes_changed_is_refused_and_forgotten(tmp_path):
         assert tier.num_corrupt == 1 and tier.take_refused() == [b"b"] and b"b" not in tier
     finally:
         tier.close()
+
+
+def _patch(path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def _record_at(tier: DiskTier, slot: int) -> int:
+    return tier.records_at + slot * RECORD.size
+
+
+@pytest.mark.parametrize("tamper", ["record magic", "stored hash", "length", "mac", "forged with another key"])
+def test_every_check_a_read_makes_refuses_a_block(tmp_path, tamper):
+    """Each check on its own (each tamper passes the other three): a record that is not one,
+    a genuine record and block of another hash moved into the slot, a block cut short (of
+    zeros, which the read's zero fill would otherwise match), and a block rewritten under a
+    MAC the attacker computed (a CRC anyone who can write the file could recompute; the MAC's
+    key is not in its directory)."""
+    tier = DiskTier(tmp_path, 3, SHAPE, torch.float32, "m")
+    try:
+        tier.put([b"a", b"b"], torch.cat([_block(1), _block(0)], dim=2))
+        _read(tier, [b"a"])  # the writes are made
+        a, b = tier.slots[b"a"], tier.slots[b"b"]
+        path = tmp_path / FILE_NAME
+        record = bytearray(os.pread(tier.fd, RECORD.size, _record_at(tier, b)))
+        if tamper == "record magic":
+            _patch(path, _record_at(tier, b), b"XXXX")
+        elif tamper == "stored hash":  # a's genuine record and block, in b's slot
+            _patch(path, _record_at(tier, b), os.pread(tier.fd, RECORD.size, _record_at(tier, a)))
+            _patch(path, tier.blocks_at + b * tier.block_bytes,
+                   os.pread(tier.fd, tier.block_bytes, tier.blocks_at + a * tier.block_bytes))
+        elif tamper == "length":
+            os.truncate(path, tier.blocks_at + b * tier.block_bytes + tier.block_bytes // 2)
+        else:
+            forged = torch.full((1, 2, 1, 4), 9.0).numpy().tobytes()
+            key = b"\x00" * 32 if tamper == "forged with another key" else tier.key
+            mac = DiskTier._mac(type("T", (), {"key": key, "_mac_prefix": tier._mac_prefix})(), b"b", forged)
+            _patch(path, tier.blocks_at + b * tier.block_bytes, forged)
+            if tamper == "forged with another key":
+                _patch(path, _record_at(tier, b), RECORD.pack(RECORD_MAGIC, 2, 1, b"b", mac))
+        assert record[:4] == RECORD_MAGIC
+        hashes, _ = _read(tier, [b"b"])
+        assert hashes == [] and tier.num_corrupt == 1 and tier.take_refused() == [b"b"]
+        assert _read(tier, [b"a"])[0] == [b"a"]
+    finally:
+        tier.close()
+
+
+def test_the_directory_and_file_are_the_users_own(tmp_path):
+    """A planted link once got a victim file truncated; a world-writable file was kept."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    linked = tmp_path / "linked"
+    linked.mkdir(mode=0o700)
+    (linked / FILE_NAME).symlink_to(victim)
+    with pytest.raises(UnsafePath, match="symbolic link"):
+        DiskTier(linked, 2, SHAPE, torch.float32, "m")
+    assert victim.read_bytes() == b"precious"
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o700)
+    (loose / FILE_NAME).write_bytes(b"")
+    os.chmod(loose / FILE_NAME, 0o666)
+    with pytest.raises(UnsafePath, match="mode 666"):
+        DiskTier(loose, 2, SHAPE, torch.float32, "m")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 4242, -1)
+    with pytest.raises(UnsafePath, match="belongs to uid 4242"):
+        DiskTier(theirs, 2, SHAPE, torch.float32, "m")
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    DiskTier(open_dir, 2, SHAPE, torch.float32, "m").close()
+    assert os.stat(open_dir).st_mode & 0o777 == 0o700 and os.stat(open_dir / FILE_NAME).st_mode & 0o777 == 0o600
+
+
+def test_the_key_is_made_once_outside_the_tiers_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("KERVAN_KV_DISK_KEY")
+    monkeypatch.setenv("KERVAN_CACHE_DIR", str(tmp_path / "cache"))
+    key = tier_key(tmp_path / "tier")
+    assert len(key) == 32 and tier_key(tmp_path / "tier") == key
+    assert (tmp_path / "cache" / "keys" / KEY_FILE).stat().st_mode & 0o777 == 0o600
+    with pytest.raises(ValueError, match="in its own directory"):
+        tier_key(tmp_path / "cache")
+    monkeypatch.setenv("KERVAN_KV_DISK_KEY", "zz")
+    with pytest.raises(ValueError, match="64 hex digits"):
+        tier_key(tmp_path / "tier")
 
 
 def test_a_torn_record_is_not_indexed_at_restart(tmp_path):

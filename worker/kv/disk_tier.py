@@ -5,31 +5,36 @@ read back instead of computed again.
 The file (``kv-blocks.bin`` under ``--kv-disk-dir``, sized by ``--kv-disk-bytes``):
 
     header   4 KiB: magic, version, the identity JSON (model, dtype, block shape, slots)
-    records  64 bytes per slot: magic, last-use number, CRC-32 of the block, hash
+    records  128 bytes per slot: magic, last-use number, hash, MAC of (identity, hash, block)
     blocks   one block per slot, in the host tier's layout ([layers, 2, kv_heads, bs * hd])
 
 Raw tensor bytes only, never pickle. A record is cleared before its slot is overwritten and
 written after the block, so a crash mid-write leaves a slot that is empty or refused by its
-checksum, never another block's KV under a hash. A file whose identity differs (another
+MAC, never another block's KV under a hash. The MAC (keyed BLAKE2b) is what makes a block
+read back trusted: its key is never in the tier's directory (``KERVAN_KV_DISK_KEY``, or a
+key made once under ``KERVAN_CACHE_DIR/keys/``), so whoever can write the file cannot forge a
+block for a hash. The directory is 0700 and ours, the file opened without following a link
+and refused unless ours and 0600 (``private_files.py``). A file whose identity differs (another
 model, weights, dtype or size) is started afresh; a matching one is indexed again at start,
 and the worker announces those blocks to the registry in its first full dump.
 
 Reads and writes run on one I/O thread, in the order the engine asked for them, so a read
 queued after a slot's new write sees the new block; the engine only decides slots and never
 waits for a write. Writes beyond ``max_pending`` are dropped (counted): a slow disk costs
-hits, never a stalled step. A block whose checksum fails is refused and forgotten."""
+hits, never a stalled step. A block that fails a check is refused and forgotten."""
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import hmac
 import json
 import logging
 import os
 import queue
+import secrets
 import struct
 import threading
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -37,17 +42,42 @@ from pathlib import Path
 import torch
 
 from kervan.block_hash import BlockHash
+from kervan.envs import cache_dir, kv_disk_key
+from worker.kv.private_files import open_private, private_directory
 from worker.kv.slots import HashSlots
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"KERVANKV"
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = 4096
-RECORD = struct.Struct("<4sQIH46s")  # magic, last-use number, crc32, hash length, hash: 64 bytes
-RECORD_MAGIC = b"KVB1"
+RECORD = struct.Struct("<4sQH46s32s36x")  # magic, last-use number, hash length, hash, MAC: 128 bytes
+RECORD_MAGIC = b"KVB2"
 EMPTY_RECORD = bytes(RECORD.size)
 FILE_NAME = "kv-blocks.bin"
+KEY_FILE = "kv-disk.key"
+
+
+def tier_key(directory: str | Path) -> bytes:
+    """The disk tier's MAC key: ``KERVAN_KV_DISK_KEY``, else one made once (32 random bytes)
+    in ``KERVAN_CACHE_DIR/keys/``, which must not be inside the tier's ``directory``."""
+    key = kv_disk_key()
+    if key is not None:
+        return key
+    keys = cache_dir() / "keys"
+    if keys.resolve().is_relative_to(Path(directory).resolve()):
+        raise ValueError(f"the disk tier's key would be in its own directory {directory}: set KERVAN_KV_DISK_KEY "
+                         f"or KERVAN_CACHE_DIR elsewhere")
+    fd = open_private(private_directory(keys) / KEY_FILE)
+    try:
+        key = os.pread(fd, 64, 0)
+        if len(key) != 32:
+            key = secrets.token_bytes(32)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, key, 0)
+        return key
+    finally:
+        os.close(fd)
 
 
 def model_identity(model_dir: str | Path) -> str:
@@ -68,7 +98,7 @@ def model_identity(model_dir: str | Path) -> str:
 
 class DiskTier(HashSlots):
     def __init__(self, directory: str | Path, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-                 identity: str, max_pending: int = 256):
+                 identity: str, max_pending: int = 256, key: bytes | None = None):
         if num_blocks < 1:
             raise ValueError(f"a disk tier needs at least one block, got {num_blocks}")
         self.block_shape = tuple(block_shape)
@@ -79,9 +109,9 @@ class DiskTier(HashSlots):
         self.records_at = HEADER_BYTES
         table = -(-num_blocks * RECORD.size // 4096) * 4096
         self.blocks_at = HEADER_BYTES + table
-        self.path = Path(directory) / FILE_NAME
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.key = key if key is not None else tier_key(directory)
+        self.path = private_directory(Path(directory)) / FILE_NAME
+        self.fd = open_private(self.path)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # one worker per file
         except BlockingIOError:
@@ -91,11 +121,12 @@ class DiskTier(HashSlots):
         self.identity = json.dumps({"model": identity, "dtype": str(dtype).removeprefix("torch."),
                                     "block_shape": list(self.block_shape), "num_blocks": num_blocks},
                                    sort_keys=True).encode()
+        self._mac_prefix = hashlib.sha256(self.identity).digest()  # a block is vouched for in this file only
         super().__init__(num_blocks)
         self._use = 0  # last-use numbers: the order of the LRU across restarts
         self.num_stored = 0  # blocks written
         self.num_loaded = 0  # blocks read back
-        self.num_corrupt = 0  # blocks refused by their checksum
+        self.num_corrupt = 0  # blocks refused by a check (record, hash, length, MAC)
         self.num_write_dropped = 0  # writes not made: the queue was full (a slow disk)
         self.num_restored = self._open()
         self._pending = 0  # writes queued, not yet made
@@ -208,7 +239,7 @@ class DiskTier(HashSlots):
         table = os.pread(self.fd, self.num_blocks * RECORD.size, self.records_at)
         found = []
         for slot in range(self.num_blocks):
-            magic, use, _, length, raw = RECORD.unpack_from(table, slot * RECORD.size)
+            magic, use, length, raw, _ = RECORD.unpack_from(table, slot * RECORD.size)
             if magic == RECORD_MAGIC and 0 < length <= len(raw):
                 found.append((use, raw[:length], slot))
         taken = set()
@@ -238,10 +269,16 @@ class DiskTier(HashSlots):
                 if job[0] == "read" and not job[-1].done():
                     job[-1].set_result(([], None))
 
+    def _mac(self, block_hash: BlockHash, raw) -> bytes:
+        mac = hashlib.blake2b(key=self.key, digest_size=32)
+        mac.update(self._mac_prefix + len(block_hash).to_bytes(2, "little") + block_hash)
+        mac.update(raw)
+        return mac.digest()
+
     def _write(self, slot: int, use: int, block_hash: BlockHash, block: torch.Tensor) -> None:
         try:
             raw = block.reshape(-1).view(torch.uint8).numpy()  # the tensor's own bytes, no copy
-            record = RECORD.pack(RECORD_MAGIC, use, zlib.crc32(raw), len(block_hash), block_hash)
+            record = RECORD.pack(RECORD_MAGIC, use, len(block_hash), block_hash, self._mac(block_hash, raw))
             os.pwrite(self.fd, EMPTY_RECORD, self.records_at + slot * RECORD.size)
             os.pwrite(self.fd, raw, self.blocks_at + slot * self.block_bytes)
             os.pwrite(self.fd, record, self.records_at + slot * RECORD.size)
@@ -260,8 +297,11 @@ class DiskTier(HashSlots):
             record = os.pread(self.fd, RECORD.size, self.records_at + slot * RECORD.size)
             raw = bytearray(self.block_bytes)  # writable: the tensor made of it needs no copy
             got = os.preadv(self.fd, [raw], self.blocks_at + slot * self.block_bytes)
-            magic, _, crc, length, stored = RECORD.unpack(record)
-            if magic != RECORD_MAGIC or stored[:length] != h or got != self.block_bytes or zlib.crc32(raw) != crc:
+            magic, _, length, stored, mac = RECORD.unpack(record)
+            # four checks, each needed on its own: a record, of the hash asked for, a whole block,
+            # and the MAC of what the record claims (its hash) and the block (test_disk_tier.py)
+            if (magic != RECORD_MAGIC or stored[:length] != h or got != self.block_bytes
+                    or not hmac.compare_digest(self._mac(stored[:length], raw), mac)):
                 log.warning("disk tier: block %s in slot %d failed its check; refused", h.hex()[:16], slot)
                 self.num_corrupt += 1
                 with self._lock:
