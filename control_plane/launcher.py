@@ -38,8 +38,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from control_plane.port_reservations import PortReservations
 from control_plane.redis_server import redis_argv, wait_listening
 from kervan.block_hash import DEFAULT_BLOCK_SIZE
+from kervan.envs import KERVAN_LISTEN_REUSEPORT
 from services.common.lifeline import ENV as ENV_LIFELINE
 from services.common.security import MESH_SECRET_ENV, PLAINTEXT, MeshSecurity
 from worker.platform import usable_cores
@@ -161,6 +163,8 @@ class Cluster:
     _lifeline: tuple[int, int] | None = None  # the pipe whose closing tells children the launcher is gone
     # workers told to drain and not yet gone: name -> (process, when it is killed if still there)
     draining: dict[str, tuple[subprocess.Popen, float]] = field(default_factory=dict)
+    # every service's port, held for the cluster's life: no other user takes one while its service restarts
+    ports: PortReservations = field(default_factory=PortReservations)
 
     @property
     def router_address(self) -> str:
@@ -226,7 +230,7 @@ class Cluster:
             for name in routers:
                 http = []
                 if self.spec.http_port is not None:  # every router serves HTTP: the first on the port asked for
-                    port = (self.spec.http_port if name == "router" else 0) or free_port()
+                    port = self.ports.reserve(self.spec.http_port if name == "router" else 0)
                     self.addresses[f"{name}-http"] = f"127.0.0.1:{port}"
                     http = ["--http-port", str(port)]
                 self._start(name, "services.router", "--scheduler", ",".join(self.addresses[s] for s in schedulers),
@@ -260,7 +264,7 @@ class Cluster:
         extra += ["--quantization", self.spec.quantization] if self.spec.quantization else []
         if self.spec.speculative and role != "prefill":
             extra += self.spec.speculative_flags()
-        port = free_port()
+        port = self.ports.reserve()
         tls = None
         if self.authority is not None:  # its own certificate, naming the one address it may register
             tls = self.authority.issue("worker", name=name, addresses=[f"127.0.0.1:{port}"]).flags()
@@ -322,7 +326,7 @@ class Cluster:
 
     def _start(self, name: str, module: str, *args: str, port: int = 0, env: dict[str, str] | None = None,
                cores: set[int] | None = None, tls_flags: list[str] | None = None) -> None:
-        port = port or free_port()
+        port = self.ports.reserve(port)
         self.addresses[name] = f"127.0.0.1:{port}"
         role = module.removeprefix("services.").replace("_", "-")  # the mesh role its certificate names
         tls = tls_flags if tls_flags is not None else self._tls_flags.get(role, [])
@@ -342,6 +346,8 @@ class Cluster:
             self._lifeline = os.pipe()  # the write end stays here, never written, never inherited
         if self.mesh_secret is not None and name != "redis":  # in the environment: never on a command line
             env = {**(env or {}), MESH_SECRET_ENV: self.mesh_secret}
+        if name != "redis":  # it binds beside its port's reservation (port_reservations.py)
+            env = {**(env or {}), KERVAN_LISTEN_REUSEPORT: "1"}
         self._launch[name] = (argv, {**(env or {})}, cores)
         log = open(self.log_dir / f"{name}.log", "ab")
         # Python code between fork and exec (preexec_fn) can crash a process that runs other
@@ -443,6 +449,7 @@ class Cluster:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+        self.ports.release_all()
         if self._lifeline is not None:
             for fd in self._lifeline:
                 os.close(fd)

@@ -103,6 +103,15 @@ def log_level() -> str:
 # set by the launcher, read by the services: the file descriptor of a pipe whose write end the
 # launcher holds; a child sees it close when the launcher dies, and exits (services/common/lifeline.py)
 KERVAN_LIFELINE_FD = "KERVAN_LIFELINE_FD"
+# set by the launcher ("1"), read by the services: bind the listening port with SO_REUSEPORT, beside the
+# launcher's own non-listening socket on it, which keeps other users off the port across restarts
+# (control_plane/port_reservations.py); unset, a second process cannot bind a port a live one holds
+KERVAN_LISTEN_REUSEPORT = "KERVAN_LISTEN_REUSEPORT"
+
+
+def listen_reuseport() -> bool:
+    return os.environ.get(KERVAN_LISTEN_REUSEPORT) == "1"
+
 # the shared secret of a plaintext mesh, in the environment, never on a command line
 # (services/common/security.py); ``kervan up`` makes one when the public API has keys
 KERVAN_MESH_SECRET = "KERVAN_MESH_SECRET"

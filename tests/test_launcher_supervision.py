@@ -4,6 +4,8 @@ terminal closes — no service it started outlives it or keeps its port."""
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 import signal
 import socket
@@ -58,6 +60,26 @@ def port_free(address: str) -> bool:
         return s.connect_ex((host, int(port))) != 0
 
 
+def bind_as_another_user(port: int) -> int:
+    """errno of binding 127.0.0.1:``port`` from a child of another uid (nobody), 0 if it bound:
+    a local user squatting the port of a service in its restart gap. Forked, not executed: the
+    venv's interpreter need not be readable by that user."""
+    pid = os.fork()
+    if pid == 0:  # the child: a syscall or two, then out (never back into pytest)
+        code = 0
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.bind(("127.0.0.1", port))
+        except OSError as exc:
+            code = exc.errno or 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
 def test_a_killed_worker_is_restarted_and_a_killed_launcher_takes_every_service_with_it():
     up, addr, _ = start_up()
     try:
@@ -66,7 +88,11 @@ def test_a_killed_worker_is_restarted_and_a_killed_launcher_takes_every_service_
         [worker] = [p for p in children if "services.worker" in cmdline(p)]
         greedy = ["--max-tokens", "4", "--temperature", "0", "--ignore-eos", "--json"]
         assert kervan("generate", "--addr", addr, "Once upon a time", *greedy).returncode == 0
+        port = int(re.search(r"--port (\d+)", cmdline(worker)).group(1))
         subprocess.run(["kill", "-9", str(worker)], check=True)
+        wait_gone([worker], 10)
+        if os.geteuid() == 0:  # in the restart gap no other user can take its port (and what clients send it)
+            assert bind_as_another_user(port) == errno.EADDRINUSE
         line = up.stderr.readline()
         assert re.match(r"kervan: both-0 exited; restarted it \(restart 1\)", line), line
         deadline = time.monotonic() + 90

@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kervan.envs import listen_reuseport
 from services.common.auth import ANY_ROLE, ApiKeys, AuthInterceptor
 from services.common.errors import ErrorInterceptor
 from services.common.runtime import SERVICE_NAME as RUNTIME_SERVICE
@@ -89,8 +90,10 @@ async def start_server(services: list[Service], host: str = "127.0.0.1", port: i
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         # a second process cannot bind a port a live one holds (gRPC allows it by default): a
-        # replacement started too early fails instead of sharing the port with the old one
-        ("grpc.so_reuseport", 0),
+        # replacement started too early fails instead of sharing the port with the old one; under
+        # the launcher, which restarts only after the old process is gone, the port is shared
+        # with the launcher's reservation instead (control_plane/port_reservations.py)
+        ("grpc.so_reuseport", int(listen_reuseport())),
         # accept the keepalive pings peers use to notice a dead or unreachable server
         ("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.http2.max_ping_strikes", 0),
         ("grpc.keepalive_permit_without_calls", 1)])

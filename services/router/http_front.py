@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,6 +40,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from kervan.envs import listen_reuseport
 from kervan.sampling import InvalidRequest
 from kervan.tokenizer import Tokenizer
 from services.common.auth import ApiKeys
@@ -123,7 +125,8 @@ class OpenAIFront:
                                              access_log=False, timeout_graceful_shutdown=grace_s,
                                              ssl_certfile=tls_cert, ssl_keyfile=tls_key,
                                              http=guarded_protocol(self.connections)))
-        self._task = asyncio.get_running_loop().create_task(self.server.serve())
+        # bound here, not by uvicorn: under the launcher, beside its reservation of the port
+        self._task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[_listening_socket(host, port)]))
         while not self.server.started:
             if self._task.done():
                 self._task.result()  # raises why it could not start (the port is taken...)
@@ -355,6 +358,11 @@ async def _merged(calls: list) -> AsyncIterator[tuple[int, router_pb2.GenerateRe
             call.cancel()
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, reuse_port=listen_reuseport())
 
 
 def _sse(payload: dict) -> str:
