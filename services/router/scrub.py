@@ -17,12 +17,14 @@ log = logging.getLogger(__name__)
 # a bare IPv6 address: with "::", or of 4 to 8 groups (never a time such as 12:30:45)
 _GROUPS = r"[0-9A-Fa-f]{1,4}(?::[0-9A-Fa-f]{1,4})*"
 _IPV6 = (rf"(?<![\w:])(?=[:0-9A-Fa-f]*[0-9A-Fa-f])(?:(?:{_GROUPS})?::(?:{_GROUPS})?"
-         r"|(?:[0-9A-Fa-f]{1,4}:){3,7}[0-9A-Fa-f]{1,4})(?![\w:])")
+         r"|(?:[0-9A-Fa-f]{1,4}:){3,7}[0-9A-Fa-f]{1,4})(?:%[\w.-]+)?(?![\w:])")  # and a zone (%eth0)
 _INTERNALS = re.compile(
     r"\b(?:ipv4|ipv6|unix|unix-abstract|vsock|dns):\S+"  # gRPC's peer and target names
     r"|\b[a-z][a-z0-9+.-]*://\S+"  # URLs (a Redis one may carry a password)
     r"|(?:\[|%5[Bb])[0-9A-Fa-f.]*:[0-9A-Fa-f:.%]*(?:\]|%5[Dd])(?::\d{1,5})?"  # [IPv6] or %5BIPv6%5D, a port
     r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?\b"  # IPv4, and a port
+    r"|\b\d{1,3}(?:-\d{1,3}){3}(?:\.[\w-]+)*(?::\d{1,5})?"  # a pod's DNS name (10-0-0-5.ns.pod...)
+    r"|\b[\w-]+(?:\.[\w-]+)*\.(?:svc|cluster\.local|internal)\b(?::\d{1,5})?"  # cluster-internal names
     rf"|{_IPV6}"
     r"|\b[A-Za-z][\w.-]*:\d{2,5}\b"  # host:port
     r"|\b[\w.-]+@[\w.:%\[\]-]+")  # a worker id (role@address)

@@ -24,6 +24,10 @@ LEAKS = [
     "worker decode@[::1]:5000 is draining",
     "decode-0.kervan.svc:50051 refused the stream",
     "10.2.3.4 unreachable",
+    "peer fe80::1%eth0 down",  # an IPv6 zone names the host's interface
+    "10-0-0-5.kervan.pod.cluster.local refused",  # a pod's DNS name
+    "decode-0.decode.kervan.svc answered late",
+    "worker on ip-10-0-0-5.ec2.internal lost",
 ]
 
 
@@ -33,7 +37,7 @@ def test_the_mesh_s_addresses_never_reach_the_client(message):
         public = public_message(code, message)
         assert "<internal>" in public
         for secret in ("10.", "::1", "fe80", "2001", "hunter2", "redis-0", "kervan.svc", "5000", "50051", "50060",
-                       "/run/"):
+                       "/run/", "eth0", "10-0-0-5", "cluster.local", ".internal", "decode-0"):
             assert secret not in public, (message, public)
 
 
