@@ -106,7 +106,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_handle: _Optional[str] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
 
 class KvHeader(_message.Message):
-    __slots__ = ("handle", "request_id", "shape", "dtype", "num_bytes", "shm_name", "lease_ms", "prompt_digest")
+    __slots__ = ("handle", "request_id", "shape", "dtype", "num_bytes", "shm_name", "lease_ms", "prompt_digest", "shm_token")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class KvHeader(_message.Message):
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SHM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     handle: str
     request_id: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -123,7 +124,8 @@ class KvHeader(_message.Message):
     shm_name: str
     lease_ms: int
     prompt_digest: bytes
-    def __init__(self, handle: _Optional[str] = ..., request_id: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_bytes: _Optional[int] = ..., shm_name: _Optional[str] = ..., lease_ms: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
+    shm_token: bytes
+    def __init__(self, handle: _Optional[str] = ..., request_id: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_bytes: _Optional[int] = ..., shm_name: _Optional[str] = ..., lease_ms: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ..., shm_token: _Optional[bytes] = ...) -> None: ...
 
 class PushKvRequest(_message.Message):
     __slots__ = ("header", "chunk")

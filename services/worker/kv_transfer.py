@@ -3,8 +3,9 @@
 One interface, two paths, both on the decode worker's ``PushKv`` stream:
 - shared memory (same host): the sender copies the tensor into a fresh
   ``multiprocessing.shared_memory`` segment (its pages reserved first: without room
-  the push takes the gRPC stream, counted) and sends only a header naming it; the
-  receiver copies it out and unlinks the segment;
+  the push takes the gRPC stream, counted), after 16 random bytes, and sends only a
+  header naming it with those bytes (``shm_token``); the receiver checks them, copies
+  the tensor out and unlinks the segment (a segment whose token differs is left alone);
 - gRPC streaming (any host): the header, then the raw bytes in 1 MiB chunks.
 
 Only raw tensor bytes plus an explicit shape and a dtype from a short allow-list
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hashlib
+import hmac
 import logging
 import os
 import secrets
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 SHM_PREFIX = "kervan-kv-"  # the receiver opens (and unlinks) only segments named so
+SHM_TOKEN_BYTES = 16  # a segment starts with its token: the proof that a push names its own segment
 SHM_DIR = "/dev/shm"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -60,11 +63,12 @@ def prompt_digest(prompt: Sequence[int]) -> bytes:
     return hashlib.sha256(np.asarray(prompt, dtype="<u4").tobytes()).digest()
 
 
-def header(request_id: str, prompt: Sequence[int], data: torch.Tensor, lease_s: float, shm_name: str = ""
-           ) -> worker_pb2.KvHeader:
+def header(request_id: str, prompt: Sequence[int], data: torch.Tensor, lease_s: float,
+           export: SharedMemoryExport | None = None) -> worker_pb2.KvHeader:
     return worker_pb2.KvHeader(request_id=request_id, shape=list(data.shape),
                                dtype=DTYPE_NAMES[data.dtype], num_bytes=data.numel() * data.element_size(),
-                               shm_name=shm_name, lease_ms=int(lease_s * 1000), prompt_digest=prompt_digest(prompt))
+                               shm_name=export.name if export else "", shm_token=export.token if export else b"",
+                               lease_ms=int(lease_s * 1000), prompt_digest=prompt_digest(prompt))
 
 
 async def stream_messages(head: worker_pb2.KvHeader, data: torch.Tensor) -> AsyncIterator[worker_pb2.PushKvRequest]:
@@ -90,7 +94,8 @@ class SharedMemoryExport:
 
     def __init__(self, data: torch.Tensor):
         raw = _as_bytes(data)
-        size = max(1, raw.numel())
+        self.token = secrets.token_bytes(SHM_TOKEN_BYTES)
+        size = SHM_TOKEN_BYTES + raw.numel()
         self.shm = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}", create=True,
                                               size=size)
         # the receiver owns the segment's end; don't let this process's tracker unlink it
@@ -101,7 +106,8 @@ class SharedMemoryExport:
         except SharedMemoryFull:
             self.discard()
             raise
-        np.frombuffer(self.shm.buf, dtype=np.uint8, count=raw.numel())[:] = raw.numpy()
+        self.shm.buf[:SHM_TOKEN_BYTES] = self.token
+        np.frombuffer(self.shm.buf, dtype=np.uint8, count=raw.numel(), offset=SHM_TOKEN_BYTES)[:] = raw.numpy()
 
     def close(self) -> None:
         self.shm.close()
@@ -172,10 +178,19 @@ def read_shared_memory(head: worker_pb2.KvHeader) -> torch.Tensor:
         shm = shared_memory.SharedMemory(name=head.shm_name)
     except FileNotFoundError:
         raise InvalidRequest(f"shared memory segment {head.shm_name!r} does not exist") from None
+    resource_tracker.unregister(shm._name, "shared_memory")  # its end is this function's, or its creator's
     try:
-        if shm.size < head.num_bytes:
-            raise InvalidRequest(f"shared memory {head.shm_name} holds {shm.size} bytes, header says {head.num_bytes}")
-        raw = torch.from_numpy(np.frombuffer(shm.buf, dtype=np.uint8, count=head.num_bytes).copy())
+        if shm.size < SHM_TOKEN_BYTES or not hmac.compare_digest(bytes(shm.buf[:SHM_TOKEN_BYTES]), head.shm_token):
+            raise InvalidRequest(f"shared memory segment {head.shm_name!r} is not this push's (its token differs)")
+    except BaseException:
+        shm.close()  # left to its creator: another hand-off's segment, named by a caller that cannot read it
+        raise
+    try:
+        if shm.size < SHM_TOKEN_BYTES + head.num_bytes:
+            raise InvalidRequest(f"shared memory {head.shm_name} holds {shm.size - SHM_TOKEN_BYTES} bytes, header "
+                                 f"says {head.num_bytes}")
+        raw = torch.from_numpy(np.frombuffer(shm.buf, dtype=np.uint8, count=head.num_bytes,
+                                             offset=SHM_TOKEN_BYTES).copy())
     finally:
         shm.close()
         shm.unlink()

@@ -99,7 +99,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         def messages():  # once per attempt: a refused push is sent again whole
             if export is not None:
                 return _one(worker_pb2.PushKvRequest(header=kv_transfer.header(
-                    request.request_id, prompt, data, self.lease_s, export.name)))
+                    request.request_id, prompt, data, self.lease_s, export)))
             return kv_transfer.stream_messages(kv_transfer.header(request.request_id, prompt, data, self.lease_s),
                                                data)
         start = time.perf_counter()

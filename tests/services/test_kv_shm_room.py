@@ -49,7 +49,7 @@ def test_a_segment_larger_than_a_real_small_dev_shm_is_refused_not_a_sigbus():
                           "&& ls -A /dev/shm"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, (run.returncode, run.stderr[-2000:])  # -7 / 135: SIGBUS
     lines = run.stdout.splitlines()
-    assert lines[0].startswith("full: /dev/shm has no room for 4194304 bytes"), run.stdout
+    assert lines[0].startswith("full: /dev/shm has no room for 4194320 bytes"), run.stdout  # 4 MiB and its token
     assert lines[1:] == []  # the segment is gone
 
 

@@ -81,3 +81,26 @@ def test_segments_of_dead_processes_are_swept_and_the_living_ones_kept(tmp_path)
         (tmp_path / name).write_bytes(b"x")
     assert kv_transfer.sweep_stale_segments(str(tmp_path)) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+
+
+def test_a_push_that_names_another_hand_offs_segment_neither_reads_nor_unlinks_it():
+    """A segment's name shows in /dev/shm to every local user; its first bytes, a token, only
+    to its creator. A push naming another hand-off's segment without that token (a worker-role
+    caller that listed /dev/shm) is refused and the segment is left for its own push."""
+    import torch
+    data = torch.arange(8, dtype=torch.float32)
+    theirs = kv_transfer.SharedMemoryExport(data)
+    try:
+        head = kv_transfer.header("r", PROMPT, data, 1.0, theirs)
+        for token in (b"", b"\0" * kv_transfer.SHM_TOKEN_BYTES, head.shm_token[::-1]):
+            forged = worker_pb2.KvHeader()
+            forged.CopyFrom(head)
+            forged.shm_token = token
+            with pytest.raises(InvalidRequest, match="is not this push's"):
+                kv_transfer.read_shared_memory(forged)
+            assert os.path.exists(f"{kv_transfer.SHM_DIR}/{theirs.name}")  # still there, untouched
+        raw = kv_transfer.read_shared_memory(head)  # the push that made it
+        assert torch.equal(kv_transfer.tensor_from(head, raw), data)
+        assert not os.path.exists(f"{kv_transfer.SHM_DIR}/{theirs.name}")  # read once, then gone
+    finally:
+        theirs.discard()
