@@ -268,6 +268,9 @@ class PrefixIndex:
         if answer == -2:
             raise InvalidRequest(f"worker {worker_id!r} would hold more KV blocks than its capacity "
                                  f"(kv_capacity_blocks, at most {self.max_blocks_per_worker})")
+        if answer == -3:
+            raise InvalidRequest(f"KV event seqs of worker {worker_id!r} jump more than {scripts.MAX_SEQ_JUMP} past "
+                                 f"the last one applied")
         return int(answer[0]), bool(answer[1]), bool(answer[2])
 
     async def live_workers(self) -> list[tuple[WorkerInfo, Load]]:

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 # a worker's id is published here when it registers, renews or is dropped (``live_feed.py``)
 LIVE_CHANNEL = "kervan:live"
+# how far past the last applied seq an event may jump while the worker's registration lives (a
+# live worker's gaps are the events of a few seconds): further is refused, so a forged seq of 10^9
+# cannot make the registry skip the worker's own later events; after a re-registration (last = 0)
+# any seq starts the count
+MAX_SEQ_JUMP = 1 << 20
 
 # KEYS: w:{id}, unknown; ARGV: incarnation, worker id, ttl, then load field/value pairs.
 # Returns -1 (stale incarnation), else whether the registry wants the worker's full dump.
@@ -49,12 +54,12 @@ end
 # to that, if lower), then per event: kind (S stored, R removed, C cleared; s and
 # r: the rest of the event before, applied only right after it), seq, tier, n, n block
 # hashes (hex). Events at or below the last applied seq are skipped (retries are
-# idempotent); a jump in seq marks the worker unknown. A call that would leave the worker
+# idempotent); a jump in seq marks the worker unknown; a jump past MAX_SEQ_JUMP is refused (-3). A call that would leave the worker
 # holding more blocks than it may is refused whole (-2). A clear moves the worker to a new
 # slot and retires the old one (its bits are swept in batches). A worker that stores a block
 # in a tier other than the device's joins the tiered set (matches then read its tiers). Returns -1 (stale
-# incarnation), -2, else {last seq, 1 if the registry wants a full dump, 1 if this call found a gap}.
-APPLY = _SLOTS + """
+# incarnation), -2, -3, else {last seq, 1 if the registry wants a full dump, 1 if this call found a gap}.
+APPLY = _SLOTS + f"local max_jump = {MAX_SEQ_JUMP}" + """
 if redis.call('HGET', KEYS[1], 'incarnation') ~= ARGV[1] then return -1 end
 local slot = tonumber(redis.call('HGET', KEYS[1], 'slot'))
 local prefix = ARGV[2]
@@ -69,6 +74,7 @@ local i = 7
 while i <= #ARGV do
   local kind, n = ARGV[i], tonumber(ARGV[i + 3])
   if kind == 'C' then held = 0 elseif kind == 'S' or kind == 's' then held = held + n end
+  if mode == '0' and last > 0 and tonumber(ARGV[i + 1]) > last + max_jump then return -3 end
   i = i + 4 + n
 end
 local cap = tonumber(redis.call('HGET', KEYS[1], 'kv_capacity_blocks') or '0')

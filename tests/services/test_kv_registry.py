@@ -5,11 +5,12 @@ import asyncio
 import pytest
 
 from kervan.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from kervan.sampling import RequestLimits
+from kervan.sampling import InvalidRequest, RequestLimits
 from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common.errors import AlreadyExists
 from services.common.load import Load
 from services.kv_registry.index import PrefixIndex, StaleIncarnation
+from services.kv_registry.scripts import MAX_SEQ_JUMP
 
 
 def Stored(hashes, seq):
@@ -135,6 +136,21 @@ async def test_a_gap_makes_the_worker_unknown_until_its_dump_replaces_its_blocks
     assert await index.match(H[:1]) == ({"a": 1}, ["a", "b"])
     with pytest.raises(StaleIncarnation):
         await index.replace_blocks("a", "old", 7, {})
+
+
+async def test_a_seq_far_past_the_last_is_refused_and_the_workers_own_events_still_apply(redis_client):
+    """A forged event at seq 10^9 (with a stolen token) was accepted, and the worker's own later
+    events, at lower seqs, were then skipped."""
+    index = PrefixIndex(redis_client)
+    a = await index.register(record("a"))
+    assert await index.apply("a", a, [Stored(H[:1], 1)]) == (1, False)
+    with pytest.raises(InvalidRequest, match="jump more than"):
+        await index.apply("a", a, [Stored(H[1:2], 10**9)])
+    assert await index.apply("a", a, [Stored(H[1:3], 2)]) == (2, False)  # nothing of the forged call applied
+    assert await index.match(H[:3]) == ({"a": 3}, [])
+    assert (await index.apply("a", a, [Stored([H[3]], 2 + MAX_SEQ_JUMP)]))[0] == 2 + MAX_SEQ_JUMP  # a gap within
+    b = await index.register(record("b"))  # a new registration: its process's seq is wherever it is
+    assert (await index.apply("b", b, [Stored(H[:1], 10**9)]))[0] == 10**9
 
 
 def test_leading_owners_walks_slot_bitmaps_as_redis_numbers_bits():
