@@ -56,9 +56,10 @@ end
 # hashes (hex). Events at or below the last applied seq are skipped (retries are
 # idempotent); a jump in seq marks the worker unknown; a jump past MAX_SEQ_JUMP is refused
 # (-3). A call that would leave the worker holding more blocks than it may is refused whole
-# (-2). A clear moves the worker to a new slot and retires the old one (its bits are swept in batches). A worker that stores a block
-# in a tier other than the device's joins the tiered set (matches then read its tiers). Returns -1 (stale
-# incarnation), -2, -3, else {last seq, 1 if the registry wants a full dump, 1 if this call found a gap}.
+# (-2). A clear moves the worker to a new slot and retires the old one (its bits are swept in
+# batches). A worker that stores a block in a tier other than the device's joins the tiered
+# set (matches then read its tiers). Returns -1 (stale incarnation), -2, -3, else {last seq,
+# 1 if the registry wants a full dump, 1 if this call found a gap}.
 APPLY = _SLOTS + f"local max_jump = {MAX_SEQ_JUMP}" + """
 if redis.call('HGET', KEYS[1], 'incarnation') ~= ARGV[1] then return -1 end
 local slot = tonumber(redis.call('HGET', KEYS[1], 'slot'))
