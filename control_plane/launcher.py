@@ -192,7 +192,8 @@ class Cluster:
         from services.common.security import ROLES
         ca = self.authority = CertificateAuthority(self.tls_dir)
         for role in ROLES:
-            self._tls_flags[role] = ca.issue(role).flags()
+            if role != "worker":  # each worker gets its own, naming its address (spawn_worker): no unbound one
+                self._tls_flags[role] = ca.issue(role).flags()
         public = ca.issue_public()  # what the router's public port serves (clients check it for 127.0.0.1)
         self._tls_flags["router"] += ["--public-tls-cert", str(public.cert), "--public-tls-key", str(public.key)]
         admin = ca.issue("admin")

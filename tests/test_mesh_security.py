@@ -50,6 +50,8 @@ def tls_cluster(llama, tmp_path_factory):
                             http_port=0),
                 tmp_path_factory.mktemp("tls-cluster-logs"))
     c.start(timeout=240)
+    assert not (c.tls_dir / "worker.pem").exists()  # kervan up issues no worker certificate naming no address
+    c.authority.issue("worker")  # one such, as a stolen or k8s-wide certificate, for the tests below
     yield c
     c.stop()
 
