@@ -107,7 +107,7 @@ def test_the_kustomization_builds_and_deployments_are_run_as_an_operator_expects
                                           "/etc/kervan/tls/tls.key", "--tls-ca", "/etc/kervan/tls/ca.crt"], name
         secrets = [v["secret"]["secretName"] for v in pod["volumes"]]
         # the router also serves its public certificate: what clients check, never a mesh identity
-        public = ["kervan-tls-router-public"] if name == "router" else []
+        public = ["kervan-tls-router-public", "kervan-api-keys"] if name == "router" else []
         assert secrets == [f"kervan-tls-{ROLES[name]}", *public], name
         assert not any("redis://" in a for a in container["args"]), name
         if name != "lease-watch":  # grpc.health.v1 over mutual TLS (native gRPC probes cannot present a certificate)
@@ -119,6 +119,14 @@ def test_the_kustomization_builds_and_deployments_are_run_as_an_operator_expects
                 assert (command[command.index("--role") + 1] if "--role" in command else None) == role, (name, probe)
     for name in ("prefill", "decode", "router"):
         assert deployments[name]["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"], name
+    router_args = deployments["router"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert router_args[router_args.index("--api-key-file") + 1] == "/etc/kervan/api-keys/keys"  # never keyless
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert policies["default-deny-ingress"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    assert policies["mesh-internal"]["ingress"] == [{"from": [{"podSelector": {}}]}]  # the namespace's pods
+    public = policies["router-public"]  # from anywhere: the router's two public ports, nothing else
+    assert public["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "router"}}
+    assert [{p["port"] for p in rule["ports"]} for rule in public["ingress"]] == [{50050, 8000}]
     pdbs = {d["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] for d in docs
             if d["kind"] == "PodDisruptionBudget"}
     assert pdbs == {"prefill", "decode", "router"}
