@@ -51,7 +51,9 @@ from services.kv_registry.block_owners import BlockOwners
 
 log = logging.getLogger(__name__)
 P = "kervan:"
-MAX_BLOCKS_PER_WORKER = 1 << 20  # the registry's bound on one worker's blocks (16M tokens at 16 per block)
+# the registry's bound on one worker's blocks: 4M tokens at 16 per block, ~110 MiB of Redis (2^20 held 433 MiB;
+# an 80 GB GPU serving an 8B model holds ~40k blocks)
+MAX_BLOCKS_PER_WORKER = 1 << 18
 CHUNK_HASHES = 2048  # block hashes per script call: each call holds Redis a few ms at most
 SWEEP_BATCH = 2048  # retired blocks cleared per script call
 IDENTITY_TTL_S = 86400  # how long a certificate's tie to its worker id outlives the last registration
@@ -238,7 +240,10 @@ class PrefixIndex:
         ops = [("S" if isinstance(e, BlockStored) else "R" if isinstance(e, BlockRemoved) else "C", e.seq,
                 getattr(e, "medium", ""), [h.hex() for h in getattr(e, "block_hashes", [])]) for e in events]
         last, unknown, gap = 0, False, False
-        for chunk in _chunks(ops):
+        chunks = _chunks(ops)
+        if len(chunks) > 1:  # each call checks its own chunk: see the whole fits before the first writes
+            await self._check_room(worker_id, ops)
+        for chunk in chunks:
             last, unknown, chunk_gap = await self._write(worker_id, incarnation, chunk)
             gap = gap or chunk_gap
         if any(kind == "C" for kind, *_ in ops):
@@ -247,6 +252,20 @@ class PrefixIndex:
             log.warning("worker %s: KV events missing (batch %d..%d); asking for a full dump", worker_id,
                         events[0].seq, events[-1].seq)
         return last, unknown
+
+    async def _check_room(self, worker_id: str, ops: list) -> None:
+        """Refuse events that would leave the worker past its capacity (APPLY's own bound), before
+        any of them is written: a refused call once wrote 56 MiB in the chunks before its refusal."""
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.hlen(f"{P}own:{worker_id}")
+            pipe.hget(f"{LEASE_PREFIX}{worker_id}", "kv_capacity_blocks")
+            held, declared = await pipe.execute()
+        cap = min(int(declared or 0) or self.max_blocks_per_worker, self.max_blocks_per_worker)
+        for kind, _, _, hexes in ops:
+            held = 0 if kind == "C" else held + len(hexes) if kind == "S" else held
+            if held > cap + cap // 10 + 64:
+                raise InvalidRequest(f"worker {worker_id!r} would hold more KV blocks than its capacity "
+                                     f"(kv_capacity_blocks, at most {self.max_blocks_per_worker})")
 
     async def replace_blocks(self, worker_id: str, incarnation: str, seq: int, tiers: dict[str, list[bytes]]) -> int:
         """A full dump, as of event ``seq``: becomes all the registry knows of the worker."""

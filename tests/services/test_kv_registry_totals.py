@@ -48,6 +48,20 @@ async def test_a_worker_is_held_to_the_capacity_it_registered(redis_client):
     await settled(index)
 
 
+async def test_a_call_past_the_capacity_writes_nothing_even_when_its_first_chunks_fit(redis_client, monkeypatch):
+    """Each script call checks its own chunk: a call of 20 chunks once wrote its first 11 before
+    the twelfth was refused. The whole call is weighed first."""
+    monkeypatch.setattr(index_module, "CHUNK_HASHES", 100)
+    index = PrefixIndex(redis_client)
+    token = await index.register(record("w", capacity=1000))
+    with pytest.raises(InvalidRequest, match="capacity"):
+        await index.apply("w", token, [BlockStored(1, hashes(2000), None, [], 16)])
+    assert await redis_client.hlen("kervan:own:w") == 0
+    assert (await index.apply("w", token, [BlockStored(1, hashes(1000), None, [], 16)]))[0] == 1  # within: written
+    assert await redis_client.hlen("kervan:own:w") == 1000
+    await settled(index)
+
+
 async def test_large_events_go_in_bounded_calls_and_a_retry_changes_nothing(redis_client, monkeypatch):
     monkeypatch.setattr(index_module, "CHUNK_HASHES", 100)
     index = PrefixIndex(redis_client)
