@@ -6,6 +6,7 @@ peers die with rank 0 and live through idle time on its pings."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import torch
 from tests.conftest import MODEL_KINDS, MOE_KINDS, make_engine, make_prompts
 from worker import SamplingParams
 from worker.config import ConfigError, ModelConfig, check_parallel
-from worker.parallel.group import GroupFailed, free_port, rendezvous
+from worker.parallel.group import GroupFailed, rendezvous, store_directory
 from worker.parallel.pipeline import split
 from worker.parallel.step_inputs import decode_micro_batches, encode_micro_batches
 
@@ -162,30 +163,35 @@ LATE_PEER = """
 import sys, time
 from worker.parallel.group import rendezvous
 time.sleep(float(sys.argv[2]))
-rendezvous(1, 2, int(sys.argv[1]), [])
+rendezvous(1, 2, sys.argv[1], [])
 time.sleep(1)
 """
 
 
 def test_a_peer_slower_to_start_than_the_group_timeout_still_joins(monkeypatch):
     monkeypatch.setenv("KERVAN_GROUP_TIMEOUT_S", "1")  # hung collectives; the start has its own bound
-    port = free_port()
-    peer = subprocess.Popen([sys.executable, "-c", LATE_PEER, str(port), "3"])
+    directory = store_directory()  # the store is a file only this user can reach: no TCP port to join
+    assert directory.stat().st_mode & 0o777 == 0o700
+    path = str(directory / "store")
+    peer = subprocess.Popen([sys.executable, "-c", LATE_PEER, path, "3"])
     try:
         start = time.monotonic()
-        store = rendezvous(0, 2, port, [peer])
+        store = rendezvous(0, 2, path, [peer])
         assert time.monotonic() - start > 2.5
         assert store.add("joined", 0) == 1
     finally:
         peer.kill()
         peer.wait()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_a_peer_that_exits_before_joining_fails_the_start_at_once():
     peer = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     start = time.monotonic()
+    directory = store_directory()
     with pytest.raises(GroupFailed, match=r"rank 1 exited \(3\) before it joined"):
-        rendezvous(0, 2, free_port(), [peer])
+        rendezvous(0, 2, str(directory / "store"), [peer])
+    shutil.rmtree(directory, ignore_errors=True)
     assert time.monotonic() - start < 30
 
 

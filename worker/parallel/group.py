@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from datetime import timedelta
@@ -49,7 +51,7 @@ class GroupFailed(RuntimeError):
     """A rank of the worker group died or hangs: the group cannot step any more."""
 
 
-def init_rank(rank: int, config, port: int, shm: ShmComm | None = None,
+def init_rank(rank: int, config, store_path: str, shm: ShmComm | None = None,
               peers: list[subprocess.Popen] | None = None) -> object:
     """Join the group's default process group (a rendezvous of all ranks); returns the
     gloo group that carries rank 0's messages (the default one is NCCL on CUDA).
@@ -59,7 +61,7 @@ def init_rank(rank: int, config, port: int, shm: ShmComm | None = None,
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     backend = "nccl" if config.device.startswith("cuda") else "gloo"
     timeout = timedelta(seconds=group_timeout_s())
-    store = rendezvous(rank, config.world_size, port, peers or [])
+    store = rendezvous(rank, config.world_size, store_path, peers or [])
     dist.init_process_group(backend, store=store, rank=rank, world_size=config.world_size, timeout=timeout)
     set_parallel_state(parallel_state(rank, config), shm)
     return dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
@@ -72,16 +74,18 @@ def join_timeout_s() -> float:
     return max(JOIN_TIMEOUT_S, group_timeout_s())
 
 
-def rendezvous(rank: int, world: int, port: int, peers: list[subprocess.Popen]):
-    """The group's key-value store on rank 0's port: rank 0 serves it and waits until
+def rendezvous(rank: int, world: int, store_path: str, peers: list[subprocess.Popen]):
+    """The group's key-value store, a file in a directory only this user can enter
+    (``store_directory``): a TCP store on a loopback port took no credential, and any local
+    user could join it and write the addresses gloo's ranks connect to. Rank 0 waits until
     every other rank has joined, failing at once when one of them exits first."""
     import torch.distributed as dist
     timeout = timedelta(seconds=join_timeout_s())
+    store = dist.FileStore(store_path, world)
+    store.set_timeout(timeout)
     if rank:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
         store.add("joined", 1)
         return store
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=timeout, wait_for_workers=False)
     deadline = time.monotonic() + timeout.total_seconds()
     while store.add("joined", 0) < world - 1:
         for i, peer in enumerate(peers, start=1):
@@ -104,8 +108,13 @@ def shm_comm(name: str, rank: int, config, create: bool, alive=None) -> ShmComm:
                    pipeline=config.pipeline_parallel_size > 1)
 
 
-def shm_name(port: int) -> str:
-    return f"kervan-tp-{os.getpid()}-{port}"
+def shm_name() -> str:
+    return f"kervan-tp-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def store_directory() -> Path:
+    """A fresh directory (0700) for a group's store file: the ranks are this user's processes."""
+    return Path(tempfile.mkdtemp(prefix="kervan-group-"))
 
 
 def config_json(config) -> str:
@@ -117,8 +126,9 @@ def config_json(config) -> str:
 class GroupLeader:
     """Rank 0's side: the peers it started and the channel to them."""
 
-    def __init__(self, peers: list[subprocess.Popen], control: object, shm: ShmComm | None):
+    def __init__(self, peers: list[subprocess.Popen], control: object, shm: ShmComm | None, store_dir: Path):
         self.peers = peers
+        self.store_dir = store_dir
         self.control = control
         self.shm = shm
         # int64 values of a message the shared-memory slot carries; a larger one's payload goes over gloo
@@ -129,26 +139,28 @@ class GroupLeader:
     def start(cls, model_dir: str | Path, config) -> GroupLeader:
         """Start ranks 1..N-1 of a group of ``config.world_size`` and join it as rank 0."""
         world = config.world_size
-        port = free_port()
+        store_dir = store_directory()
+        store_path = str(store_dir / "store")
         peers: list[subprocess.Popen] = []
         shm = None
         if not config.device.startswith("cuda"):
-            shm = shm_comm(shm_name(port), 0, config, create=True, alive=lambda: all(p.poll() is None for p in peers))
+            shm = shm_comm(shm_name(), 0, config, create=True, alive=lambda: all(p.poll() is None for p in peers))
         argv = [sys.executable, "-m", "worker.parallel.peer", "--model", str(model_dir), "--world", str(world),
-                "--port", str(port), "--config", config_json(config), "--shm", shm.shm.name if shm else ""]
+                "--store", store_path, "--config", config_json(config), "--shm", shm.shm.name if shm else ""]
         try:
             peers += [subprocess.Popen([*argv, "--rank", str(rank)], stdin=subprocess.DEVNULL)
                       for rank in range(1, world)]
-            control = init_rank(0, config, port, shm, peers)
+            control = init_rank(0, config, store_path, shm, peers)
         except BaseException:
             for peer in peers:
                 peer.kill()
                 peer.wait()
+            shutil.rmtree(store_dir, ignore_errors=True)
             raise
         finally:
             if shm is not None:
                 shm.unlink()  # every rank has mapped it (or the group never formed): no name outlives it
-        return cls(peers, control, shm)
+        return cls(peers, control, shm, store_dir)
 
     def send(self, step: StepInputs) -> None:
         self._broadcast(STEP, step.encode())
@@ -189,6 +201,7 @@ class GroupLeader:
         set_parallel_state(ParallelState())
         if self.shm is not None:
             self.shm.close()
+        shutil.rmtree(self.store_dir, ignore_errors=True)
 
     def _broadcast(self, kind: int, payload: torch.Tensor | None = None) -> None:
         import torch.distributed as dist
@@ -245,8 +258,3 @@ def peer_config(text: str):
     from worker.config import EngineConfig
     return EngineConfig(**json.loads(text))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--store", required=True, help="the group's store file (in rank 0's private directory)")
     ap.add_argument("--config", required=True, help="rank 0's resolved EngineConfig, as JSON")
     ap.add_argument("--shm", default="", help="the group's shared-memory segment (CPU groups)")
     args = ap.parse_args(argv)
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--world {args.world} but the config makes a group of {config.world_size}")
     # mapped before the rendezvous, after which rank 0 removes its name
     shm = shm_comm(args.shm, args.rank, config, create=False) if args.shm else None
-    control = init_rank(args.rank, config, args.port, shm)
+    control = init_rank(args.rank, config, args.store, shm)
     runner = ModelRunner(load_model(args.model, config.dtype, config.max_model_len, config.device,
                                     config.quantization), config)
     ps = get_parallel_state()
