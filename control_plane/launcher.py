@@ -79,6 +79,9 @@ class ClusterSpec:
     expert_parallel: int = 1
     pipeline_parallel: int = 1
     tls: bool = False  # mutual TLS between all services (a throw-away CA in the run's directory)
+    # with tls: the registry refuses worker certificates that name no address (every worker's names its
+    # own); False runs it as a deploy whose workers share one certificate (the k8s manifests)
+    require_worker_addresses: bool = True
     api_key_file: Path | None = None  # the router requires one of these keys
     num_routers: int = 1  # replicas: "router", "router-1", ... (clients list them all: replicas.py)
     num_schedulers: int = 1  # replicas: "scheduler", "scheduler-1", ... (every router lists them all)
@@ -199,6 +202,10 @@ class Cluster:
         admin = ca.issue("admin")
         self.client_security = MeshSecurity.from_files(str(admin.cert), str(admin.key), str(admin.ca))
 
+    def registry_flags(self) -> list[str]:
+        bound = ["--require-worker-addresses"] if self.spec.tls and self.spec.require_worker_addresses else []
+        return ["--block-size", str(self.spec.block_size), *bound, *self.spec.registry_args]
+
     def start(self, timeout: float = 180.0) -> None:
         """Start every service in dependency order; raises if one dies or never serves."""
         try:
@@ -208,8 +215,8 @@ class Cluster:
                 self.mesh_secret = secrets.token_hex(32)
                 self.client_security = dataclasses.replace(self.client_security, mesh_secret=self.mesh_secret.encode())
             redis_url = self.redis_url = self.spec.redis_url or self._start_redis()
-            self._start("kv-registry", "services.kv_registry", "--block-size", str(self.spec.block_size),
-                        *self.spec.registry_args, env={"KERVAN_KV_REGISTRY_REDIS": redis_url})
+            self._start("kv-registry", "services.kv_registry", *self.registry_flags(),
+                        env={"KERVAN_KV_REGISTRY_REDIS": redis_url})
             self._wait_serving(["kv-registry"], timeout)
             self._spawn("control-plane", [sys.executable, "-m", "control_plane.lease_watch",
                                           *self._metrics_args("control-plane"),

@@ -45,15 +45,23 @@ def tls_cluster(llama, tmp_path_factory):
     keys.write_text(f"{KEY}\n{EXPIRED_KEY} expires=2020-01-01T00:00:00+00:00  # rotated out\n")
     # two routers and two schedulers: clients and routers reach the replicas over TLS through one
     # channel each (services/common/replicas.py), certificates checked for the first one's address
+    # the registry as the k8s deploy runs it (workers may share a certificate naming no address), which
+    # the shared-certificate test needs; kervan up --tls requires addresses (the test after this fixture)
     c = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1, dtype="float32", num_kv_blocks=128, tls=True,
                             api_key_file=keys, registry_args=("--ttl", "2"), num_routers=2, num_schedulers=2,
-                            http_port=0),
+                            http_port=0, require_worker_addresses=False),
                 tmp_path_factory.mktemp("tls-cluster-logs"))
     c.start(timeout=240)
     assert not (c.tls_dir / "worker.pem").exists()  # kervan up issues no worker certificate naming no address
     c.authority.issue("worker")  # one such, as a stolen or k8s-wide certificate, for the tests below
     yield c
     c.stop()
+
+
+def test_kervan_up_tls_has_its_registry_refuse_worker_certificates_naming_no_address(llama, tmp_path):
+    flags = Cluster(ClusterSpec(llama[1], tls=True), tmp_path).registry_flags()
+    assert "--require-worker-addresses" in flags
+    assert "--require-worker-addresses" not in Cluster(ClusterSpec(llama[1]), tmp_path).registry_flags()
 
 
 def as_role(cluster, role: str) -> MeshSecurity:
