@@ -187,7 +187,7 @@ def quality(args) -> dict:
 
 
 def greedy_agreement(args) -> dict:
-    from services.router.chat_template import ChatTemplate
+    from kervan.chat_template import ChatTemplate
     from worker import SamplingParams
     template = ChatTemplate.from_dir(args.model)
     prompts = [template.render([{"role": "user", "content": c}]) for c in CHAT]

@@ -35,7 +35,7 @@ from benchmarks.stats import spread
 
 
 def prompts(model_dir: str, workload: str, count: int) -> list[str]:
-    from services.router.chat_template import ChatTemplate
+    from kervan.chat_template import ChatTemplate
     from worker.spec.eagle_data import chat_prompts, stdlib_docstrings
 
     docs = stdlib_docstrings(held_out=True)[:count]

@@ -24,6 +24,7 @@ import time
 
 import click
 
+from control_plane.model_arg import model_path
 from control_plane.planner.options import planner_options
 from kervan.envs import KERVAN_API_KEY, KERVAN_TLS_CA
 from kervan.speculative import SPECULATIVE_METHODS
@@ -49,22 +50,9 @@ MODEL_HELP = ("a Hugging Face model directory, or the name of a pulled model (ke
               "default: the embedded model")
 
 
-def model_path(value: str | None):
-    """``--model`` -> a directory: the embedded default model, a pulled catalog model, or a path."""
-    from worker.default_model import ensure_default_model
-    from worker.pull import PullError, resolve_model
-
-    if value is None:
-        return ensure_default_model()
-    try:
-        return resolve_model(value)
-    except PullError as exc:
-        raise click.BadParameter(str(exc), param_hint="--model") from None
-
-
 def chat_prompt(model_dir, text: str) -> str:
     """TEXT as one user message, rendered with the model's chat template."""
-    from services.router.chat_template import ChatTemplate
+    from kervan.chat_template import ChatTemplate
 
     return ChatTemplate.from_dir(model_dir).render([{"role": "user", "content": text}])
 

@@ -97,7 +97,7 @@ def test_greedy_text_matches_transformers_on_chat_prompts(pulled, monkeypatch):
     picks "L'"), the rest of the answer is the same."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.router.chat_template import ChatTemplate
+    from kervan.chat_template import ChatTemplate
     from worker import Engine, SamplingParams
 
     model_dir, _ = pulled

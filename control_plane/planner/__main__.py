@@ -30,7 +30,7 @@ def main(model, router_metrics, prefill_metrics, decode_metrics, namespace, pref
     """Scale a Kubernetes deployment's prefill and decode pools to the TTFT and ITL targets."""
     from pathlib import Path
 
-    from control_plane.cli import model_path
+    from control_plane.model_arg import model_path
     from control_plane.planner.scaler import KubernetesScaler
     from control_plane.planner.sla_planner import SlaPlanner
 

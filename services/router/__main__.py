@@ -12,6 +12,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from kervan.chat_template import ChatTemplate
 from kervan.default_model import default_model_written
 from kervan.tokenizer import Tokenizer
 from services.common import replicas
@@ -22,7 +23,6 @@ from services.common.security import MeshSecurity, mesh_name
 from services.common.server import KEEPALIVE, Service, run_service, serve_until_signal, start_server
 from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.router.admission import Admission
-from services.router.chat_template import ChatTemplate
 from services.router.http_front import OpenAIFront
 from services.router.http_guard import HttpLimits
 from services.router.openai_protocol import MAX_PROMPTS, MAX_SAMPLES, RequestBounds

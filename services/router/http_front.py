@@ -40,6 +40,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from kervan.chat_template import ChatTemplate
 from kervan.envs import listen_reuseport
 from kervan.sampling import InvalidRequest
 from kervan.tokenizer import Tokenizer
@@ -47,7 +48,6 @@ from services.common.auth import ApiKeys
 from services.common.security import PLAINTEXT, MeshSecurity
 from services.proto import router_pb2, router_pb2_grpc
 from services.router.admission import RETRY_AFTER_S, Admission
-from services.router.chat_template import ChatTemplate
 from services.router.http_guard import (
     DEFAULT_LIMITS,
     ConnectionCounts,

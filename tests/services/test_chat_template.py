@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from kervan.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from kervan.sampling import InvalidRequest
-from services.router.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 
 # in the manner of Llama 3's and Qwen's templates: special tokens, loop controls,
 # raise_exception, tojson, a system message moved first

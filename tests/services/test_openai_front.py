@@ -15,8 +15,8 @@ import urllib.request
 import openai
 import pytest
 
+from kervan.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from kervan.tokenizer import Tokenizer
-from services.router.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from services.router.http_front import OpenAIFront
 from tests.services.mesh_helpers import num_aborted, wait_aborted, wait_idle
 

@@ -18,11 +18,11 @@ import grpc
 import pytest
 
 from control_plane.client import build_request
+from kervan.chat_template import ChatTemplate
 from kervan.tokenizer import Tokenizer
 from services.common.auth import ApiKey, ApiKeys
 from services.common.errors import Overloaded
 from services.router.admission import Admission
-from services.router.chat_template import ChatTemplate
 from services.router.http_front import OpenAIFront
 from services.router.http_guard import HttpLimits, raise_open_files_limit, within_open_files
 from services.router.openai_protocol import RequestBounds

@@ -3,6 +3,8 @@ the kv-registry and scheduler servers on loopback, workers registered in Redis."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 
 from kervan.block_hash import HASH_NAME
@@ -110,3 +112,21 @@ def test_every_placement_setting_has_a_scheduler_flag():
     for name, value in values.items():
         argv += [f"--{name.replace('_', '-')}", str(value)]
     assert placement_config(parse_args(argv)) == PlacementConfig(**values)
+
+
+def test_contributings_recipe_for_a_policy_registers_it_by_its_name(monkeypatch):
+    """CONTRIBUTING.md, "Add a placement policy": a class with ``name``, decorated with
+    ``@register`` (no arguments), is offered by that name."""
+    from services.scheduler.policies import base
+    monkeypatch.setattr(base, "POLICIES", dict(base.POLICIES))
+
+    @base.register
+    class FirstPolicy(base.PlacementPolicy):
+        name = "first_of_pool"
+
+        def choose(self, pool, ask):
+            return pool[0]
+
+    assert base.POLICIES["first_of_pool"] is FirstPolicy
+    contributing = (Path(__file__).resolve().parents[2] / "CONTRIBUTING.md").read_text()
+    assert "decorated with `@register` (no arguments" in contributing

@@ -98,7 +98,7 @@ def _topic_passages(held_out: bool, max_chars: int) -> list[str]:
 def chat_prompts(docs: list[str], model_dir: str | Path) -> list[str]:
     """Each docstring as a chat request (an instruction from ``INSTRUCTIONS`` in turn), every
     fifth as plain text to continue."""
-    from services.router.chat_template import ChatTemplate  # the router's renderer: one reading of templates
+    from kervan.chat_template import ChatTemplate  # the router's renderer, in the shared vocabulary
 
     template = ChatTemplate.from_dir(model_dir)
     prompts = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -59,7 +60,7 @@ class ChatTemplate:
                 tokens[name] = value
         return cls(template, tokens)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt for ``messages`` (OpenAI's shape: role and content, content a string
         or a list of text parts); a malformed list or a template's own exception is the
         client's mistake."""
@@ -73,7 +74,7 @@ class ChatTemplate:
             raise InvalidRequest(f"the model's chat template refused the messages: {exc}") from None
 
 
-def _message(message: object, index: int) -> dict:
+def _message(message: object, index: int) -> dict[str, Any]:
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         raise InvalidRequest(f"messages[{index}] needs a role, one of {', '.join(ROLES)}")
     content = message.get("content")

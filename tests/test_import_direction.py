@@ -1,0 +1,110 @@
+"""Which package may import which (docs/architecture.md, "What may import what"), read from
+every module's import statements, deferred ones included:
+
+- ``kervan`` (the shared vocabulary) imports only itself;
+- ``worker`` (the engine) imports neither ``services`` nor ``control_plane``;
+- a service (``services.<name>``) imports ``services.common``, ``services.proto``, ``kervan`` and,
+  the worker service only, ``worker``; no other service and nothing of ``control_plane``;
+- ``services.common`` and ``services.proto`` import no service;
+- the control plane's long-running services (the planner, the lease watch) import neither the
+  CLI nor each other;
+- no product module imports ``tests`` or ``benchmarks``.
+
+A planted import of each kind is caught (the last tests), so the rules cannot pass by reading
+nothing."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PRODUCT = ("kervan", "worker", "services", "control_plane")
+SHARED_SERVICE_PARTS = {"services.common", "services.proto"}
+CONTROL_SERVICES = {"control_plane.planner", "control_plane.lease_watch"}
+
+
+def room(module: str) -> str:
+    """The unit a rule speaks of: ``services.router``, ``control_plane.planner``, ``worker``..."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] in ("services", "control_plane") and len(parts) > 1 else parts[0]
+
+
+def imports(root: Path) -> list[tuple[str, str, str]]:
+    """(importing module, imported module, file:line) for every first-party import under ``root``."""
+    out = []
+    for top in PRODUCT:
+        for path in sorted((root / top).rglob("*.py")):
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module]
+                else:
+                    continue
+                where = f"{path.relative_to(root)}:{node.lineno}"
+                out += [(module, name, where) for name in names
+                        if name.split(".")[0] in (*PRODUCT, "tests", "benchmarks")]
+    return out
+
+
+def why_not(importer: str, imported: str) -> str | None:
+    a, b = room(importer), room(imported)
+    if b in ("tests", "benchmarks"):
+        return "product code never imports tests or benchmarks"
+    if a == "kervan" and b != "kervan":
+        return "the shared vocabulary imports only itself"
+    if a == "worker" and b.split(".")[0] in ("services", "control_plane"):
+        return "the engine imports no service and no control plane"
+    if a.startswith("services.") and b.startswith("control_plane"):
+        return "a service imports nothing of the control plane"
+    if a.startswith("services.") and a != "services.worker" and b == "worker":
+        return "only the worker service imports the engine"
+    if a.startswith("services.") and b.startswith("services.") and a != b and b not in SHARED_SERVICE_PARTS:
+        return "a service imports no other service" if a not in SHARED_SERVICE_PARTS else \
+            "services.common and services.proto import no service"
+    if a in CONTROL_SERVICES and (b == "control_plane.cli" or (b in CONTROL_SERVICES and b != a)):
+        return "the planner and the lease watch import neither the CLI nor each other"
+    return None
+
+
+def violations(root: Path) -> list[str]:
+    return [f"{where}: {a} imports {b}: {why}" for a, b, where in imports(root)
+            if (why := why_not(a, b)) is not None]
+
+
+def test_every_import_points_the_allowed_way():
+    found = imports(ROOT)
+    assert len(found) > 500  # the graph was read
+    assert violations(ROOT) == []
+
+
+PLANTED = [
+    ("worker/runner/bad.py", "from services.router.servicer import RouterServicer", "the engine imports no service"),
+    ("worker/bad.py", "import control_plane.cli", "the engine imports no service"),
+    ("kervan/bad.py", "from worker.config import EngineConfig", "imports only itself"),
+    ("services/router/bad.py", "def f():\n    from services.scheduler.servicer import X", "no other service"),
+    ("services/common/bad.py", "from services.router import metrics", "import no service"),
+    ("services/worker/bad.py", "from control_plane.launcher import Cluster", "nothing of the control plane"),
+    ("control_plane/planner/bad.py", "from control_plane.cli import main", "neither the CLI nor each other"),
+    ("control_plane/lease_watch.py", "import control_plane.planner.scaler", "neither the CLI nor each other"),
+    ("worker/pull_bad.py", "from tests.conftest import make_engine", "never imports tests"),
+    ("services/scheduler/bad.py", "import worker.config", "only the worker service imports the engine"),
+]
+
+
+@pytest.mark.parametrize(("path", "code", "words"), PLANTED, ids=[p for p, _, _ in PLANTED])
+def test_a_planted_import_against_the_rules_is_caught(tmp_path, path, code, words):
+    for top in PRODUCT:
+        (tmp_path / top).mkdir()
+    planted = tmp_path / path
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.write_text(code + "\n")
+    [found] = violations(tmp_path)
+    assert found.startswith(f"{path}:") and words in found
