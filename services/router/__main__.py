@@ -8,7 +8,6 @@ setups and tests)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
@@ -19,16 +18,17 @@ from services.common import replicas
 from services.common.auth import ApiKeys
 from services.common.config import parse_service_args, service_parser
 from services.common.metrics import serve_metrics
-from services.common.security import MeshSecurity, mesh_name
+from services.common.security import MeshSecurity
 from services.common.server import KEEPALIVE, Service, run_service, serve_until_signal, start_server
 from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.router.admission import Admission
+from services.router.core import ModelLimits
 from services.router.http_front import OpenAIFront
 from services.router.http_guard import HttpLimits
 from services.router.openai_protocol import MAX_PROMPTS, MAX_SAMPLES, RequestBounds
 from services.router.routes import Placement, ScheduledRoutes, StaticRoutes, worker_channels
 from services.router.runner import MigrationPolicy
-from services.router.servicer import ModelLimits, RouterServicer
+from services.router.servicer import RouterServicer
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
@@ -84,8 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "--tls-cert, this router's mesh certificate); the mesh certificate stays its identity "
                          "towards the scheduler and workers")
     ap.add_argument("--public-tls-key", default=None)
-    ap.add_argument("--public-tls-ca", default=None,
-                    help="the CA of --public-tls-cert, when not the mesh's (the HTTP front checks its router by it)")
     return parse_service_args(ap, "router", argv)
 
 
@@ -119,17 +117,16 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = RouterServicer(routes, Tokenizer.from_dir(model_dir), model_limits(model_dir), args.max_in_flight,
                               MigrationPolicy(args.max_migrations, args.stall_timeout_s, args.first_token_timeout_s),
                               admission=admission, api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache)
-    public, towards_self = public_security(args, security)
+    public = public_security(args, security)
     handle = await start_server(
         [Service(SERVICE_NAME, lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s))],
         args.host, args.port, max_message_bytes=args.max_request_bytes, security=public, api_keys=api_keys,
         public=True)
     front = None
     if args.http_port is not None:
-        front = OpenAIFront(own_address(args.host, handle.port), model_limits(model_dir).name,
-                            Tokenizer.from_dir(model_dir),
-                            ChatTemplate.from_dir(model_dir), towards_self, api_keys, args.max_request_bytes,
-                            admission, RequestBounds(args.max_prompts_per_request, args.max_samples_per_request),
+        front = OpenAIFront(servicer.core, model_limits(model_dir).name, Tokenizer.from_dir(model_dir),
+                            ChatTemplate.from_dir(model_dir), api_keys, args.max_request_bytes,
+                            RequestBounds(args.max_prompts_per_request, args.max_samples_per_request),
                             HttpLimits(args.http_header_timeout_s, args.http_body_timeout_s, args.http_max_connections,
                                        args.http_max_connections_per_client))
         http_port = await front.start(args.host, args.http_port, tls_cert=args.public_tls_cert or args.tls_cert,
@@ -139,7 +136,7 @@ async def serve(args: argparse.Namespace) -> None:
     serve_metrics(args.metrics_port, args.host, "router")
     print(f"router ready on {args.host}:{handle.port}", flush=True)
 
-    async def drain() -> None:  # HTTP first: its requests are calls to this router's gRPC server
+    async def drain() -> None:  # HTTP first: no new request comes in by it while gRPC drains
         if front is not None:
             await front.stop()
 
@@ -161,32 +158,14 @@ def router_admission(args: argparse.Namespace, api_keys: ApiKeys | None) -> Admi
         raise SystemExit(f"--max-in-flight: {exc}") from None
 
 
-def public_security(args: argparse.Namespace, mesh: MeshSecurity) -> tuple[MeshSecurity, MeshSecurity]:
-    """What the public port serves (the public certificate, or the mesh one), and what the
-    HTTP front dials this router with: its mesh identity, checking the public certificate
-    for the first name it carries (the front dials an address the certificate may not list)."""
-    if not mesh.tls:
-        return mesh, mesh
-    if not (args.public_tls_cert or args.public_tls_key):  # the mesh certificate serves: check it as the router's
-        return mesh, dataclasses.replace(mesh, server_name=mesh_name("router", mesh.server_name))
+def public_security(args: argparse.Namespace, mesh: MeshSecurity) -> MeshSecurity:
+    """What the public port (gRPC and HTTP) serves: the public certificate, or the mesh one."""
+    if not mesh.tls or not (args.public_tls_cert or args.public_tls_key):
+        return mesh
     if not (args.public_tls_cert and args.public_tls_key):
         raise SystemExit("security: --public-tls-cert needs --public-tls-key, and the key the certificate")
-    from cryptography import x509
-    pem = Path(args.public_tls_cert).read_bytes()
-    ca = Path(args.public_tls_ca).read_bytes() if args.public_tls_ca else mesh.ca
-    names = x509.load_pem_x509_certificate(pem).extensions.get_extension_for_class(
-        x509.SubjectAlternativeName).value
-    first = [str(n.value) for n in names if isinstance(n, (x509.DNSName, x509.IPAddress))][0]
-    public = MeshSecurity(cert=pem, key=Path(args.public_tls_key).read_bytes(), ca=mesh.ca)
-    return public, dataclasses.replace(mesh, ca=ca, server_name=first)
-
-
-def own_address(host: str, port: int) -> str:
-    """Where the HTTP front reaches this router's gRPC server: the address it listens on
-    (loopback when it listens on every address)."""
-    if host in ("", "0.0.0.0", "::", "[::]"):
-        return f"127.0.0.1:{port}"
-    return f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"
+    return MeshSecurity(cert=Path(args.public_tls_cert).read_bytes(), key=Path(args.public_tls_key).read_bytes(),
+                        ca=mesh.ca)
 
 
 def main(argv: list[str] | None = None) -> None:

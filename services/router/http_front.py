@@ -6,15 +6,16 @@ in the router's own event loop.
   the end, a last chunk with the usage when ``stream_options.include_usage``);
 - ``GET /v1/models``: the served model; ``GET /health``: 200 while the router serves.
 
-Each prompt becomes a call to the router's own gRPC ``Generate`` on loopback, so the
-HTTP front has the gRPC path's validation, admission, placement and migration, and
-its status codes become HTTP ones (INVALID_ARGUMENT 400, NOT_FOUND 404,
-ALREADY_EXISTS 409, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504,
-anything else 500) in OpenAI's error body. A streaming client that disconnects
-cancels its calls, which aborts the request on the workers and frees its KV.
+Each prompt is a ``RouterCore.generate`` in the router's own process (``core.py``, what its
+gRPC ``Generate`` calls too), so the HTTP front has the gRPC path's validation, admission,
+placement and migration; the status each refusal or failure would have over gRPC becomes
+an HTTP one (INVALID_ARGUMENT 400, NOT_FOUND 404, ALREADY_EXISTS 409, RESOURCE_EXHAUSTED 429,
+UNAVAILABLE 503, DEADLINE_EXCEEDED 504, anything else 500) in OpenAI's error body. A
+streaming client that disconnects closes its streams, which aborts the request on the
+workers and frees its KV.
 
 With API keys, every route but ``/health`` needs ``Authorization: Bearer <key>``
-(401 before the body is read); the header goes on to the gRPC call. A body's prompts are
+(401 before the body is read); the key it matched is the request's tenant. A body's prompts are
 bounded (``RequestBounds``: 400) and must all fit the router's slots, shared with its gRPC
 clients and per key (``admission.py``), before any starts (429 with ``Retry-After``). Slow
 and many connections are bounded too (``http_guard.py``: header and body deadlines, caps on
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import time
 import uuid
@@ -45,9 +47,10 @@ from kervan.envs import listen_reuseport
 from kervan.sampling import InvalidRequest
 from kervan.tokenizer import Tokenizer
 from services.common.auth import ApiKeys
-from services.common.security import PLAINTEXT, MeshSecurity
-from services.proto import router_pb2, router_pb2_grpc
-from services.router.admission import RETRY_AFTER_S, Admission
+from services.common.errors import Overloaded, status_for
+from services.proto import router_pb2
+from services.router.admission import RETRY_AFTER_S
+from services.router.core import MeshFailure, RouterCore
 from services.router.http_guard import (
     DEFAULT_LIMITS,
     ConnectionCounts,
@@ -69,6 +72,7 @@ from services.router.openai_protocol import (
     usage,
 )
 
+log = logging.getLogger(__name__)
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
                grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.NOT_FOUND: 404,
                grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
@@ -86,23 +90,28 @@ def error_response(status: int, message: str, code: str, retry_after_s: float | 
                         headers=headers)
 
 
-def rpc_error_response(err: grpc.aio.AioRpcError) -> JSONResponse:
-    return error_response(HTTP_STATUS.get(err.code(), 500), err.details() or err.code().name, err.code().name.lower())
+def failure_response(exc: Exception) -> JSONResponse:
+    """What a refused or failed ``RouterCore.generate`` answers, with the status gRPC would give."""
+    code = exc.code if isinstance(exc, MeshFailure) else status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("an HTTP request failed inside the router", exc_info=exc)
+    retry = exc.retry_after_s if isinstance(exc, Overloaded) else None
+    return error_response(HTTP_STATUS.get(code, 500), str(exc) or code.name, code.name.lower(), retry)
 
 
 class OpenAIFront:
-    def __init__(self, router_address: str, model_name: str, tokenizer: Tokenizer | None,
-                 chat_template: ChatTemplate, security: MeshSecurity = PLAINTEXT, api_keys: ApiKeys | None = None,
-                 max_body_bytes: int = 4 << 20, admission: Admission | None = None,
-                 bounds: RequestBounds = DEFAULT_BOUNDS, http_limits: HttpLimits = DEFAULT_LIMITS):
+    """The HTTP front of the router whose core is ``core``."""
+
+    def __init__(self, core: RouterCore, model_name: str, tokenizer: Tokenizer | None,
+                 chat_template: ChatTemplate, api_keys: ApiKeys | None = None,
+                 max_body_bytes: int = 4 << 20, bounds: RequestBounds = DEFAULT_BOUNDS,
+                 http_limits: HttpLimits = DEFAULT_LIMITS):
+        self.core = core
         self.max_body_bytes = max_body_bytes
+        self.bounds = bounds
         self.http_limits = http_limits
         self.connections: ConnectionCounts | None = None
-        self.admission = admission  # the router's, when in its process: room is asked for before calls start
-        self.bounds = bounds
-        self.channel = security.channel(router_address)
         self.api_keys = api_keys
-        self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -137,7 +146,6 @@ class OpenAIFront:
         if self.server is not None:
             self.server.should_exit = True
             await self._task
-        await self.channel.close()
 
     async def health(self, request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok"})
@@ -197,19 +205,18 @@ class OpenAIFront:
         except InvalidRequest as exc:
             return error_response(400, str(exc), "invalid_argument")
         key = self.api_keys.identity(request.headers) if self.api_keys is not None else ""
-        if self.admission is not None and (why := self.admission.refusal(key, len(parsed.prompts))) is not None:
+        if (why := self.core.admission.refusal(key, len(parsed.prompts))) is not None:
             return error_response(429, why, "resource_exhausted", RETRY_AFTER_S)
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        metadata = [("authorization", request.headers["authorization"])] if self.api_keys is not None else None
-        calls = [self.stub.Generate(_with_id(p, f"{rid}-{i}" if len(parsed.prompts) > 1 else rid), metadata=metadata)
-                 for i, p in enumerate(parsed.prompts)]
-        events = _merged(calls)
+        streams = [self.core.generate(_with_id(p, f"{rid}-{i}" if len(parsed.prompts) > 1 else rid), key)
+                   for i, p in enumerate(parsed.prompts)]
+        events = _merged(streams)
         try:
             first = await anext(events)  # the router's refusal, if any, is still an HTTP status
-        except grpc.aio.AioRpcError as err:
+        except Exception as exc:  # noqa: BLE001 (a refusal or failure: its kind picks the status)
             await events.aclose()
-            return rpc_error_response(err)
+            return failure_response(exc)
         except StopAsyncIteration:
             return error_response(500, "the router answered nothing", "internal")
         answer = _Answer(self, parsed, kind, rid)
@@ -220,8 +227,8 @@ class OpenAIFront:
             answer.take(*first)
             async for prompt_index, response in events:
                 answer.take(prompt_index, response)
-        except grpc.aio.AioRpcError as err:
-            return rpc_error_response(err)
+        except Exception as exc:  # noqa: BLE001 (as above)
+            return failure_response(exc)
         finally:
             await events.aclose()
         return JSONResponse(answer.body())
@@ -284,8 +291,8 @@ class _Answer:
                     chunk = self.take(prompt_index, response)
                     if chunk:
                         yield _sse(chunk)
-            except grpc.aio.AioRpcError as err:  # after the first chunk the status is sent: say it in the stream
-                yield _sse(json.loads(rpc_error_response(err).body))
+            except Exception as exc:  # noqa: BLE001 (after the first chunk the status is sent: say it in it)
+                yield _sse(json.loads(failure_response(exc).body))
                 return
             if self.parsed.include_usage:
                 yield _sse({**self._head(self.kind + ("" if not self.chat else ".chunk")), "choices": [],
@@ -330,32 +337,35 @@ def _with_id(request: router_pb2.GenerateRequest, rid: str) -> router_pb2.Genera
     return out
 
 
-async def _merged(calls: list) -> AsyncIterator[tuple[int, router_pb2.GenerateResponse]]:
-    """(prompt index, response) from every call, as they come; closing it cancels them all."""
+async def _merged(streams: list[AsyncIterator[router_pb2.GenerateResponse]]
+                  ) -> AsyncIterator[tuple[int, router_pb2.GenerateResponse]]:
+    """(prompt index, response) from every stream, as they come; closing it closes them all
+    (each one's request aborted on the workers, its slot given back)."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, call) -> None:
+    async def pump(index: int, stream: AsyncIterator[router_pb2.GenerateResponse]) -> None:
         try:
-            async for response in call:
+            async for response in stream:
                 await queue.put((index, response))
             await queue.put((index, None))
-        except grpc.aio.AioRpcError as err:
-            await queue.put((index, err))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (the consumer raises it, and answers by its kind)
+            await queue.put((index, exc))
 
-    tasks = [asyncio.get_running_loop().create_task(pump(i, c)) for i, c in enumerate(calls)]
+    tasks = [asyncio.get_running_loop().create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        open_calls = len(calls)
-        while open_calls:
+        open_streams = len(streams)
+        while open_streams:
             index, item = await queue.get()
             if item is None:
-                open_calls -= 1
-            elif isinstance(item, grpc.aio.AioRpcError):
+                open_streams -= 1
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield index, item
     finally:
-        for call, task in zip(calls, tasks):
-            call.cancel()
+        for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 

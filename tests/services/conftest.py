@@ -15,6 +15,7 @@ from services.common.server import Service, start_server
 from services.proto import router_pb2_grpc, worker_pb2_grpc
 from services.router.__main__ import SERVICE_NAME as ROUTER_NAME
 from services.router.__main__ import model_limits
+from services.router.core import RouterCore
 from services.router.routes import Placement, StaticRoutes
 from services.router.runner import MigrationPolicy
 from services.router.servicer import RouterServicer
@@ -38,6 +39,7 @@ class Mesh:
     workers: list[Worker]
     router_port: int
     router: router_pb2_grpc.RouterServiceStub
+    core: RouterCore  # the router's, which an HTTP front calls in-process
 
 
 async def start_worker(model_dir: Path, role: str, kv_transport: str = "auto", max_waiting: int | None = None,
@@ -82,7 +84,7 @@ async def start_mesh(model_dir: Path, disaggregated: bool = False, kv_transport:
         router_servicer, s))], api_keys=router_options.get("api_keys"), public=True)
     await router.set_serving(True)
     client = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
-    mesh = Mesh(workers, router.port, router_pb2_grpc.RouterServiceStub(client))
+    mesh = Mesh(workers, router.port, router_pb2_grpc.RouterServiceStub(client), router_servicer.core)
 
     async def stop_all():
         await client.close()

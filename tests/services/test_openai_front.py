@@ -23,7 +23,7 @@ from tests.services.mesh_helpers import num_aborted, wait_aborted, wait_idle
 
 @pytest.fixture
 async def front(text_mesh, default_model_dir):
-    front = OpenAIFront(f"127.0.0.1:{text_mesh.router_port}", default_model_dir.name,
+    front = OpenAIFront(text_mesh.core, default_model_dir.name,
                         Tokenizer.from_dir(default_model_dir), ChatTemplate.from_dir(default_model_dir))
     port = await front.start("127.0.0.1", 0)
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
@@ -157,7 +157,7 @@ async def test_a_client_that_disconnects_mid_stream_aborts_the_request_on_the_wo
 
 async def test_a_body_past_the_limit_is_refused_unread_and_numbers_past_their_fields_name_the_field(
         text_mesh, default_model_dir):
-    front = OpenAIFront(f"127.0.0.1:{text_mesh.router_port}", default_model_dir.name,
+    front = OpenAIFront(text_mesh.core, default_model_dir.name,
                         Tokenizer.from_dir(default_model_dir), ChatTemplate.from_dir(default_model_dir),
                         max_body_bytes=64 << 10)
     port = await front.start("127.0.0.1", 0)

@@ -107,10 +107,10 @@ def _post(port: int, body: dict | bytes, timeout: float = 30) -> tuple[int, dict
 
 @pytest.fixture
 async def bounded_front(text_mesh, default_model_dir):
-    admission = Admission(4)
-    front = OpenAIFront(f"127.0.0.1:{text_mesh.router_port}", default_model_dir.name,
+    admission = text_mesh.core.admission = Admission(4)  # the router's slots, which gRPC and HTTP share
+    front = OpenAIFront(text_mesh.core, default_model_dir.name,
                         Tokenizer.from_dir(default_model_dir), ChatTemplate.from_dir(default_model_dir),
-                        admission=admission, bounds=RequestBounds(max_prompts=8, max_samples=12))
+                        bounds=RequestBounds(max_prompts=8, max_samples=12))
     port = await front.start("127.0.0.1", 0)
     yield port, admission, default_model_dir.name
     await front.stop()
@@ -131,7 +131,7 @@ async def test_a_body_of_many_prompts_is_refused_before_any_starts(bounded_front
 async def test_a_body_whose_prompts_do_not_all_fit_the_slots_gets_429_and_starts_none(bounded_front):
     port, admission, model = bounded_front
     for _ in range(2):
-        admission.take("")  # two slots held, as by gRPC clients of the same router
+        admission.take("")  # two slots held, as by two gRPC streams of the same router
     try:
         status, body, headers = await asyncio.to_thread(_post, port, {"model": model, "prompt": [[5]] * 3,
                                                                       "max_tokens": 1})
@@ -148,7 +148,7 @@ async def test_a_body_whose_prompts_do_not_all_fit_the_slots_gets_429_and_starts
 @pytest.fixture
 async def guarded_front(text_mesh, default_model_dir):
     limits = HttpLimits(header_timeout_s=1.0, body_timeout_s=1.0, max_connections=60, max_per_client=40)
-    front = OpenAIFront(f"127.0.0.1:{text_mesh.router_port}", default_model_dir.name,
+    front = OpenAIFront(text_mesh.core, default_model_dir.name,
                         Tokenizer.from_dir(default_model_dir), ChatTemplate.from_dir(default_model_dir),
                         http_limits=limits)
     port = await front.start("127.0.0.1", 0)
