@@ -6,12 +6,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from services.common import replicas
+from services.common.convert import finish_from_proto
 from services.common.security import PLAINTEXT, MeshSecurity
 from services.proto import common_pb2, router_pb2, router_pb2_grpc
 
 ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
-FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-                common_pb2.FINISH_REASON_ABORT: "abort"}
 
 
 def build_request(prompt: str | None = None, token_ids: list[int] | None = None, *, request_id: str = "",
@@ -67,7 +66,7 @@ def accumulate(completion: Completion, msg: router_pb2.GenerateResponse) -> str:
         return ""
     if msg.finished.sample_index == 0:
         u = msg.finished.usage
-        completion.finish_reason = FINISH_NAMES.get(msg.finished.finish_reason)
+        completion.finish_reason = finish_from_proto(msg.finished.finish_reason)
         completion.usage = {"prompt_tokens": u.prompt_tokens, "cached_prompt_tokens": u.cached_prompt_tokens,
                             "completion_tokens": u.completion_tokens,
                             "time_to_first_token_s": round(u.time_to_first_token_s, 4),

@@ -12,8 +12,10 @@ from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common.load import SCALARS, Load
 from services.proto import common_pb2, kv_registry_pb2
 
-_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
-           "abort": common_pb2.FINISH_REASON_ABORT}
+# the one table of finish reasons: the engine's names (OpenAI's too) and the wire's enum
+FINISH_REASONS = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+                  "abort": common_pb2.FINISH_REASON_ABORT}
+_FINISH_NAMES: dict[int, str] = {int(v): k for k, v in FINISH_REASONS.items()}
 
 
 _DEFAULTS = SamplingParams()  # what an unset optional field means: the engine's own defaults
@@ -51,7 +53,12 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def finish_to_proto(reason: str | None) -> common_pb2.FinishReason:
-    return _FINISH.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
+    return FINISH_REASONS.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def finish_from_proto(reason: int) -> str | None:
+    """The name of a wire finish reason (None: unspecified)."""
+    return _FINISH_NAMES.get(reason)
 
 
 def load_to_proto(load: Load) -> common_pb2.WorkerLoad:

@@ -47,6 +47,7 @@ from kervan.envs import listen_reuseport
 from kervan.sampling import InvalidRequest
 from kervan.tokenizer import Tokenizer
 from services.common.auth import ApiKeys
+from services.common.convert import finish_from_proto
 from services.common.errors import Overloaded, status_for
 from services.proto import router_pb2
 from services.router.admission import RETRY_AFTER_S
@@ -61,7 +62,6 @@ from services.router.http_guard import (
 )
 from services.router.openai_protocol import (
     DEFAULT_BOUNDS,
-    FINISH_REASONS,
     Choice,
     OpenAIRequest,
     RequestBounds,
@@ -257,7 +257,7 @@ class _Answer:
         if which == "finished":
             f = response.finished
             choice = self._choice(prompt_index, f.sample_index)
-            choice.finish_reason = FINISH_REASONS.get(f.finish_reason, "stop")
+            choice.finish_reason = finish_from_proto(f.finish_reason) or "stop"
             self.prompt_tokens[prompt_index] = (f.usage.prompt_tokens, f.usage.cached_prompt_tokens)
             self.completion_tokens += f.usage.completion_tokens
             return self._chunk(choice.index, "", [], [], choice.finish_reason)

@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from kervan.sampling import InvalidRequest
 from services.proto import common_pb2, router_pb2
 
-FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-                  common_pb2.FINISH_REASON_ABORT: "abort"}
 UINT32, UINT64 = (1 << 32) - 1, (1 << 64) - 1
 INT32 = (-(1 << 31), (1 << 31) - 1)
 # one body's work, bounded before any of it starts (a 4 MiB body holds ~800k one-token prompts)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from kervan.tokenizer import Tokenizer
+from services.common.convert import finish_from_proto
 from services.proto import common_pb2, router_pb2, worker_pb2
 from services.router import metrics
 from services.router.detokenizer import Detokenizer
@@ -87,8 +88,7 @@ class SampleStream:
             metrics.TIME_PER_OUTPUT_TOKEN.observe(tpot)
         metrics.E2E_LATENCY.observe(time.perf_counter() - self.start)
         metrics.REQUEST_GENERATION_TOKENS.observe(self.completion_tokens)
-        metrics.REQUEST_SUCCESS.labels(common_pb2.FinishReason.Name(finish_reason).removeprefix(
-            "FINISH_REASON_").lower()).inc()
+        metrics.REQUEST_SUCCESS.labels(finish_from_proto(finish_reason) or "unspecified").inc()
         return self._response(finished=router_pb2.Finished(sample_index=self.sample_index,
                                                             finish_reason=finish_reason, usage=usage))
 
