@@ -114,8 +114,9 @@ async def serve(args: argparse.Namespace) -> None:
     else:
         raise SystemExit("give --scheduler, or --worker, or --prefill and --decode")
     admission = router_admission(args, api_keys)
-    servicer = RouterServicer(routes, Tokenizer.from_dir(model_dir), model_limits(model_dir), args.max_in_flight,
-                              MigrationPolicy(args.max_migrations, args.stall_timeout_s, args.first_token_timeout_s),
+    migration = MigrationPolicy(max_migrations=args.max_migrations, stall_timeout_s=args.stall_timeout_s,
+                                first_token_timeout_s=args.first_token_timeout_s)
+    servicer = RouterServicer(routes, Tokenizer.from_dir(model_dir), model_limits(model_dir), migration=migration,
                               admission=admission, api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache)
     public = public_security(args, security)
     handle = await start_server(

@@ -52,7 +52,7 @@ MAX_PLACEMENTS = 3
 LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MigrationPolicy:
     max_migrations: int = 2  # 0: a lost worker ends the request UNAVAILABLE
     stall_timeout_s: float = 30.0  # no token for this long after the first: the worker is lost

@@ -21,8 +21,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     them, slots are shared per key (``admission``) and, unless ``shared_prefix_cache``, each
     key's prompts are salted apart."""
 
-    def __init__(self, routes: StaticRoutes | ScheduledRoutes, tokenizer: Tokenizer | None, limits: ModelLimits,
-                 max_in_flight: int = 1024, migration: MigrationPolicy | None = None, *,
+    def __init__(self, routes: StaticRoutes | ScheduledRoutes, tokenizer: Tokenizer | None, limits: ModelLimits, *,
+                 max_in_flight: int = 1024, migration: MigrationPolicy | None = None,
                  admission: Admission | None = None, api_keys: ApiKeys | None = None,
                  shared_prefix_cache: bool = False):
         self.api_keys = api_keys

@@ -89,9 +89,9 @@ async def serve(args: argparse.Namespace) -> None:
     channel = security.channel(replicas.target(args.registry), KEEPALIVE + replicas.options(REGISTRY_SERVICE),
                                role="kv-registry")
     servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(channel), placement_config(args),
-                                 RecentPlacements(args.load_window_s, args.prefix_window_s), args.seed,
-                                 args.max_ejection_share, args.panic_threshold, args.workers_cache_s,
-                                 args.shortlist, args.watch)
+                                 recent=RecentPlacements(args.load_window_s, args.prefix_window_s), seed=args.seed,
+                                 max_ejection_share=args.max_ejection_share, panic_threshold=args.panic_threshold,
+                                 workers_cache_s=args.workers_cache_s, shortlist=args.shortlist, watch=args.watch)
     handle = await start_server([Service(SERVICE_NAME, lambda s: (
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)), {"*": ("router", "admin")})],
         args.host, args.port, security=security)

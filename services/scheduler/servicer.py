@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
-    def __init__(self, registry: kv_registry_pb2_grpc.KvRegistryServiceStub, config: PlacementConfig,
+    def __init__(self, registry: kv_registry_pb2_grpc.KvRegistryServiceStub, config: PlacementConfig, *,
                  recent: RecentPlacements | None = None, seed: int | None = None, max_ejection_share: float = 0.5,
                  panic_threshold: float = 0.5, workers_cache_s: float = 0.05, shortlist: bool = True,
                  watch: bool = False):

@@ -81,7 +81,7 @@ class ScheduledMesh:
             await self.add_worker()
         self.router_servicer = RouterServicer(
             ScheduledRoutes(self.scheduler_stub, self._routes), None, model_limits(self.model_dir),
-            max_in_flight, policy)
+            max_in_flight=max_in_flight, migration=policy)
         self.router_server = await start_server([Service(ROUTER_NAME, lambda s: (
             router_pb2_grpc.add_RouterServiceServicer_to_server(self.router_servicer, s)))])
         await self.router_server.set_serving(True)

@@ -40,7 +40,7 @@ async def place_all(redis_client, policy: str | PlacementConfig, prompts: list[l
     async with grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}") as reg:
         config = policy if isinstance(policy, PlacementConfig) else PlacementConfig(policy=policy)
         servicer = SchedulerServicer(kv_registry_pb2_grpc.KvRegistryServiceStub(reg), config,
-                                     RecentPlacements(load_window_s=0.0))
+                                     recent=RecentPlacements(load_window_s=0.0))
         scheduler = await start_server([Service("kervan.v1.SchedulerService", lambda s: (
             scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, s)))])
         try:
