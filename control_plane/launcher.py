@@ -42,6 +42,7 @@ from control_plane.port_reservations import PortReservations
 from control_plane.redis_server import redis_argv, wait_listening
 from kervan.block_hash import DEFAULT_BLOCK_SIZE
 from kervan.envs import KERVAN_LISTEN_REUSEPORT
+from kervan.worker_info import WorkerRole
 from services.common.lifeline import ENV as ENV_LIFELINE
 from services.common.security import MESH_SECRET_ENV, PLAINTEXT, MeshSecurity
 from worker.platform import usable_cores
@@ -151,7 +152,7 @@ class Cluster:
     log_dir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
-    spawned: Counter[str] = field(default_factory=Counter)  # workers started so far, by role
+    spawned: Counter[WorkerRole] = field(default_factory=Counter)  # workers started so far, by role
     client_security: MeshSecurity = PLAINTEXT  # the launcher's own (an admin certificate with TLS)
     mesh_secret: str | None = None  # without TLS but with API keys: what internal services require
     redis_url: str | None = None  # the URL the services use (with the private Redis's password)
@@ -227,9 +228,10 @@ class Cluster:
             for name in schedulers:
                 self._start(name, "services.scheduler", "--registry", self.addresses["kv-registry"],
                             *self.spec.scheduler_args)
-            roles = [role for role, n in (("prefill", self.spec.num_prefill), ("decode", self.spec.num_decode),
-                                          ("both", self.spec.num_both)) for _ in range(n)]
-            if not set(roles) & {"decode", "both"}:
+            roles = [role for role, n in ((WorkerRole.PREFILL, self.spec.num_prefill),
+                                          (WorkerRole.DECODE, self.spec.num_decode),
+                                          (WorkerRole.BOTH, self.spec.num_both)) for _ in range(n)]
+            if not set(roles) & {WorkerRole.DECODE, WorkerRole.BOTH}:
                 raise ValueError("a cluster needs at least one decode or aggregated (both) worker")
             workers = [self.spawn_worker(role) for role in roles]
             self._wait_serving([*schedulers, *workers], timeout)
@@ -250,9 +252,10 @@ class Cluster:
             self.stop()
             raise
 
-    def spawn_worker(self, role: str, *args: str) -> str:
+    def spawn_worker(self, role: WorkerRole | str, *args: str) -> str:
         """Start one more worker (it joins the mesh once it registers), with ``args`` added
         to its flags; returns its name."""
+        role = WorkerRole(role)  # a name ("decode") is taken too, and a wrong one refused here
         name = f"{role}-{self.spawned[role]}"
         threads = self.spec.worker_threads()
         cores = None
@@ -270,20 +273,20 @@ class Cluster:
                   for arg in (f"--{name}-parallel", str(n))]
         extra += ["--deterministic"] if self.spec.deterministic else []
         extra += ["--quantization", self.spec.quantization] if self.spec.quantization else []
-        if self.spec.speculative and role != "prefill":
+        if self.spec.speculative and role != WorkerRole.PREFILL:
             extra += self.spec.speculative_flags()
         port = self.ports.reserve()
         tls = None
         if self.authority is not None:  # its own certificate, naming the one address it may register
             tls = self.authority.issue("worker", name=name, addresses=[f"127.0.0.1:{port}"]).flags()
-        self._start(name, "services.worker", "--role", role, "--model", str(self.spec.model_dir),
+        self._start(name, "services.worker", "--role", str(role), "--model", str(self.spec.model_dir),
                     "--registry", self.addresses["kv-registry"], "--dtype", self.spec.dtype,
                     "--block-size", str(self.spec.block_size), *extra,
                     *self.spec.worker_args, *args, port=port, tls_flags=tls,
                     env={"OMP_NUM_THREADS": str(threads)}, cores=cores)
         return name
 
-    def add_worker(self, role: str, *args: str, timeout: float = 180.0) -> str:
+    def add_worker(self, role: WorkerRole | str, *args: str, timeout: float = 180.0) -> str:
         """A worker joining a running cluster: started and waited for."""
         name = self.spawn_worker(role, *args)
         self._wait_serving([name], timeout)
