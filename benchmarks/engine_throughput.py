@@ -48,11 +48,11 @@ import torch
 from benchmarks.machine import machine, write_report
 from benchmarks.models import ensure_random_model
 from benchmarks.vllm_peer import VllmPeer
+from control_plane.tools.pull import resolve_model
 from kervan.envs import KERVAN_WEIGHT_PACKING
 from worker import Engine, SamplingParams
 from worker.default_model import ensure_default_model
 from worker.platform import DTYPE_CHOICES, dtype_name
-from worker.pull import resolve_model
 
 
 def workload(num: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int):

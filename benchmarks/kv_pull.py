@@ -28,9 +28,9 @@ from benchmarks.stats import spread
 from control_plane.bench.backends import KervanBackend
 from control_plane.bench.workload import BenchRequest
 from control_plane.launcher import Cluster, ClusterSpec
+from control_plane.tools.pull import resolve_model
 from services.router.__main__ import model_limits
 from worker.default_model import ensure_default_model
-from worker.pull import resolve_model
 
 SETTINGS = {"recompute": (), "pull": ("--pull-block-cost", "0.1")}
 

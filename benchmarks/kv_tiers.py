@@ -44,11 +44,11 @@ from typing import NamedTuple
 from benchmarks.kv_tier_copies import bandwidth, itl, percentile
 from benchmarks.machine import add_dtype_argument, machine, write_report
 from benchmarks.stats import spread
+from control_plane.tools.pull import resolve_model
 from worker import Engine, SamplingParams
 from worker.config import EngineConfig, ModelConfig
 from worker.default_model import ensure_default_model
 from worker.platform import current_platform
-from worker.pull import resolve_model
 
 
 class Loop(NamedTuple):

@@ -27,8 +27,8 @@ from control_plane.bench import workload
 from control_plane.bench.backends import KervanBackend
 from control_plane.bench.command import one_line, sweep
 from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
+from control_plane.tools.pull import resolve_model
 from worker.default_model import ensure_default_model
-from worker.pull import resolve_model
 
 
 def worker_counters(cluster: Cluster) -> dict[str, float]:

@@ -54,8 +54,8 @@ from control_plane.plan.hardware import measure_this
 from control_plane.plan.profile import Profile
 from control_plane.plan.served import ALL_PROMPTS_REMOTE, measure_served
 from control_plane.plan.sizing import Load, Slo
+from control_plane.tools.pull import resolve_model
 from worker.default_model import ensure_default_model
-from worker.pull import resolve_model
 
 
 def model_dir(name: str) -> Path:

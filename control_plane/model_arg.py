@@ -11,8 +11,8 @@ import click
 
 def model_path(value: str | None) -> Path:
     """``--model`` -> a directory; a name that is neither is a ``click.BadParameter``."""
+    from control_plane.tools.pull import PullError, resolve_model
     from worker.default_model import ensure_default_model
-    from worker.pull import PullError, resolve_model
 
     if value is None:
         return ensure_default_model()

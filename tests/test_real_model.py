@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from control_plane.tools.pull import CATALOG, PullError, resolve_model
 from tests.cache_helpers import fresh_cache
-from worker.pull import CATALOG, PullError, resolve_model
 from worker.quant.model import quantized_weights
 
 NAME = "smollm2-135m"

@@ -18,8 +18,8 @@ from control_plane.plan.sizing import Load, Slo
 def model_shape(model: str) -> tuple[ModelShape, str, str]:
     """(its shape, the weight format its directory holds, its float dtype) for a model
     directory, a ``config.json``, or a pulled catalog name."""
+    from control_plane.tools.pull import GGUF_WEIGHTS, PullError, pulled_weights, resolve_model
     from worker.config import ConfigError, ModelConfig
-    from worker.pull import GGUF_WEIGHTS, PullError, pulled_weights, resolve_model
 
     path = Path(model).expanduser()
     if path.name != "config.json":
@@ -137,7 +137,7 @@ def _csv(values) -> str:
 @click.option("--out", "out_path", required=True, help="where to write the profile (JSON)")
 def profile_command(model, dtype, batches, contexts, prefill_tokens, served, out_path) -> None:
     """Time the engine's decode steps and prefill chunks on this machine, for `kervan plan --profile`."""
-    from worker.pull import PullError, resolve_model
+    from control_plane.tools.pull import PullError, resolve_model
 
     try:
         model_dir = resolve_model(model)

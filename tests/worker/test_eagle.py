@@ -2,7 +2,7 @@
 saved and loaded); trained for a tiny random target on its own answers, it guesses tokens the
 target keeps, and the engine's tokens are the target's without it — greedy and seeded.
 Training here is seconds on a tiny model: the data, the loop and the file format are the
-ones ``python -m worker.spec.train_eagle`` runs for a real model. Greedy tokens are compared
+ones ``python -m control_plane.tools.train_eagle`` runs for a real model. Greedy tokens are compared
 in float32 with the default kernels (the tiny model's wide init keeps top logits apart), not
 deterministic mode."""
 
@@ -16,6 +16,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from control_plane.tools.eagle_data import generate_examples, reference_passages, stdlib_docstrings
+from control_plane.tools.train_eagle import TrainingHead, draft_vocabulary, evaluate, train
 from tests.conftest import make_engine, make_prompts
 from tests.worker.test_engine import assert_idle
 from worker import SamplingParams
@@ -24,9 +26,7 @@ from worker.config import ConfigError
 from worker.kv.kv_cache_manager import KVCacheManager
 from worker.runner.model_runner import ModelRunner
 from worker.spec.eagle import EagleShadow
-from worker.spec.eagle_data import generate_examples, reference_passages, stdlib_docstrings
 from worker.spec.eagle_head import CONFIG_FILE, WEIGHTS_FILE, load_eagle_head
-from worker.spec.train_eagle import TrainingHead, draft_vocabulary, evaluate, train
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=True)
 

@@ -167,5 +167,6 @@ def shipped_head(target_dir: Path) -> Path:
         name = None
     if name is None or not (HEADS_DIR / name).is_dir():
         raise ConfigError(f"no EAGLE head ships for the model in {target_dir}: train one (python -m "
-                          f"worker.spec.train_eagle --model {target_dir} --out DIR) and pass it as speculative_model")
+                          f"control_plane.tools.train_eagle --model {target_dir} --out DIR) and pass it as "
+                          f"speculative_model")
     return HEADS_DIR / name

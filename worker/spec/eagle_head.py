@@ -13,7 +13,7 @@ the head's draft vocabulary only (EAGLE-3's reduced vocabulary): the tokens the 
 emits most often in the training data, so a guess costs a fraction of a full head's
 matmul; guesses outside it are simply never made (verification stays exact).
 
-On disk (``python -m worker.spec.train_eagle`` writes it): ``eagle_head.safetensors`` with
+On disk (``python -m control_plane.tools.train_eagle`` writes it): ``eagle_head.safetensors`` with
 ``fc.weight`` [hidden, 2 * hidden], the layer as Hugging Face Llama names it under
 ``layers.0.``, ``norm.weight`` and ``vocab`` (the target's id of each draft column), and
 ``eagle_head.json`` (its sizes, the target it was trained for, and the recipe)."""

@@ -1,6 +1,6 @@
 """Train an EAGLE head (``eagle_head.py``) for a Llama-family model on this machine:
 
-    python -m worker.spec.train_eagle --model smollm2-135m --out DIR
+    python -m control_plane.tools.train_eagle --model smollm2-135m --out DIR
 
 1. texts from the Python standard library (``eagle_data.py``): docstrings as prompts the
    target answers through Kervan's engine (greedy and sampled), and more docstrings and the
@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from worker.spec.eagle_data import Example
+from control_plane.tools.eagle_data import Example
 from worker.spec.eagle_head import CONFIG_FILE, WEIGHTS_FILE
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -162,7 +162,7 @@ def train(head: TrainingHead, examples: list[Example], epochs: int, lr: float, b
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m worker.spec.train_eagle", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m control_plane.tools.train_eagle", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a catalog name (kervan pull) or a model directory")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--prompts", type=int, default=1200, help="training prompts (docstrings) answered by the target")
@@ -187,9 +187,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def build_head(args: argparse.Namespace) -> tuple[dict, dict]:
+    from control_plane.tools.eagle_data import chat_prompts, generate_examples, reference_passages, stdlib_docstrings
+    from control_plane.tools.pull import resolve_model
     from worker import Engine
-    from worker.pull import resolve_model
-    from worker.spec.eagle_data import chat_prompts, generate_examples, reference_passages, stdlib_docstrings
 
     model_dir = resolve_model(args.model)
     engine = Engine.from_pretrained(model_dir, enable_prefix_caching=False, max_num_seqs=32, seed=args.seed)
