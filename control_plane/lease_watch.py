@@ -25,7 +25,7 @@ from services.common import redis_url
 from services.common.config import parse_service_args, service_parser
 from services.common.metrics import serve_metrics
 from services.common.security import MeshSecurity
-from services.kv_registry.index import leased_worker
+from services.common.worker_leases import leased_worker
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ every module's import statements, deferred ones included:
   the worker service only, ``worker``; no other service and nothing of ``control_plane``;
 - ``services.common`` and ``services.proto`` import no service;
 - the control plane's long-running services (the planner, the lease watch) import neither the
-  CLI nor each other;
+  CLI nor each other, nor a service's internals (only ``services.common`` and ``services.proto``);
 - no product module imports ``tests`` or ``benchmarks``.
 
 A planted import of each kind is caught (the last tests), so the rules cannot pass by reading
@@ -71,6 +71,8 @@ def why_not(importer: str, imported: str) -> str | None:
             "services.common and services.proto import no service"
     if a in CONTROL_SERVICES and (b == "control_plane.cli" or (b in CONTROL_SERVICES and b != a)):
         return "the planner and the lease watch import neither the CLI nor each other"
+    if a in CONTROL_SERVICES and b.startswith("services.") and b not in SHARED_SERVICE_PARTS:
+        return "the planner and the lease watch reach the services through services.common, not their internals"
     return None
 
 
@@ -94,6 +96,7 @@ PLANTED = [
     ("services/worker/bad.py", "from control_plane.launcher import Cluster", "nothing of the control plane"),
     ("control_plane/planner/bad.py", "from control_plane.cli import main", "neither the CLI nor each other"),
     ("control_plane/lease_watch.py", "import control_plane.planner.scaler", "neither the CLI nor each other"),
+    ("control_plane/planner/bad.py", "from services.kv_registry.index import P", "not their internals"),
     ("worker/pull_bad.py", "from tests.conftest import make_engine", "never imports tests"),
     ("services/scheduler/bad.py", "import worker.config", "only the worker service imports the engine"),
 ]

@@ -46,11 +46,12 @@ from kervan.sampling import InvalidRequest, RequestLimits
 from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common.errors import AlreadyExists, FailedPrecondition, PermissionDenied
 from services.common.load import SCALARS, Load
+from services.common.worker_leases import KEY_PREFIX, LEASE_PREFIX
 from services.kv_registry import scripts
 from services.kv_registry.block_owners import BlockOwners
 
 log = logging.getLogger(__name__)
-P = "kervan:"
+P = KEY_PREFIX
 # the registry's bound on one worker's blocks: 4M tokens at 16 per block, ~110 MiB of Redis (2^20 held 433 MiB;
 # an 80 GB GPU serving an 8B model holds ~40k blocks)
 MAX_BLOCKS_PER_WORKER = 1 << 18
@@ -60,14 +61,6 @@ IDENTITY_TTL_S = 86400  # how long a certificate's tie to its worker id outlives
 RETIRED = f"{P}retired"
 TIERED = f"{P}tiered"
 PURGING = f"{P}purging:"
-LEASE_PREFIX = f"{P}w:"  # a worker's lease key is LEASE_PREFIX + its id (the lease watch listens for their expiry)
-
-
-def leased_worker(key: bytes) -> str | None:
-    """The worker whose lease ``key`` is, or None: the lease watch reads expiry notifications
-    with this rather than with the key layout, which only this module knows."""
-    prefix = LEASE_PREFIX.encode()
-    return key[len(prefix):].decode() if key.startswith(prefix) else None
 
 
 def record_fields(worker: WorkerInfo) -> dict[str, str]:
