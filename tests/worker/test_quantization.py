@@ -247,3 +247,17 @@ def test_two_ranks_serve_quantized_moe_weights_as_one_process(hf_models, tmp_pat
     out = run_ranks(_rank_main, lambda r, results: (r, sizes, str(tmp_path / "store"), str(path), prompt, name,
                                                      results))
     torch.testing.assert_close(torch.tensor(out), one, rtol=1e-4, atol=1e-4)
+
+
+def test_a_method_file_registers_its_variants_and_a_name_is_taken_once(monkeypatch):
+    """``--quantization NAME`` offers what the method files register: each of the four files'
+    variants, and a new one the moment it registers; a second method under a taken name is refused."""
+    from worker.quant import method
+    assert method.method_names() == ["fp8", "fp8-block", "int4", "int4-g128", "int4-g32", "int8", "nvfp4"]
+    monkeypatch.setattr(method, "_METHODS", dict(method._METHODS))
+    monkeypatch.setattr(method, "_registry", lambda: method._METHODS)
+    halves = method.QuantMethod("int8-halves", "a test's own", lambda w: None, 32)
+    method.register(halves)
+    assert "int8-halves" in method.method_names() and method.get_method("int8-halves") is halves
+    with pytest.raises(ValueError, match="two quantization methods are named 'int8'"):
+        method.register(method.QuantMethod("int8", "another", lambda w: None, 32))

@@ -6,6 +6,7 @@ deterministic mode. A verifier that keeps every guess fails these tests."""
 
 import dataclasses
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,3 +216,22 @@ def test_bad_speculative_configs_are_config_errors(target, tmp_path):
     LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": 1, "vocab_size": 256})).save_pretrained(wider)
     with pytest.raises(ConfigError, match="vocabulary"):
         make_engine(target, speculative="draft", speculative_model=str(wider))
+
+
+def test_the_proposers_are_the_command_lines_methods_and_a_new_one_registers_itself(monkeypatch):
+    """Each proposer's file registers itself under the name ``kervan.speculative`` lists for the
+    command line (torch-free), and ``make_proposer`` builds what is registered."""
+    from kervan.speculative import SPECULATIVE_METHODS
+    from worker.spec import proposer
+    assert proposer.proposer_names() == sorted(SPECULATIVE_METHODS)
+    monkeypatch.setattr(proposer, "PROPOSERS", dict(proposer.PROPOSERS))
+    made = []
+    proposer.register_proposer("echo")(lambda config, target, target_dir: made.append(target_dir) or "echo-proposer")
+    monkeypatch.setattr(proposer, "proposer_names", lambda: sorted(proposer.PROPOSERS))
+
+    class Config:
+        speculative, world_size = "echo", 1
+    assert proposer.make_proposer(Config(), None, "/models/m") == "echo-proposer" and made == [Path("/models/m")]
+    Config.world_size = 2  # a proposer with a model of its own runs in one process
+    with pytest.raises(ConfigError, match="one process"):
+        proposer.make_proposer(Config(), None, "/models/m")

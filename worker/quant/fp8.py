@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.quant.method import QuantMethod
+from worker.quant.method import QuantMethod, register
 from worker.quant.weight import CodeFormat, QuantizedWeight
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -46,5 +46,5 @@ def _spread(block_scales: torch.Tensor, out: int) -> torch.Tensor:
     return block_scales.repeat_interleave(BLOCK, dim=0)[:out].repeat_interleave(BLOCK, dim=1)
 
 
-METHODS = [QuantMethod("fp8", "FP8 e4m3 weights, a float32 scale per output channel", quantize_fp8, 32),
-           QuantMethod("fp8-block", "FP8 e4m3 weights, a float32 scale per 128x128 block", quantize_fp8_block, BLOCK)]
+register(QuantMethod("fp8", "FP8 e4m3 weights, a float32 scale per output channel", quantize_fp8, 32),
+         QuantMethod("fp8-block", "FP8 e4m3 weights, a float32 scale per 128x128 block", quantize_fp8_block, BLOCK))

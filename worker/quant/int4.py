@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from worker.quant.method import QuantMethod
+from worker.quant.method import QuantMethod, register
 from worker.quant.weight import CodeFormat, QuantizedWeight, pack_nibbles
 
 
@@ -25,6 +25,6 @@ def quantize_int4(w: torch.Tensor, group: int) -> QuantizedWeight:
                            method=f"int4-g{group}")
 
 
-METHODS = [QuantMethod(name, f"int4 weights, groups of {group} with float16 scales and zeros",
+register(*[QuantMethod(name, f"int4 weights, groups of {group} with float16 scales and zeros",
                        functools.partial(quantize_int4, group=group), max(group, 32))
-           for name, group in (("int4", 64), ("int4-g32", 32), ("int4-g128", 128))]
+           for name, group in (("int4", 64), ("int4-g32", 32), ("int4-g128", 128))])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.quant.method import QuantMethod
+from worker.quant.method import QuantMethod, register
 from worker.quant.weight import CodeFormat, QuantizedWeight
 
 
@@ -17,4 +17,4 @@ def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
                            method="int8")
 
 
-METHODS = [QuantMethod("int8", "int8 weights, a float32 scale per output channel", quantize_int8, 32)]
+register(QuantMethod("int8", "int8 weights, a float32 scale per output channel", quantize_int8, 32))

@@ -1,7 +1,8 @@
 """Quantization methods: how a float weight becomes a ``QuantizedWeight``.
 
-One interface, one file per method, one registry (``METHODS``): ``--quantization NAME``
-looks a method up here, so a new format is a new file and a line below. Each method
+One interface, one file per method, one registry: each method's file ``register``s its
+variants, and the registry imports every module of ``worker.quant`` before it is first read,
+so ``--quantization NAME`` offers a new format as soon as its file exists. Each method
 quantizes one matrix ``[out_features, in_features]`` by rows and by groups along the
 input features, so a rank that quantizes its own slice of a weight gets exactly the
 rows (or groups) the whole weight's quantization would give it."""
@@ -9,6 +10,8 @@ rows (or groups) the whole weight's quantization would give it."""
 from __future__ import annotations
 
 import functools
+import importlib
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +28,17 @@ class QuantMethod:
     block: int  # in_features (and a row-parallel shard) must be a multiple of this
 
 
+_METHODS: dict[str, QuantMethod] = {}
+
+
+def register(*methods: QuantMethod) -> None:
+    """Offer ``methods`` under their names (a method file calls it when imported)."""
+    for method in methods:
+        if method.name in _METHODS and _METHODS[method.name] is not method:
+            raise ValueError(f"two quantization methods are named {method.name!r}")
+        _METHODS[method.name] = method
+
+
 def get_method(name: str) -> QuantMethod:
     methods = _registry()
     if name not in methods:
@@ -38,6 +52,8 @@ def method_names() -> list[str]:
 
 @functools.cache
 def _registry() -> dict[str, QuantMethod]:
-    from worker.quant import fp8, int4, int8, nvfp4  # each method's file lists its variants
+    import worker.quant as package
 
-    return {m.name: m for m in (*int8.METHODS, *int4.METHODS, *fp8.METHODS, *nvfp4.METHODS)}
+    for module in pkgutil.iter_modules(package.__path__):  # each method's file registers its variants
+        importlib.import_module(f"{package.__name__}.{module.name}")
+    return _METHODS

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.quant.method import QuantMethod
+from worker.quant.method import QuantMethod, register
 from worker.quant.weight import CodeFormat, QuantizedWeight, pack_nibbles
 
 E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -44,5 +44,5 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     return index | (x < 0).long() << 3
 
 
-METHODS = [QuantMethod("nvfp4", "NVFP4-style: e2m1 values, an e4m3 scale per 16, a float32 tensor scale",
-                       quantize_nvfp4, 32)]
+register(QuantMethod("nvfp4", "NVFP4-style: e2m1 values, an e4m3 scale per 16, a float32 tensor scale",
+                     quantize_nvfp4, 32))

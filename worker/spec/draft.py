@@ -24,9 +24,10 @@ from worker.batch import ScheduledSequence
 from worker.config import ConfigError, EngineConfig, ModelConfig
 from worker.kv.kv_cache_manager import KVCacheManager
 from worker.loader import load_model
+from worker.models.decoder import DecoderModel
 from worker.runner.model_runner import ModelRunner, is_chunk
 from worker.sequence import Sequence
-from worker.spec.proposer import decoding, draw_guesses, forget_finished, guess_limit
+from worker.spec.proposer import decoding, draw_guesses, forget_finished, guess_limit, register_proposer
 
 
 @dataclass
@@ -122,3 +123,8 @@ def _check_same_tokenizer(draft_dir: str | Path, draft: ModelConfig, target_dir:
     if (mine is None) != (theirs is None) or (mine is not None and mine.vocabulary() != theirs.vocabulary()):
         raise ConfigError(f"the draft model in {draft_dir} has another tokenizer than the target: "
                           f"a draft needs the target's tokenizer")
+
+
+@register_proposer("draft")
+def _draft(config: EngineConfig, target: DecoderModel, target_dir: Path) -> DraftProposer:
+    return DraftProposer(config.speculative_model, config, target.cfg, target_dir)

@@ -31,7 +31,7 @@ from worker.models.decoder import DecoderModel
 from worker.runner.model_runner import ModelRunner, is_chunk
 from worker.sequence import Sequence
 from worker.spec.eagle_head import load_eagle_head
-from worker.spec.proposer import decoding, draw_guesses, forget_finished, guess_limit
+from worker.spec.proposer import decoding, draw_guesses, forget_finished, guess_limit, register_proposer
 
 HEADS_DIR = Path(__file__).parent / "heads"  # the heads Kervan ships, by catalog name
 
@@ -170,3 +170,8 @@ def shipped_head(target_dir: Path) -> Path:
                           f"control_plane.tools.train_eagle --model {target_dir} --out DIR) and pass it as "
                           f"speculative_model")
     return HEADS_DIR / name
+
+
+@register_proposer("eagle")
+def _eagle(config: EngineConfig, target: DecoderModel, target_dir: Path) -> EagleProposer:
+    return EagleProposer(config.speculative_model, config, target, target_dir)

@@ -4,10 +4,17 @@ sampled them from its own distributions).
 
 A proposer never guesses past what a sequence may still emit: one token less than its
 ``max_tokens`` left (the step's own token comes after the guesses) and no position past
-``max_model_len``."""
+``max_model_len``.
+
+Each proposer's file registers a factory under its name (``register_proposer``, the names
+``kervan.speculative.SPECULATIVE_METHODS`` lists for the command line), and ``make_proposer``
+imports every module of ``worker.spec`` before it looks one up: a new proposer is a new file."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -97,18 +104,41 @@ class PromptLookup:
         pass
 
 
+ProposerFactory = Callable[[EngineConfig, DecoderModel, Path], Proposer]
+PROPOSERS: dict[str, tuple[ProposerFactory, bool]] = {}  # name -> (factory, whether a worker group may run it)
+
+
+def register_proposer(name: str, *, in_groups: bool = False) -> Callable[[ProposerFactory], ProposerFactory]:
+    """Offer a proposer factory as ``speculative=name``; ``in_groups``: it runs beside a worker
+    group's ranks too (a proposer with a model of its own runs in one process for now)."""
+    def add(factory: ProposerFactory) -> ProposerFactory:
+        if name in PROPOSERS and PROPOSERS[name][0] is not factory:
+            raise ValueError(f"two proposers are named {name!r}")
+        PROPOSERS[name] = (factory, in_groups)
+        return factory
+    return add
+
+
+def proposer_names() -> list[str]:
+    import worker.spec as package
+
+    for module in pkgutil.iter_modules(package.__path__):  # each proposer's file registers itself
+        importlib.import_module(f"{package.__name__}.{module.name}")
+    return sorted(PROPOSERS)
+
+
 def make_proposer(config: EngineConfig, target: DecoderModel, target_dir: str | Path) -> Proposer | None:
     if config.speculative is None:
         return None
-    if config.speculative == "ngram":
-        return PromptLookup(config)
-    if config.world_size > 1:
+    if config.speculative not in proposer_names():
+        raise ConfigError(f"speculative={config.speculative!r} is not a proposer; known: {', '.join(PROPOSERS)}")
+    factory, in_groups = PROPOSERS[config.speculative]
+    if config.world_size > 1 and not in_groups:
         raise ConfigError(f"speculative={config.speculative!r} runs its model beside the target in one process; "
                           f"with a worker group use speculative='ngram' for now")
-    if config.speculative == "eagle":
-        from worker.spec.eagle import EagleProposer
+    return factory(config, target, Path(target_dir))
 
-        return EagleProposer(config.speculative_model, config, target, Path(target_dir))
-    from worker.spec.draft import DraftProposer
 
-    return DraftProposer(config.speculative_model, config, target.cfg, target_dir)
+@register_proposer("ngram", in_groups=True)
+def _prompt_lookup(config: EngineConfig, target: DecoderModel, target_dir: Path) -> Proposer:
+    return PromptLookup(config)
