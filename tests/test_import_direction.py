@@ -8,6 +8,8 @@ every module's import statements, deferred ones included:
 - ``services.common`` and ``services.proto`` import no service;
 - the control plane's long-running services (the planner, the lease watch) import neither the
   CLI nor each other, nor a service's internals (only ``services.common`` and ``services.proto``);
+- the engine's neutral modules (``worker.batch``, ``worker.sequence``, ``worker.noise``) import
+  no other part of the engine;
 - no product module imports ``tests`` or ``benchmarks``.
 
 A planted import of each kind is caught (the last tests), so the rules cannot pass by reading
@@ -24,6 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("kervan", "worker", "services", "control_plane")
 SHARED_SERVICE_PARTS = {"services.common", "services.proto"}
 CONTROL_SERVICES = {"control_plane.planner", "control_plane.lease_watch"}
+# the engine's seams every part of it imports (a step's plan, a sequence, sampling noise): they import no other
+NEUTRAL = {"worker.batch", "worker.sequence", "worker.noise"}
 
 
 def room(module: str) -> str:
@@ -71,6 +75,8 @@ def why_not(importer: str, imported: str) -> str | None:
             "services.common and services.proto import no service"
     if a in CONTROL_SERVICES and (b == "control_plane.cli" or (b in CONTROL_SERVICES and b != a)):
         return "the planner and the lease watch import neither the CLI nor each other"
+    if importer in NEUTRAL and b == "worker" and imported not in NEUTRAL:
+        return "the engine's neutral modules import no other part of the engine"
     if a in CONTROL_SERVICES and b.startswith("services.") and b not in SHARED_SERVICE_PARTS:
         return "the planner and the lease watch reach the services through services.common, not their internals"
     return None
@@ -99,6 +105,7 @@ PLANTED = [
     ("control_plane/planner/bad.py", "from services.kv_registry.index import P", "not their internals"),
     ("worker/pull_bad.py", "from tests.conftest import make_engine", "never imports tests"),
     ("services/scheduler/bad.py", "import worker.config", "only the worker service imports the engine"),
+    ("worker/batch.py", "from worker.kv.kv_cache_manager import KVCacheManager", "neutral modules"),
 ]
 
 

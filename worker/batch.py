@@ -7,12 +7,18 @@ the proposers import it, never the scheduler."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from worker.kv.kv_cache_manager import BlockCopy
 from worker.sequence import Sequence
 
+
+class BlockCopy(NamedTuple):
+    """A block's contents copied before a step writes into it (copy-on-write of a shared block)."""
+
+    src: int
+    dst: int
 
 @dataclass
 class ScheduledSequence:

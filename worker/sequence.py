@@ -17,7 +17,7 @@ import torch
 
 from kervan.block_hash import ROOT_HASH, BlockHash, hash_blocks
 from kervan.sampling import SamplingParams
-from worker.runner.sampler import exponential
+from worker.noise import exponential
 
 
 class SequenceStatus(enum.IntEnum):

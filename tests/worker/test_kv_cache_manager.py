@@ -2,7 +2,8 @@
 
 from kervan.kv_events import BlockStored
 from worker import SamplingParams
-from worker.kv.kv_cache_manager import BlockCopy, KVCacheManager
+from worker.batch import BlockCopy
+from worker.kv.kv_cache_manager import KVCacheManager
 from worker.sequence import Sequence
 
 BS = 4

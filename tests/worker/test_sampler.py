@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from worker import SamplingParams
-from worker.runner.sampler import Sampler, SamplingRow, argmax, exponential
+from worker.noise import exponential
+from worker.runner.sampler import Sampler, SamplingRow, argmax
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
 

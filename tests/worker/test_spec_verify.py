@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from worker import SamplingParams
-from worker.runner.sampler import Sampler, SamplingRow, exponential
+from worker.noise import exponential
+from worker.runner.sampler import Sampler, SamplingRow
 from worker.spec.verify import accept_matching, normalized, rejection_sample
 
 VOCAB = 8

@@ -20,16 +20,12 @@ from typing import NamedTuple
 
 from kervan.block_hash import BlockHash
 from kervan.kv_events import KVEvent
+from worker.batch import BlockCopy
 from worker.kv.block_pool import BlockPool, KVBlock
 from worker.kv.disk_tier import DiskTier
 from worker.kv.host_tier import HostTier
 from worker.kv.tiers import KVTiers
 from worker.sequence import Sequence
-
-
-class BlockCopy(NamedTuple):
-    src: int
-    dst: int
 
 
 class ComputedBlocks(NamedTuple):

@@ -17,6 +17,7 @@ import torch
 
 from kervan.sampling import SamplingParams
 from worker.kernels import has_native_kernels
+from worker.noise import exponential
 
 
 @dataclass
@@ -25,12 +26,6 @@ class SamplingRow:
     generator: torch.Generator | None
     # a seeded row's noise drawn ahead from its generator (``Sequence.take_noise``): used as it is
     noise: torch.Tensor | None = None
-
-
-def exponential(shape: torch.Size | tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """Exponential(1) noise, ``-log U`` for ``U`` uniform in [0, 1): never 0 (a token
-    of probability 0 never wins the race), ``inf`` where ``U`` is 0."""
-    return torch.empty(shape).uniform_(generator=generator).log_().neg_()
 
 
 def skip_draw(generator: torch.Generator, vocab_size: int) -> None:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.batch import ScheduledSequence
-from worker.runner.sampler import Sampler, SamplingRow, exponential
+from worker.noise import exponential
+from worker.runner.sampler import Sampler, SamplingRow
 from worker.spec.verify import accept_matching, normalized, rejection_sample
 
 Token = tuple[int, float | None]
