@@ -19,7 +19,6 @@ issues each role its certificate, and every channel is mutual TLS."""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import secrets
@@ -38,6 +37,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from control_plane.death_signal import death_signal
 from control_plane.port_reservations import PortReservations
 from control_plane.redis_server import redis_argv, wait_listening
 from kervan.block_hash import DEFAULT_BLOCK_SIZE
@@ -47,9 +47,6 @@ from services.common.lifeline import ENV as ENV_LIFELINE
 from services.common.security import MESH_SECRET_ENV, PLAINTEXT, MeshSecurity
 from worker.platform import usable_cores
 
-PR_SET_PDEATHSIG = 1
-# resolved here: a forked child must not load libraries before exec
-_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
 RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest wait before restarting a crashed service
 
 
@@ -364,7 +361,7 @@ class Cluster:
         # Python code between fork and exec (preexec_fn) can crash a process that runs other
         # threads (gRPC's, a thread pool's): only redis-server, which cannot watch the lifeline,
         # gets one, and only from a launcher with no other thread (`kervan up`)
-        setup = _death_signal(os.getpid()) if name == "redis" and threading.active_count() == 1 else None
+        setup = death_signal(os.getpid()) if name == "redis" and threading.active_count() == 1 else None
         # a new session: Ctrl-C in the terminal reaches the launcher only, which stops children in order
         self.procs[name] = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -489,15 +486,3 @@ def new_log_dir() -> Path:
     base.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=base))
 
-
-def _death_signal(launcher: int):
-    """A preexec_fn: SIGTERM to the child when the launcher's thread that started it ends
-    (with no other thread, the launcher's end)."""
-    if _PRCTL is None:
-        return None
-
-    def setup() -> None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != launcher:  # the launcher died before prctl took effect
-            os._exit(1)
-    return setup
