@@ -8,10 +8,6 @@ KEY_PREFIX = "kervan:"  # every key the registry writes starts so
 LEASE_PREFIX = f"{KEY_PREFIX}w:"  # a worker's lease key is LEASE_PREFIX + its id; it expires with the lease
 
 
-def lease_key(worker_id: str) -> str:
-    return LEASE_PREFIX + worker_id
-
-
 def leased_worker(key: bytes) -> str | None:
     """The worker whose lease ``key`` is, or None (another key)."""
     prefix = LEASE_PREFIX.encode()
