@@ -205,3 +205,20 @@ def test_the_open_files_limit_bounds_the_connections():
     assert within_open_files(limits, 1024) == HttpLimits(10.0, 30.0, 512, 100)
     assert within_open_files(limits, 1 << 20) is limits
     assert raise_open_files_limit() == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def test_a_refusal_or_failure_of_the_core_answers_with_the_status_grpc_would_give():
+    """The front calls the router's core in-process: a cancelled request is 503 (retry), never
+    500; a refusal keeps its status and Retry-After; an unexpected error is 500."""
+    import grpc
+
+    from kervan.sampling import InvalidRequest
+    from services.common.errors import Overloaded
+    from services.router.core import MeshFailure
+    from services.router.http_front import failure_response
+    assert failure_response(MeshFailure(grpc.StatusCode.CANCELLED, "stopping")).status_code == 503
+    assert failure_response(MeshFailure(grpc.StatusCode.UNAVAILABLE, "no worker")).status_code == 503
+    busy = failure_response(Overloaded("full", 2.0))
+    assert busy.status_code == 429 and busy.headers["retry-after"] == "2"
+    assert failure_response(InvalidRequest("bad")).status_code == 400
+    assert failure_response(KeyError("bug")).status_code == 500
