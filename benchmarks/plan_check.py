@@ -49,8 +49,8 @@ from control_plane.bench.load import run_open_loop
 from control_plane.bench.report import summarize
 from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
 from control_plane.plan.choice import Plan, plan
-from control_plane.plan.command import model_shape
 from control_plane.plan.hardware import measure_this
+from control_plane.plan.model_dir import model_shape
 from control_plane.plan.profile import Profile
 from control_plane.plan.served import ALL_PROMPTS_REMOTE, measure_served
 from control_plane.plan.sizing import Load, Slo

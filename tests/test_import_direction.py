@@ -10,7 +10,9 @@ every module's import statements, deferred ones included:
   CLI nor each other, nor a service's internals (only ``services.common`` and ``services.proto``);
 - the engine's neutral modules (``worker.batch``, ``worker.sequence``, ``worker.noise``) import
   no other part of the engine;
-- no product module imports ``tests`` or ``benchmarks``.
+- no product module imports ``tests`` or ``benchmarks``;
+- no circle: no module reaches itself through imports, those under ``if TYPE_CHECKING:`` and
+  deferred ones included (a package's ``__init__`` counts only where it is named).
 
 A planted import of each kind is caught (the last tests), so the rules cannot pass by reading
 nothing."""
@@ -34,6 +36,15 @@ def room(module: str) -> str:
     """The unit a rule speaks of: ``services.router``, ``control_plane.planner``, ``worker``..."""
     parts = module.split(".")
     return ".".join(parts[:2]) if parts[0] in ("services", "control_plane") and len(parts) > 1 else parts[0]
+
+
+def modules(root: Path) -> set[str]:
+    out = set()
+    for top in PRODUCT:
+        for path in (root / top).rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            out.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return out
 
 
 def imports(root: Path) -> list[tuple[str, str, str]]:
@@ -87,10 +98,55 @@ def violations(root: Path) -> list[str]:
             if (why := why_not(a, b)) is not None]
 
 
+def circles(root: Path) -> list[list[str]]:
+    """The import graph's strongly connected components of more than one module (Tarjan's),
+    an imported name resolved to the longest module it names (``a.b.C`` -> ``a.b``)."""
+    known = modules(root)
+
+    def resolve(name: str) -> str | None:
+        while name not in known and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name if name in known else None
+
+    graph: dict[str, set[str]] = {m: set() for m in known}
+    for a, b, _ in imports(root):
+        if (target := resolve(b)) is not None and target != a:
+            graph[a].add(target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                found.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
 def test_every_import_points_the_allowed_way():
     found = imports(ROOT)
     assert len(found) > 500  # the graph was read
     assert violations(ROOT) == []
+
+
+def test_no_module_reaches_itself_through_imports():
+    assert circles(ROOT) == []
 
 
 PLANTED = [
@@ -118,3 +174,14 @@ def test_a_planted_import_against_the_rules_is_caught(tmp_path, path, code, word
     planted.write_text(code + "\n")
     [found] = violations(tmp_path)
     assert found.startswith(f"{path}:") and words in found
+
+
+def test_a_planted_circle_is_caught(tmp_path):
+    for top in PRODUCT:
+        (tmp_path / top).mkdir()
+    (tmp_path / "worker" / "a.py").write_text("from worker.b import B\n")
+    (tmp_path / "worker" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                             "    from worker.c import C\n")
+    (tmp_path / "worker" / "c.py").write_text("def f():\n    import worker.a\n")
+    (tmp_path / "worker" / "d.py").write_text("import worker.a\n")  # outside the circle
+    assert circles(tmp_path) == [["worker.a", "worker.b", "worker.c"]]

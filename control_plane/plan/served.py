@@ -187,7 +187,7 @@ def measure_served(model_dir: str | Path, dtype: str = "auto", batches=SERVED_BA
     if busy_batches is None:
         busy_batches = batches[1:-1] or batches[1:]
     from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
-    from control_plane.plan.command import model_shape
+    from control_plane.plan.model_dir import model_shape
     from worker.platform import current_platform, dtype_name
 
     shape = model_shape(str(model_dir))[0]

@@ -59,8 +59,8 @@ def build_policy(model: str, config: PlannerConfig, hardware: str = "this-core",
                  dtype: str | None = None) -> Policy:
     """The policy for ``model`` (a directory or catalog name) on ``hardware``, with the
     profile's step times when there is one."""
-    from control_plane.plan.command import model_shape
     from control_plane.plan.hardware import get_hardware
+    from control_plane.plan.model_dir import model_shape
     from control_plane.plan.profile import Profile
     from control_plane.plan.sizing import Sizer
     from control_plane.planner.policy import Policy

@@ -41,14 +41,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from kervan.sampling import InvalidRequest, RequestLimits
 from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common.load import Load
-
-if TYPE_CHECKING:
-    from services.scheduler.policies import PlacementPolicy  # they import this module
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,13 +203,26 @@ def has_room(c: Candidate, num_prompt_blocks: int) -> bool:
     return c.free_blocks > num_prompt_blocks - c.matched_blocks + min(c.host_blocks + c.disk_blocks, c.matched_blocks)
 
 
-def choose(pool: list[Candidate], ask: Ask, policy: PlacementPolicy) -> Choice:
+class Policy(Protocol):
+    """What placement needs of a policy: ``policies/base.py``'s ``PlacementPolicy`` is one (the
+    policies import this module's records, so this module names only the shape)."""
+
+    @property
+    def config(self) -> PlacementConfig: ...
+
+    @property
+    def needs_room(self) -> bool: ...
+
+    def choose(self, pool: list[Candidate], ask: Ask) -> Choice: ...
+
+
+def choose(pool: list[Candidate], ask: Ask, policy: Policy) -> Choice:
     if policy.needs_room:
         pool = [c for c in pool if has_room(c, ask.num_prompt_blocks)] or pool
     return policy.choose(pool, ask)
 
 
-def place(candidates: list[Candidate], num_prompt_blocks: int, policy: PlacementPolicy, *, model: str = "",
+def place(candidates: list[Candidate], num_prompt_blocks: int, policy: Policy, *, model: str = "",
           size: Size = Size(), block_hashes: Sequence[bytes] = (), turn: int = 0) -> Decision | None:
     """``model``: only workers serving it (empty: any); ``block_hashes``: the prompt's, for
     the policies that hash them; ``turn``: a counter the caller advances per request (round
@@ -227,7 +237,7 @@ def place(candidates: list[Candidate], num_prompt_blocks: int, policy: Placement
     return decision if holder is None else Decision(decision.decode, holder, decision.scores, PULL, decision.branch)
 
 
-def _place(candidates: list[Candidate], ask: Ask, policy: PlacementPolicy, size: Size) -> Decision | None:
+def _place(candidates: list[Candidate], ask: Ask, policy: Policy, size: Size) -> Decision | None:
     cfg = policy.config
     decoders = [c for c in candidates if c.role.can_decode]
     if not decoders:

@@ -18,8 +18,8 @@ import time
 
 from control_plane.bench.load import Ramp
 from control_plane.launcher import Cluster, ClusterSpec
-from control_plane.plan.command import model_shape
 from control_plane.plan.hardware import CATALOG
+from control_plane.plan.model_dir import model_shape
 from control_plane.plan.profile import Profile
 from control_plane.plan.sizing import Sizer, Slo
 from control_plane.planner.policy import PlannerConfig, Policy

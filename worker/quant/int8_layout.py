@@ -17,28 +17,14 @@ Codes are unsigned (4-bit 0..15; int8 shifted by 128 for ``vpdpbusd``, which tak
 bytes) with ``offset`` the value of code 0 folded into the zeros, or signed int8 for AVX2's
 ``vpmaddubsw`` (where 0..255 codes would saturate its int16 pair sums). Features past
 ``out_features`` are padding: codes and scales 0. The codes are a second copy of the
-weight's bytes: the original stays for the embedding's rows and longer calls."""
+weight's bytes: the original stays for the embedding's rows and longer calls. The record itself,
+``Int8Layout``, lives beside ``QuantizedWeight`` (``weight.py``), which holds one."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from worker.quant.weight import CodeFormat, QuantizedWeight
-
-
-@dataclass(frozen=True)
-class Int8Layout:
-    data: torch.Tensor  # uint8 [tiles, bytes]: each tile's records
-    four_bit: bool
-    signed_codes: bool
-    half_params: bool  # scales and zeros in float16, else float32
-    terms: int = 1  # x rounded to one int8 term, or two (x and its remainder: the LM head's logits)
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.nbytes
+from worker.quant.weight import CodeFormat, Int8Layout, QuantizedWeight
 
 
 def code_offset(w: QuantizedWeight) -> float | None:

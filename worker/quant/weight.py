@@ -17,12 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import IntEnum
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from worker.quant.int8_layout import Int8Layout
 
 
 class CodeFormat(IntEnum):
@@ -32,6 +28,21 @@ class CodeFormat(IntEnum):
     INT8 = 1  # int8, one per byte
     E4M3 = 2  # float8 e4m3fn bits, one per byte
     UINT4 = 3  # 4 bits as LUT4, standing for 0..15 themselves (int4 with zeros, Q4_1)
+
+
+@dataclass(frozen=True)
+class Int8Layout:
+    """A weight's codes packed for the int8-activation kernel (``int8_layout.py`` packs them)."""
+
+    data: torch.Tensor  # uint8 [tiles, bytes]: each tile's records
+    four_bit: bool
+    signed_codes: bool
+    half_params: bool  # scales and zeros in float16, else float32
+    terms: int = 1  # x rounded to one int8 term, or two (x and its remainder: the LM head's logits)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
 
 
 @dataclass(frozen=True)
