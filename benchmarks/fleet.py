@@ -59,8 +59,8 @@ import redis.asyncio as redis
 from benchmarks.fleet_traffic import NICE, Publisher, fleet_load
 from benchmarks.machine import machine, write_report
 from benchmarks.place_path import start, stats
+from control_plane.cli.redis_server import running_redis
 from control_plane.planner.metrics import Scrape, quantile
-from control_plane.redis_server import running_redis
 from kervan.block_hash import HASH_NAME
 from kervan.kv_events import BlockStored
 from kervan.sampling import RequestLimits
@@ -142,7 +142,7 @@ async def cluster_lookup(single: redis.Redis, chains: list[list[bytes]], tmp: Pa
     """A prompt's 128 owner bitmaps read from a 3-shard Redis Cluster and from one Redis."""
     from redis.asyncio.cluster import RedisCluster
 
-    from control_plane.redis_server import redis_server_binary, wait_listening
+    from control_plane.cli.redis_server import redis_server_binary, wait_listening
     rng = random.Random()
     ports, procs = [], []
     while len(ports) < 3:

@@ -53,7 +53,7 @@ from control_plane.bench.backends import KervanBackend
 from control_plane.bench.command import one_line
 from control_plane.bench.load import run_open_loop
 from control_plane.bench.report import meets, summarize
-from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
+from control_plane.cli.launcher import Cluster, ClusterSpec, new_log_dir
 from worker.default_model import ensure_default_model
 from worker.platform import usable_cores
 

@@ -27,7 +27,7 @@ from benchmarks.machine import machine, write_report
 from benchmarks.stats import spread
 from control_plane.bench.backends import KervanBackend
 from control_plane.bench.workload import BenchRequest
-from control_plane.launcher import Cluster, ClusterSpec
+from control_plane.cli.launcher import Cluster, ClusterSpec
 from control_plane.tools.pull import resolve_model
 from services.router.__main__ import model_limits
 from worker.default_model import ensure_default_model

@@ -26,7 +26,7 @@ from benchmarks.stats import spread
 from control_plane.bench import workload
 from control_plane.bench.backends import KervanBackend
 from control_plane.bench.command import one_line, sweep
-from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
+from control_plane.cli.launcher import Cluster, ClusterSpec, new_log_dir
 from control_plane.tools.pull import resolve_model
 from worker.default_model import ensure_default_model
 

@@ -52,7 +52,7 @@ import torch
 from benchmarks.load import pct_ms, run_closed_loop
 from benchmarks.machine import add_dtype_argument, machine, write_report
 from benchmarks.stats import spread
-from control_plane.launcher import Cluster, ClusterSpec, free_port, new_log_dir
+from control_plane.cli.launcher import Cluster, ClusterSpec, free_port, new_log_dir
 from services.proto import worker_pb2_grpc
 from services.worker import kv_transfer
 from worker import Engine, SamplingParams

@@ -41,7 +41,7 @@ import numpy as np
 import redis.asyncio as redis
 
 from benchmarks.machine import machine, write_report
-from control_plane.redis_server import running_redis
+from control_plane.cli.redis_server import running_redis
 from kervan.block_hash import HASH_NAME
 from kervan.kv_events import BlockRemoved, BlockStored
 from kervan.sampling import RequestLimits

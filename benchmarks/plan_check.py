@@ -47,7 +47,7 @@ from control_plane.bench import workload
 from control_plane.bench.backends import KervanBackend
 from control_plane.bench.load import run_open_loop
 from control_plane.bench.report import summarize
-from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
+from control_plane.cli.launcher import Cluster, ClusterSpec, new_log_dir
 from control_plane.plan.choice import Plan, plan
 from control_plane.plan.hardware import measure_this
 from control_plane.plan.model_dir import model_shape

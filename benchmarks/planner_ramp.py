@@ -41,7 +41,7 @@ from control_plane.bench import workload
 from control_plane.bench.backends import KervanBackend
 from control_plane.bench.command import sweep
 from control_plane.bench.load import Ramp
-from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
+from control_plane.cli.launcher import Cluster, ClusterSpec, new_log_dir
 from control_plane.plan.hardware import measure_this
 from control_plane.plan.model_dir import model_shape
 from control_plane.plan.served import ALL_PROMPTS_REMOTE

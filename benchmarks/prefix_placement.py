@@ -57,7 +57,7 @@ from control_plane.bench import workload
 from control_plane.bench.backends import KervanBackend
 from control_plane.bench.load import run_open_loop
 from control_plane.bench.report import summarize
-from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
+from control_plane.cli.launcher import Cluster, ClusterSpec, new_log_dir
 from services.proto import scheduler_pb2, scheduler_pb2_grpc
 from worker.default_model import ensure_default_model
 

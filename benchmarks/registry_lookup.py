@@ -32,7 +32,7 @@ import redis.asyncio as redis
 import uvloop
 
 from benchmarks.machine import machine, write_report
-from control_plane.redis_server import running_redis
+from control_plane.cli.redis_server import running_redis
 from kervan.block_hash import HASH_NAME
 from kervan.kv_events import BlockStored
 from kervan.sampling import RequestLimits

@@ -76,7 +76,7 @@ def mesh_rows(args, methods: dict[str, dict], engine, batches: list[int]) -> lis
     """Greedy decode tokens/s through a prefill+decode mesh per method, with the decode
     worker's acceptance counters."""
     from benchmarks.load import run_closed_loop
-    from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
+    from control_plane.cli.launcher import Cluster, ClusterSpec, new_log_dir
 
     keys = ("speculative", "num_speculative_tokens", "speculative_model", "speculative_disable_by_batch_size")
     flags = {name: {key: o[key] for key in keys if key in o} for name, o in methods.items()}

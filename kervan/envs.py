@@ -105,7 +105,7 @@ def log_level() -> str:
 KERVAN_LIFELINE_FD = "KERVAN_LIFELINE_FD"
 # set by the launcher ("1"), read by the services: bind the listening port with SO_REUSEPORT, beside the
 # launcher's own non-listening socket on it, which keeps other users off the port across restarts
-# (control_plane/port_reservations.py); unset, a second process cannot bind a port a live one holds
+# (control_plane/cli/port_reservations.py); unset, a second process cannot bind a port a live one holds
 KERVAN_LISTEN_REUSEPORT = "KERVAN_LISTEN_REUSEPORT"
 
 

@@ -6,8 +6,8 @@ import asyncio
 
 import grpc
 
-from control_plane.client import Completion, accumulate, build_request, stream
-from control_plane.launcher import served_role
+from control_plane.cli.client import Completion, accumulate, build_request, stream
+from control_plane.cli.launcher import served_role
 from services.proto import (
     kv_registry_pb2,
     kv_registry_pb2_grpc,

@@ -156,7 +156,7 @@ def cluster(llama, tmp_path_factory):
     """The whole mesh as real processes (redis-server, kv-registry, scheduler, a prefill
     and two decode workers, router), started by the launcher ``kervan up`` uses; shared
     by the tests that need one. Two decode workers, so placement has a choice to get wrong."""
-    from control_plane.launcher import Cluster, ClusterSpec
+    from control_plane.cli.launcher import Cluster, ClusterSpec
     c = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=2, dtype="float32", num_kv_blocks=256, http_port=0,
                             metrics=True),
                 tmp_path_factory.mktemp("cluster-logs"))

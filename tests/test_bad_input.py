@@ -14,7 +14,7 @@ import math
 import grpc
 import pytest
 
-from control_plane.client import build_request
+from control_plane.cli.client import build_request
 from services.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.cluster_helpers import complete, wait_idle
 

@@ -52,7 +52,7 @@ def test_invalid_option_is_a_clear_error(tmp_path):
 def test_generate_refuses_chat_without_a_prompt_and_a_model_without_chat():
     from click.testing import CliRunner
 
-    from control_plane.cli import main
+    from control_plane.cli.commands import main
     no_prompt = CliRunner().invoke(main, ["generate", "--chat", "--token-ids", "1,2"])
     assert no_prompt.exit_code == 2 and "--chat needs a PROMPT" in no_prompt.output
     stray = CliRunner().invoke(main, ["generate", "--model", "smollm2-135m", "hi"])
@@ -173,7 +173,7 @@ def test_kervan_up_serves_kervan_generate_text_token_ids_stop_strings_and_json_u
         res = kervan("generate", "--addr", addr, "--token-ids", ",".join(map(str, ids)), *greedy, "--json")
         assert json.loads(res.stdout)["token_ids"] == full["token_ids"]
         # --chat: the prompt as one user message through the served model's chat template
-        from control_plane.cli import chat_prompt
+        from control_plane.cli.commands import chat_prompt
         res = kervan("generate", "--addr", addr, "--chat", "Tell me a story.", *greedy, "--json")
         rendered = kervan("generate", "--addr", addr, chat_prompt(ensure_default_model(), "Tell me a story."),
                           *greedy, "--json")
@@ -208,7 +208,7 @@ def children_of(pid: int) -> list[int]:
 def test_up_refuses_a_disk_tier_without_its_directory_or_a_host_tier_in_front(llama, tmp_path):
     from click.testing import CliRunner
 
-    from control_plane.cli import main
+    from control_plane.cli.commands import main
     for args in (["--kv-disk-bytes", "1048576", "--kv-host-bytes", "1048576"],
                  ["--kv-disk-bytes", "1048576", "--kv-disk-dir", str(tmp_path)]):
         res = CliRunner().invoke(main, ["up", "--model", str(llama[1]), *args])
@@ -218,8 +218,8 @@ def test_up_refuses_a_disk_tier_without_its_directory_or_a_host_tier_in_front(ll
 def test_up_passes_the_speculation_cutoff_to_the_workers_that_speculate_and_refuses_a_negative_one(llama):
     from click.testing import CliRunner
 
-    from control_plane.cli import main
-    from control_plane.launcher import ClusterSpec
+    from control_plane.cli.commands import main
+    from control_plane.cli.launcher import ClusterSpec
     spec = ClusterSpec(llama[1], speculative="ngram", speculative_disable_by_batch_size=0)
     assert spec.speculative_flags() == ["--speculative", "ngram", "--speculative-disable-by-batch-size", "0"]
     assert ClusterSpec(llama[1], speculative="ngram").speculative_flags() == ["--speculative", "ngram"]

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from control_plane.client import build_request
+from control_plane.cli.client import build_request
 from tests.cluster_helpers import complete, scheduler_dry_run, scheduler_stats, wait_cached, wait_idle, worker_loads
 from tests.conftest import hf_greedy, make_engine, make_prompts
 from worker import SamplingParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from control_plane.launcher import Cluster, ClusterSpec
+from control_plane.cli.launcher import Cluster, ClusterSpec
 from tests.cluster_helpers import complete, scheduler_dry_run, scheduler_stats
 from tests.conftest import make_prompts
 

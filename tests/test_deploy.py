@@ -39,7 +39,7 @@ def test_the_compose_cluster_is_valid_compose_with_health_gated_startup():
         assert all(dep["condition"] == "service_healthy" for dep in service["depends_on"].values())
         assert service["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"  # traces
         if name != "lease-watch":  # a gRPC server: its health check is a grpc.health.v1 Check
-            assert service["healthcheck"]["test"][1:4] == ["python3", "-m", "control_plane.probe"], name
+            assert service["healthcheck"]["test"][1:4] == ["python3", "-m", "control_plane.cli.probe"], name
     published = [p for s in services.values() for p in s.get("ports", [])]
     assert published and all(p["host_ip"] == "127.0.0.1" for p in published)  # nothing on other interfaces
     targets = yaml.safe_load((DEPLOY / "compose" / "prometheus.yml").read_text())["scrape_configs"][0]
@@ -113,7 +113,8 @@ def test_the_kustomization_builds_and_deployments_are_run_as_an_operator_expects
         if name != "lease-watch":  # grpc.health.v1 over mutual TLS (native gRPC probes cannot present a certificate)
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 command = container[probe]["exec"]["command"]
-                assert command[:3] == ["python3", "-m", "control_plane.probe"] and "--tls-ca" in command, (name, probe)
+                assert command[:3] == ["python3", "-m", "control_plane.cli.probe"], (name, probe)
+                assert "--tls-ca" in command, (name, probe)
                 # a mesh port's certificate is checked for the role it serves; the router's is public
                 role = None if name == "router" else ROLES[name]
                 assert (command[command.index("--role") + 1] if "--role" in command else None) == role, (name, probe)
@@ -194,7 +195,7 @@ async def test_the_health_probe_says_serving_and_not_serving():
     from services.common.server import start_server
     server = await start_server([])
     try:
-        probe = [sys.executable, "-m", "control_plane.probe", f"127.0.0.1:{server.port}"]
+        probe = [sys.executable, "-m", "control_plane.cli.probe", f"127.0.0.1:{server.port}"]
         assert (await _run(probe)).returncode == 1  # NOT_SERVING until ready
         await server.set_serving(True)
         assert (await _run(probe)).returncode == 0

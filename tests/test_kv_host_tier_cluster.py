@@ -12,7 +12,7 @@ import asyncio
 import grpc
 import redis.asyncio as redis
 
-from control_plane.launcher import Cluster, ClusterSpec
+from control_plane.cli.launcher import Cluster, ClusterSpec
 from kervan.block_hash import hash_blocks
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from tests.cluster_helpers import complete, wait_idle

@@ -123,7 +123,7 @@ def test_sighup_stops_the_cluster_like_ctrl_c():
 def test_stop_kills_services_that_ignore_sigterm_and_names_them(tmp_path, capsys):
     """A service that hangs in its drain is SIGKILLed after the grace, and the launcher says
     which one and where its log is (the stop of every service after it shares one bound)."""
-    from control_plane.launcher import Cluster, ClusterSpec
+    from control_plane.cli.launcher import Cluster, ClusterSpec
     cluster = Cluster(ClusterSpec(tmp_path), tmp_path)
     deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
     for name in ("deaf-0", "deaf-1", "deaf-2"):

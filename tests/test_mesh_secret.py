@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from control_plane.client import Completion, accumulate, build_request, stream
-from control_plane.launcher import Cluster, ClusterSpec
+from control_plane.cli.client import Completion, accumulate, build_request, stream
+from control_plane.cli.launcher import Cluster, ClusterSpec
 from services.common.security import MESH_SECRET_METADATA
 from services.proto import (
     common_pb2,

@@ -14,8 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from control_plane.client import Completion, accumulate, build_request, stream
-from control_plane.launcher import Cluster, ClusterSpec, served_role
+from control_plane.cli.client import Completion, accumulate, build_request, stream
+from control_plane.cli.launcher import Cluster, ClusterSpec, served_role
 from services.common.security import MeshSecurity
 from services.proto import (
     common_pb2,
@@ -119,7 +119,7 @@ async def test_health_stays_open_and_plaintext_is_refused(tls_cluster):
 
 
 async def test_internal_services_refuse_callers_without_a_mesh_certificate(tls_cluster, tmp_path):
-    from control_plane.certificates import CertificateAuthority
+    from control_plane.cli.certificates import CertificateAuthority
     foreign = CertificateAuthority(tmp_path / "foreign").issue("router")
     expired = tls_cluster.authority.issue("router", valid_days=-1, name="expired-router")
     callers = {
@@ -345,7 +345,7 @@ async def test_a_worker_certificate_registers_only_its_own_address_and_one_worke
 
 
 def shared_certificate(cluster, name: str) -> MeshSecurity:
-    """A worker certificate naming no address, as ``python -m control_plane.certificates``
+    """A worker certificate naming no address, as ``python -m control_plane.cli.certificates``
     issues the one every worker pod of the k8s deploy mounts."""
     issued = cluster.authority.issue("worker", name=name)
     return MeshSecurity.from_files(str(issued.cert), str(issued.key), str(cluster.tls_dir / "ca.pem"))

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from control_plane.cli import main
+from control_plane.cli.commands import main
 from control_plane.plan.choice import plan
 from control_plane.plan.hardware import CATALOG, get_hardware
 from control_plane.plan.model_shape import ModelShape

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from control_plane.launcher import Cluster, ClusterSpec
+from control_plane.cli.launcher import Cluster, ClusterSpec
 from tests.cluster_helpers import complete
 from tests.conftest import EXACT_MESH, EXACT_REFERENCE, make_engine
 from tests.test_cluster import sample, scrape

@@ -19,7 +19,7 @@ import kervan
 KERVAN = [f"kervan.{m.name}" for m in pkgutil.iter_modules(kervan.__path__)]
 TORCH_FREE = KERVAN + [
     "services.router.__main__", "services.scheduler.__main__", "services.kv_registry.__main__",
-    "control_plane.lease_watch", "control_plane.client", "control_plane.bench.command",
+    "control_plane.lease_watch.__main__", "control_plane.cli.client", "control_plane.bench.command",
     "control_plane.bench.backends", "control_plane.bench.load", "control_plane.bench.report",
 ]
 

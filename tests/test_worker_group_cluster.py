@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from control_plane.launcher import Cluster, ClusterSpec
+from control_plane.cli.launcher import Cluster, ClusterSpec
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from tests.chaos.checker import check, streams_decoding_on
 from tests.cluster_helpers import complete, scheduler_stats

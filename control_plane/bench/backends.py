@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from control_plane.client import ROUTER_SERVICE, build_request
+from control_plane.cli.client import ROUTER_SERVICE, build_request
 from services.common import replicas
 from services.common.security import PLAINTEXT, MeshSecurity
 from services.proto import router_pb2_grpc

@@ -47,7 +47,7 @@ IDLE_BEFORE_S = 0.5
 
 
 async def _follow(stub, ids: list[int], max_tokens: int, times: list[float]) -> None:
-    from control_plane.client import build_request
+    from control_plane.cli.client import build_request
 
     request = build_request(token_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     async for msg in stub.Generate(request, timeout=600):
@@ -186,7 +186,7 @@ def measure_served(model_dir: str | Path, dtype: str = "auto", batches=SERVED_BA
     batches = sorted(batches)
     if busy_batches is None:
         busy_batches = batches[1:-1] or batches[1:]
-    from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
+    from control_plane.cli.launcher import Cluster, ClusterSpec, new_log_dir
     from control_plane.plan.model_dir import model_shape
     from worker.platform import current_platform, dtype_name
 

@@ -30,9 +30,9 @@ def main(model, router_metrics, prefill_metrics, decode_metrics, namespace, pref
     """Scale a Kubernetes deployment's prefill and decode pools to the TTFT and ITL targets."""
     from pathlib import Path
 
-    from control_plane.model_arg import model_path
     from control_plane.planner.scaler import KubernetesScaler
     from control_plane.planner.sla_planner import SlaPlanner
+    from control_plane.tools.model_arg import model_path
 
     config = planner_config(min_prefill, min_decode, opts)
     policy = build_policy(str(model_path(model)), config, opts["planner_hardware"], opts["planner_profile"])

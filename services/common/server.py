@@ -92,7 +92,7 @@ async def start_server(services: list[Service], host: str = "127.0.0.1", port: i
         # a second process cannot bind a port a live one holds (gRPC allows it by default): a
         # replacement started too early fails instead of sharing the port with the old one; under
         # the launcher, which restarts only after the old process is gone, the port is shared
-        # with the launcher's reservation instead (control_plane/port_reservations.py)
+        # with the launcher's reservation instead (control_plane/cli/port_reservations.py)
         ("grpc.so_reuseport", int(listen_reuseport())),
         # accept the keepalive pings peers use to notice a dead or unreachable server
         ("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.http2.max_ping_strikes", 0),

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import grpc
 
-from control_plane.client import build_request
-from control_plane.redis_server import redis_argv, wait_listening
+from control_plane.cli.client import build_request
+from control_plane.cli.redis_server import redis_argv, wait_listening
 from services.proto import router_pb2_grpc, runtime_pb2, runtime_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 # one report per run, emptied at its start (tests/conftest.py's pytest_configure)

@@ -23,8 +23,8 @@ import time
 
 import grpc
 
-from control_plane.client import build_request, stream
-from control_plane.launcher import Cluster, ClusterSpec
+from control_plane.cli.client import build_request, stream
+from control_plane.cli.launcher import Cluster, ClusterSpec
 from tests.chaos.checker import Outcome, check, record, wait_baseline
 from tests.chaos.fault_proxy import FaultProxy
 from tests.chaos.test_network_faults import ProxyThread

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from control_plane.launcher import Cluster, ClusterSpec, free_port
+from control_plane.cli.launcher import Cluster, ClusterSpec, free_port
 from tests.chaos.checker import check, record, streams_decoding_on, wait_baseline
 from tests.chaos.fault_proxy import FaultProxy
 from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts

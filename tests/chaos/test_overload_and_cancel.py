@@ -7,7 +7,7 @@ import asyncio
 
 import grpc
 
-from control_plane.launcher import Cluster, ClusterSpec
+from control_plane.cli.launcher import Cluster, ClusterSpec
 from services.proto import worker_pb2, worker_pb2_grpc
 from tests.chaos.checker import check, record, runtime, stream, wait_baseline
 from tests.cluster_helpers import scheduler_stats, worker_loads

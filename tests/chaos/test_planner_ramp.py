@@ -17,7 +17,7 @@ import asyncio
 import time
 
 from control_plane.bench.load import Ramp
-from control_plane.launcher import Cluster, ClusterSpec
+from control_plane.cli.launcher import Cluster, ClusterSpec
 from control_plane.plan.hardware import CATALOG
 from control_plane.plan.model_dir import model_shape
 from control_plane.plan.profile import Profile

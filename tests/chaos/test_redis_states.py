@@ -14,7 +14,7 @@ import time
 
 import redis.asyncio as redis
 
-from control_plane.launcher import Cluster, ClusterSpec
+from control_plane.cli.launcher import Cluster, ClusterSpec
 from tests.chaos.checker import check, record, stream, wait_baseline
 from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts
 

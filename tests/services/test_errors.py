@@ -53,7 +53,7 @@ async def test_a_redis_that_answers_but_cannot_serve_is_unavailable_not_internal
     import redis.asyncio as redis
     from redis.exceptions import ResponseError
 
-    from control_plane.redis_server import running_redis
+    from control_plane.cli.redis_server import running_redis
     from services.common.errors import status_for
     with running_redis(tmp_path) as url:
         client, blocker = redis.Redis.from_url(url), redis.Redis.from_url(url)

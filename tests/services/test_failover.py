@@ -12,7 +12,7 @@ import threading
 import grpc
 import pytest
 
-from control_plane.client import build_request
+from control_plane.cli.client import build_request
 from kervan.block_hash import HASH_NAME, hash_blocks
 from kervan.kv_events import BlockStored
 from kervan.sampling import RequestLimits, SamplingParams

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 import grpc
 
-from control_plane.lease_watch import LeaseWatcher
+from control_plane.lease_watch.watcher import LeaseWatcher
 from kervan.block_hash import HASH_NAME
 from kervan.kv_events import BlockStored
 from kervan.sampling import RequestLimits

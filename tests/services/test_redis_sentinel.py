@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from control_plane.launcher import free_port
-from control_plane.redis_server import redis_server_binary, wait_listening
+from control_plane.cli.launcher import free_port
+from control_plane.cli.redis_server import redis_server_binary, wait_listening
 from kervan.sampling import RequestLimits
 from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common import redis_url
@@ -79,7 +79,7 @@ async def test_the_registry_follows_the_master_sentinel_names_through_a_failover
 async def test_a_persistent_private_redis_keeps_its_state_across_a_restart(tmp_path):
     """``kervan up --redis-persistent``: an append-only file, so a Redis restart does not
     start a new generation (every worker re-registering and re-sending its blocks)."""
-    from control_plane.redis_server import redis_argv
+    from control_plane.cli.redis_server import redis_argv
     port = free_port()
     for attempt in range(2):
         proc = subprocess.Popen(redis_argv(port, tmp_path, "pw", persistent=True), stdout=subprocess.DEVNULL,

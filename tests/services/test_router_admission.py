@@ -17,7 +17,7 @@ import urllib.request
 import grpc
 import pytest
 
-from control_plane.client import build_request
+from control_plane.cli.client import build_request
 from kervan.chat_template import ChatTemplate
 from kervan.tokenizer import Tokenizer
 from services.common.auth import ApiKey, ApiKeys

@@ -37,9 +37,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from control_plane.death_signal import death_signal
-from control_plane.port_reservations import PortReservations
-from control_plane.redis_server import redis_argv, wait_listening
+from control_plane.cli.death_signal import death_signal
+from control_plane.cli.port_reservations import PortReservations
+from control_plane.cli.redis_server import redis_argv, wait_listening
 from kervan.block_hash import DEFAULT_BLOCK_SIZE
 from kervan.envs import KERVAN_LISTEN_REUSEPORT
 from kervan.worker_info import WorkerRole
@@ -189,7 +189,7 @@ class Cluster:
         return ApiKeys.from_file(self.spec.api_key_file).keys[0].secret.decode()
 
     def _make_certificates(self) -> None:
-        from control_plane.certificates import CertificateAuthority
+        from control_plane.cli.certificates import CertificateAuthority
         from services.common.security import ROLES
         ca = self.authority = CertificateAuthority(self.tls_dir)
         for role in ROLES:

@@ -13,7 +13,7 @@ One CA, and certificates of two kinds:
   generate --tls-ca``, the OpenAI front): valid for loopback and the router's public
   names, server use only, CN ``router-public`` (no mesh role: it opens no internal door).
 
-``python -m control_plane.certificates DIR`` writes a set for a deploy
+``python -m control_plane.cli.certificates DIR`` writes a set for a deploy
 (``deploy/README.md``). Keys are ECDSA P-256 and written owner-only. Production meshes
 bring their own (cert-manager, SPIFFE/SPIRE, a corporate CA) with the same names."""
 
@@ -122,7 +122,7 @@ def _now() -> datetime.datetime:
 
 def main(argv: list[str] | None = None) -> None:
     import argparse
-    ap = argparse.ArgumentParser(prog="python -m control_plane.certificates",
+    ap = argparse.ArgumentParser(prog="python -m control_plane.cli.certificates",
                                  description="Write a mesh CA, a certificate per role (ROLE.pem, ROLE-key.pem) and "
                                              "the router's public certificate (router-public.pem).")
     ap.add_argument("directory", type=Path)

@@ -1,4 +1,4 @@
-"""``python -m control_plane.probe HOST:PORT``: exit 0 when the gRPC server there
+"""``python -m control_plane.cli.probe HOST:PORT``: exit 0 when the gRPC server there
 answers ``grpc.health.v1`` SERVING, else 1 (what ``grpc_health_probe`` does, for
 container health checks; Kubernetes has native gRPC probes, but not over TLS: a mesh
 with TLS probes with this and its certificate)."""
@@ -15,7 +15,7 @@ from services.common.security import MeshSecurity
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m control_plane.probe", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m control_plane.cli.probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("address", help="HOST:PORT of a Kervan service")
     ap.add_argument("--service", default="", help="the health service name to check ('': the server as a whole)")
     ap.add_argument("--timeout", type=float, default=2.0)

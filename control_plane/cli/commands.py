@@ -19,13 +19,12 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import click
 
-from control_plane.model_arg import model_path
 from control_plane.planner.options import planner_options
+from control_plane.tools.model_arg import model_path
 from kervan.envs import KERVAN_API_KEY, KERVAN_TLS_CA
 from kervan.speculative import SPECULATIVE_METHODS
 
@@ -134,7 +133,7 @@ def generate(prompt, addr, token_ids, chat, model_dir, max_tokens, temperature, 
 
     import grpc
 
-    from control_plane.client import Completion, accumulate, build_request, stream
+    from control_plane.cli.client import Completion, accumulate, build_request, stream
     from services.common.security import MeshSecurity
 
     if (prompt is None) == (token_ids is None):
@@ -237,8 +236,8 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
     import asyncio
     from pathlib import Path
 
-    from control_plane.client import Completion, accumulate, build_request, stream
-    from control_plane.launcher import Cluster, ClusterSpec, new_log_dir
+    from control_plane.cli.client import Completion, accumulate, build_request, stream
+    from control_plane.cli.launcher import Cluster, ClusterSpec, new_log_dir
     from worker.platform import DtypeError, parse_dtype
 
     try:
@@ -419,6 +418,3 @@ def build_kernels(levels: tuple[str, ...]) -> None:
             raise click.ClickException(str(exc)) from None
         click.echo(f"{isa}: {lib} ({time.perf_counter() - start:.1f} s)")
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,34 +1,21 @@
-"""``python -m control_plane.lease_watch``: the control plane's watch over worker leases.
-
-Workers hold leases in Redis (``kervan:w:{id}``, renewed by their heartbeats). This
-process declares a worker dead the moment its lease expires — Redis keyspace
-notifications (``notify-keyspace-events Ex``, set here) say so at once — and has the
-kv-registry purge it through its API (``PurgeExpired`` drops every expired worker
-and its KV ownership), so that the scheduler, which reads the live set for every
-placement, stops choosing it at once. A reconciliation loop every ``--interval``
-seconds does the same whether or not a notification arrived: notifications are a
-fast path, the loop is the source of truth (Redis does not queue notifications
-for a subscriber that was disconnected)."""
+"""``LeaseWatcher``: turns lease expiries in Redis into purges at the kv-registry (the
+package's docstring says why both notifications and a reconciliation loop)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
 
 import grpc
 import redis.asyncio as redis
 from prometheus_client import Counter
 
-from services.common import redis_url
-from services.common.config import parse_service_args, service_parser
-from services.common.metrics import serve_metrics
-from services.common.security import MeshSecurity
 from services.common.worker_leases import leased_worker
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+LEASE_EXPIRIES = Counter("kervan_lease_expiries", "Worker leases that expired (each worker declared dead)")
 
 
 class LeaseWatcher:
@@ -109,44 +96,3 @@ class LeaseWatcher:
             await self.registry.PurgeExpired(kv_registry_pb2.PurgeExpiredRequest(), timeout=5)
         except grpc.aio.AioRpcError as err:
             log.warning("kv-registry unreachable: %s", err.code().name)
-
-
-LEASE_EXPIRIES = Counter("kervan_lease_expiries", "Worker leases that expired (each worker declared dead)")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = service_parser("control_plane.lease_watch", __doc__, listens=False)
-    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0",
-                    help="Redis URL (a password: in KERVAN_CONTROL_PLANE_REDIS rather than on the command line)")
-    ap.add_argument("--registry", required=True, help="HOST:PORT of the kv-registry")
-    ap.add_argument("--interval", type=float, default=1.0, help="seconds between reconciliations")
-    return parse_service_args(ap, "control_plane", argv)
-
-
-async def serve(args: argparse.Namespace) -> None:
-    security = MeshSecurity.from_args(args)
-    client = redis_url.connect(args.redis)
-    async with security.channel(args.registry, role="kv-registry") as channel:
-        watcher = LeaseWatcher(client, kv_registry_pb2_grpc.KvRegistryServiceStub(channel), args.interval)
-        task = asyncio.ensure_future(watcher.run())
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
-        serve_metrics(args.metrics_port, args.host, "control-plane")
-        print("control-plane membership watch ready", flush=True)
-        try:
-            await task
-        except asyncio.CancelledError:
-            log.info("stopping")
-        finally:
-            await client.aclose()
-
-
-def main(argv: list[str] | None = None) -> None:
-    from services.common.server import run_service
-    args = parse_args(argv)
-    run_service("kervan-lease-watch", lambda: serve(args))
-
-
-if __name__ == "__main__":
-    main()
