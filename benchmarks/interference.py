@@ -54,6 +54,7 @@ from control_plane.bench.command import one_line
 from control_plane.bench.load import run_open_loop
 from control_plane.bench.report import meets, summarize
 from control_plane.cli.launcher import Cluster, ClusterSpec, new_log_dir
+from kervan.engine_args import EngineArgs
 from worker.default_model import ensure_default_model
 from worker.platform import usable_cores
 
@@ -142,7 +143,8 @@ def main() -> None:
     clusters = {}
     try:
         for name, options in all_shapes.items():
-            spec = ClusterSpec(model_dir, threads_per_worker=1, pin_cores=True, dtype=args.dtype, **options)
+            spec = ClusterSpec(model_dir, threads_per_worker=1, pin_cores=True, engine=EngineArgs(dtype=args.dtype),
+                               **options)
             clusters[name] = Cluster(spec, new_log_dir())
             clusters[name].start()
         runs: dict[str, list[dict]] = {name: [] for name in all_shapes}

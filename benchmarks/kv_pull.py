@@ -29,6 +29,7 @@ from control_plane.bench.backends import KervanBackend
 from control_plane.bench.workload import BenchRequest
 from control_plane.cli.launcher import Cluster, ClusterSpec
 from control_plane.tools.pull import resolve_model
+from kervan.engine_args import EngineArgs
 from services.router.__main__ import model_limits
 from worker.default_model import ensure_default_model
 
@@ -54,7 +55,8 @@ async def visits(cluster: Cluster, args, seed: int) -> dict:
 
 def run(model_dir: Path, setting: str, args, seed: int) -> dict:
     with tempfile.TemporaryDirectory() as logs:
-        cluster = Cluster(ClusterSpec(model_dir, num_prefill=0, num_decode=0, num_both=2, dtype=args.dtype,
+        cluster = Cluster(ClusterSpec(model_dir, num_prefill=0, num_decode=0, num_both=2,
+                                      engine=EngineArgs(dtype=args.dtype),
                                       scheduler_args=("--policy", "round_robin", *SETTINGS[setting])), Path(logs))
         try:
             cluster.start(timeout=300)

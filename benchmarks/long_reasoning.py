@@ -28,6 +28,7 @@ from control_plane.bench.backends import KervanBackend
 from control_plane.bench.command import one_line, sweep
 from control_plane.cli.launcher import Cluster, ClusterSpec, new_log_dir
 from control_plane.tools.pull import resolve_model
+from kervan.engine_args import EngineArgs
 from worker.default_model import ensure_default_model
 
 
@@ -40,9 +41,9 @@ def worker_counters(cluster: Cluster) -> dict[str, float]:
 
 def one_run(model_dir: Path, args, streams: int, tier_on: bool, seed: int) -> dict:
     mean_len = args.input_len_mean + args.output_len_mean
-    spec = ClusterSpec(model_dir, num_prefill=0, num_decode=0, num_both=1, dtype=args.dtype, metrics=True,
-                       num_kv_blocks=int(args.pool_streams * mean_len // 16),
-                       kv_host_bytes=args.host_bytes if tier_on else 0)
+    spec = ClusterSpec(model_dir, num_prefill=0, num_decode=0, num_both=1,
+                       engine=EngineArgs(dtype=args.dtype, num_kv_blocks=int(args.pool_streams * mean_len // 16),
+                                         kv_host_bytes=args.host_bytes if tier_on else 0), metrics=True)
     shape = dict(input_len=workload.Lengths.parse(args.input_len), output_len=workload.Lengths.parse(args.output_len),
                  token_range=(3, 600))
     cluster = Cluster(spec, new_log_dir())

@@ -53,6 +53,7 @@ from benchmarks.load import pct_ms, run_closed_loop
 from benchmarks.machine import add_dtype_argument, machine, write_report
 from benchmarks.stats import spread
 from control_plane.cli.launcher import Cluster, ClusterSpec, free_port, new_log_dir
+from kervan.engine_args import EngineArgs
 from services.proto import worker_pb2_grpc
 from services.worker import kv_transfer
 from worker import Engine, SamplingParams
@@ -338,7 +339,8 @@ def main() -> None:
               "mesh_aggregated": dict(num_prefill=0, num_decode=0, num_both=1),
               "mesh_traced": dict(num_prefill=1, num_decode=1),
               "mesh_tls": dict(num_prefill=1, num_decode=1, tls=True)}
-    clusters = {name: Cluster(ClusterSpec(model_dir, **shapes[name], dtype=args.dtype, pin_cores=True), new_log_dir())
+    clusters = {name: Cluster(ClusterSpec(model_dir, **shapes[name], engine=EngineArgs(dtype=args.dtype),
+                                          pin_cores=True), new_log_dir())
                 for name in args.topologies.split(",")}
     receiver = SpanCounter() if "mesh_traced" in clusters else None
     pinned = None if args.skip_pinned else PinnedEngines(model_dir, args.dtype)

@@ -55,6 +55,7 @@ from control_plane.plan.profile import Profile
 from control_plane.plan.served import ALL_PROMPTS_REMOTE, measure_served
 from control_plane.plan.sizing import Load, Slo
 from control_plane.tools.pull import resolve_model
+from kervan.engine_args import EngineArgs
 from worker.default_model import ensure_default_model
 
 
@@ -128,7 +129,7 @@ async def measure_load(address: str, rate: float, args, seed: int) -> dict:
 def measure_round(path: Path, rate: float, args, seed: int) -> dict:
     """One round at ``rate``: a fresh cluster of one prefill and one decode worker under the
     open loop; the measured values, the decode worker's mean engine step, the bench summary."""
-    spec = ClusterSpec(path, num_prefill=1, num_decode=1, dtype=args.dtype, pin_cores=True,
+    spec = ClusterSpec(path, num_prefill=1, num_decode=1, engine=EngineArgs(dtype=args.dtype), pin_cores=True,
                        scheduler_args=ALL_PROMPTS_REMOTE, metrics=True)
     cluster = Cluster(spec, new_log_dir())
     try:

@@ -49,6 +49,7 @@ from control_plane.plan.sizing import Sizer, Slo
 from control_plane.planner.policy import PlannerConfig, Policy
 from control_plane.planner.scaler import LauncherScaler
 from control_plane.planner.sla_planner import PlannerThread, SlaPlanner
+from kervan.engine_args import EngineArgs
 
 CONFIGS = ("smallest", "largest", "planner")
 
@@ -66,7 +67,8 @@ def worker_seconds(sizes: list[tuple[float, dict[str, int]]], start: float, end:
 def run_config(name: str, path, policy_for, ramp: Ramp, args, seed: int) -> dict:
     largest = name == "largest"
     spec = ClusterSpec(path, num_prefill=args.max_prefill if largest else 1,
-                       num_decode=args.max_decode if largest else 1, dtype=args.dtype, pin_cores=True, metrics=True,
+                       num_decode=args.max_decode if largest else 1, engine=EngineArgs(dtype=args.dtype),
+                       pin_cores=True, metrics=True,
                        scheduler_args=ALL_PROMPTS_REMOTE, worker_args=("--drain-grace", "20"))
     cluster = Cluster(spec, new_log_dir())
     cluster.start()

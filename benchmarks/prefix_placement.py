@@ -58,6 +58,7 @@ from control_plane.bench.backends import KervanBackend
 from control_plane.bench.load import run_open_loop
 from control_plane.bench.report import summarize
 from control_plane.cli.launcher import Cluster, ClusterSpec, new_log_dir
+from kervan.engine_args import EngineArgs
 from services.proto import scheduler_pb2, scheduler_pb2_grpc
 from worker.default_model import ensure_default_model
 
@@ -92,9 +93,9 @@ def run_policy(model_dir: Path, policy: str, requests, seed: int, args, extra: t
     if "--kv-host-bytes" in extra:  # the variant's own host tier, not a scheduler flag
         at = extra.index("--kv-host-bytes")
         host_bytes, extra = int(extra[at + 1]), extra[:at] + extra[at + 2:]
-    spec = ClusterSpec(model_dir, num_prefill=0, num_decode=0, num_both=args.replicas, dtype=args.dtype,
-                       num_kv_blocks=args.kv_blocks_per_worker, threads_per_worker=1, pin_cores=True,
-                       kv_host_bytes=host_bytes,
+    spec = ClusterSpec(model_dir, num_prefill=0, num_decode=0, num_both=args.replicas,
+                       engine=EngineArgs(dtype=args.dtype, num_kv_blocks=args.kv_blocks_per_worker,
+                                         kv_host_bytes=host_bytes), threads_per_worker=1, pin_cores=True,
                        scheduler_args=("--policy", policy, "--seed", str(seed), *args.scheduler_args.split(),
                                        *extra))
     cluster = Cluster(spec, new_log_dir())

@@ -32,6 +32,7 @@ import time
 
 from benchmarks.machine import add_dtype_argument, machine, write_report
 from benchmarks.stats import spread
+from kervan.engine_args import EngineArgs
 
 
 def prompts(model_dir: str, workload: str, count: int) -> list[str]:
@@ -80,7 +81,8 @@ def mesh_rows(args, methods: dict[str, dict], engine, batches: list[int]) -> lis
 
     keys = ("speculative", "num_speculative_tokens", "speculative_model", "speculative_disable_by_batch_size")
     flags = {name: {key: o[key] for key in keys if key in o} for name, o in methods.items()}
-    clusters = {name: Cluster(ClusterSpec(args.model, dtype=args.dtype, metrics=True, **flags[name]), new_log_dir())
+    clusters = {name: Cluster(ClusterSpec(args.model, engine=EngineArgs(dtype=args.dtype), metrics=True,
+                                          **flags[name]), new_log_dir())
                 for name in methods}
     rows = []
     try:

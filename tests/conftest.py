@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kervan.engine_args import EngineArgs
+
 # pytest-xdist runs several test processes on the machine's cores, and each one's torch would start
 # a thread per core: two workers on two cores would run four OpenMP threads that spin-wait on each
 # other. Each test process takes its share of the cores instead, as `kervan up` gives each worker.
@@ -157,7 +159,8 @@ def cluster(llama, tmp_path_factory):
     and two decode workers, router), started by the launcher ``kervan up`` uses; shared
     by the tests that need one. Two decode workers, so placement has a choice to get wrong."""
     from control_plane.cli.launcher import Cluster, ClusterSpec
-    c = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=2, dtype="float32", num_kv_blocks=256, http_port=0,
+    c = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=2,
+                            engine=EngineArgs(dtype="float32", num_kv_blocks=256), http_port=0,
                             metrics=True),
                 tmp_path_factory.mktemp("cluster-logs"))
     c.start(timeout=240)

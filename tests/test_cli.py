@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kervan.engine_args import EngineArgs, to_flags
+from kervan.worker_info import WorkerRole
 from tests.cache_helpers import fresh_cache
 from worker.platform import current_platform, dtype_name
 
@@ -113,7 +115,7 @@ def test_kervan_build_kernels_names_the_library_it_built_or_found():
 def test_an_unknown_dtype_is_refused_before_anything_starts():
     res = subprocess.run([sys.executable, "-m", "control_plane.cli", "up", "--dtype", "int4", "--port", "0"],
                          capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and "choose one of auto, bfloat16, float16, float32" in res.stderr
+    assert res.returncode == 2 and "'int4' is not one of 'auto', 'bfloat16', 'float16', 'float32'" in res.stderr
 
 
 def kervan(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -220,9 +222,10 @@ def test_up_passes_the_speculation_cutoff_to_the_workers_that_speculate_and_refu
 
     from control_plane.cli.commands import main
     from control_plane.cli.launcher import ClusterSpec
-    spec = ClusterSpec(llama[1], speculative="ngram", speculative_disable_by_batch_size=0)
-    assert spec.speculative_flags() == ["--speculative", "ngram", "--speculative-disable-by-batch-size", "0"]
-    assert ClusterSpec(llama[1], speculative="ngram").speculative_flags() == ["--speculative", "ngram"]
+    spec = ClusterSpec(llama[1], engine=EngineArgs(speculative="ngram", speculative_disable_by_batch_size=0))
+    assert to_flags(spec.worker_engine("decode-0", WorkerRole.DECODE)) == [
+        "--speculative", "ngram", "--speculative-disable-by-batch-size", "0"]
+    assert to_flags(spec.worker_engine("prefill-0", WorkerRole.PREFILL)) == []  # it never speculates
     res = CliRunner().invoke(main, ["up", "--model", str(llama[1]), "--speculative", "ngram",
                                     "--speculative-disable-by-batch-size", "-1"])
     assert res.exit_code == 2 and "--speculative-disable-by-batch-size must be >= 0, got -1" in res.output

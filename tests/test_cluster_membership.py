@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 
 from control_plane.cli.launcher import Cluster, ClusterSpec
+from kervan.engine_args import EngineArgs
 from tests.cluster_helpers import complete, scheduler_dry_run, scheduler_stats
 from tests.conftest import make_prompts
 
 
 def test_workers_join_and_leave_while_requests_flow(llama, tmp_path):
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, dtype="float32",
-                                  num_kv_blocks=256), tmp_path)
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1,
+                                  engine=EngineArgs(dtype="float32", num_kv_blocks=256)), tmp_path)
     cluster.start(timeout=240)
     try:
         # enough that the clients never run out before the newcomer has served 8 alone (300 ran out
@@ -73,8 +74,8 @@ def test_workers_join_and_leave_while_requests_flow(llama, tmp_path):
 def test_a_block_size_other_than_16_reaches_every_process(llama, tmp_path):
     """The registry checks and the workers cache blocks of the launcher's ``block_size``, and
     the router, given none, hashes with the size the registry answers (through the scheduler)."""
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, dtype="float32",
-                                  num_kv_blocks=256, block_size=8), tmp_path)
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1,
+                                  engine=EngineArgs(dtype="float32", num_kv_blocks=256, block_size=8)), tmp_path)
     cluster.start(timeout=240)
     try:
         prompt = make_prompts([30], seed=51)[0]

@@ -14,6 +14,7 @@ import redis.asyncio as redis
 
 from control_plane.cli.launcher import Cluster, ClusterSpec
 from kervan.block_hash import hash_blocks
+from kervan.engine_args import EngineArgs
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from tests.cluster_helpers import complete, wait_idle
 from tests.conftest import make_prompts
@@ -21,8 +22,9 @@ from tests.test_cluster import sample, scrape
 
 
 def test_a_prompt_evicted_from_the_pool_comes_back_from_host_memory(llama, tmp_path):
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, dtype="float32",
-                                  num_kv_blocks=12, kv_host_bytes=1 << 20, metrics=True), tmp_path)
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1,
+                                  engine=EngineArgs(dtype="float32", num_kv_blocks=12,
+                                                    kv_host_bytes=1 << 20), metrics=True), tmp_path)
     cluster.start(timeout=240)
     try:
         first, *others = make_prompts([120, 120, 120], seed=62)  # 12 blocks of 16: one prompt fills the pool
@@ -66,8 +68,9 @@ def test_a_restarted_cluster_finds_its_prompts_on_disk_and_the_registry_hears_of
     worker, Redis and registry), and the worker's first full dump tells the registry the
     block is on its disk: the Match says so, the prompt is read back, not computed. (The worker
     writes what its pool and host tier hold to disk as it stops, so all 7 blocks are there.)"""
-    spec = dict(num_prefill=0, num_decode=0, num_both=1, dtype="float32", num_kv_blocks=12,
-                kv_host_bytes=2 * 16 << 10, kv_disk_dir=tmp_path / "disk", kv_disk_bytes=8 << 20, metrics=True)
+    engine = EngineArgs(dtype="float32", num_kv_blocks=12, kv_host_bytes=2 * 16 << 10,
+                        kv_disk_dir=str(tmp_path / "disk"), kv_disk_bytes=8 << 20)
+    spec = dict(num_prefill=0, num_decode=0, num_both=1, engine=engine, metrics=True)
     first, *others = make_prompts([120, 120, 120], seed=63)
     kwargs = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -118,9 +121,9 @@ def test_a_prefix_another_worker_holds_is_pulled_over_the_kv_transfer(llama, tmp
     not eight — and pushes the whole prompt's KV to it. Same greedy tokens (float32, the very
     KV computed the first time)."""
     from tests.cluster_helpers import scheduler_stats, wait_cached
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, dtype="float32",
-                                  num_kv_blocks=64, scheduler_args=("--policy", "round_robin",
-                                                                    "--pull-block-cost", "0.1")), tmp_path)
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2,
+                                  engine=EngineArgs(dtype="float32", num_kv_blocks=64),
+                                  scheduler_args=("--policy", "round_robin", "--pull-block-cost", "0.1")), tmp_path)
     cluster.start(timeout=240)
     try:
         prompt = make_prompts([120], seed=65)[0]

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.cli.client import Completion, accumulate, build_request, stream
 from control_plane.cli.launcher import Cluster, ClusterSpec
+from kervan.engine_args import EngineArgs
 from services.common.security import MESH_SECRET_METADATA
 from services.proto import (
     common_pb2,
@@ -33,7 +34,8 @@ OTHER_KEY = "k-other-tenant-0123456789"
 def keyed_cluster(llama, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"{KEY}\n{OTHER_KEY}\n")
-    c = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, dtype="float32", num_kv_blocks=64,
+    c = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1,
+                            engine=EngineArgs(dtype="float32", num_kv_blocks=64),
                             api_key_file=keys, router_args=()),
                 tmp_path_factory.mktemp("keyed-cluster-logs"))
     c.start(timeout=240)

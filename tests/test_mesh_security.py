@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.cli.client import Completion, accumulate, build_request, stream
 from control_plane.cli.launcher import Cluster, ClusterSpec, served_role
+from kervan.engine_args import EngineArgs
 from services.common.security import MeshSecurity
 from services.proto import (
     common_pb2,
@@ -47,7 +48,8 @@ def tls_cluster(llama, tmp_path_factory):
     # channel each (services/common/replicas.py), certificates checked for the first one's address
     # the registry as the k8s deploy runs it (workers may share a certificate naming no address), which
     # the shared-certificate test needs; kervan up --tls requires addresses (the test after this fixture)
-    c = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1, dtype="float32", num_kv_blocks=128, tls=True,
+    c = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1,
+                            engine=EngineArgs(dtype="float32", num_kv_blocks=128), tls=True,
                             api_key_file=keys, registry_args=("--ttl", "2"), num_routers=2, num_schedulers=2,
                             http_port=0, require_worker_addresses=False),
                 tmp_path_factory.mktemp("tls-cluster-logs"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from control_plane.cli.launcher import Cluster, ClusterSpec
+from kervan.engine_args import EngineArgs
 from tests.cluster_helpers import complete
 from tests.conftest import EXACT_MESH, EXACT_REFERENCE, make_engine
 from tests.test_cluster import sample, scrape
@@ -27,7 +28,8 @@ def test_decode_and_aggregated_workers_speculate_and_answer_as_the_engine_withou
     [expected_seeded] = reference.generate([PROMPTS[1]], seeded)
     stop = expected[1].text[20:24]
     cluster = Cluster(ClusterSpec(model, num_prefill=1, num_decode=1, num_both=1, metrics=True,
-                                  speculative="ngram", num_speculative_tokens=4, **EXACT_MESH), tmp_path)
+                                  engine=EngineArgs(speculative="ngram", num_speculative_tokens=4,
+                                                    **EXACT_MESH)), tmp_path)
     cluster.start(timeout=240)
     try:
         async def run():

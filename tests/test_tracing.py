@@ -20,6 +20,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from control_plane.cli.launcher import Cluster, ClusterSpec
+from kervan.engine_args import EngineArgs
 from tests.cluster_helpers import complete
 from tests.conftest import make_prompts
 
@@ -63,7 +64,8 @@ async def test_one_request_is_one_trace_across_every_process(llama, tmp_path, re
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # export every 0.2 s, not 5
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=2, dtype="float32", num_kv_blocks=256,
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=2,
+                                  engine=EngineArgs(dtype="float32", num_kv_blocks=256),
                                   scheduler_args=("--min-remote-prefill-blocks", "1"),
                                   worker_args=("--max-num-seqs", "1")), tmp_path)  # streams queue: see migrated_trace
     await asyncio.to_thread(cluster.start, 240)

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from control_plane.cli.launcher import Cluster, ClusterSpec
+from kervan.engine_args import EngineArgs
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from tests.chaos.checker import check, streams_decoding_on
 from tests.cluster_helpers import complete, scheduler_stats
@@ -32,15 +33,16 @@ def peers(pid: int) -> list[int]:
 
 def test_groups_that_cannot_work_are_refused_before_anything_starts(llama):
     with pytest.raises(ValueError, match="expert_parallel_size 2 needs a mixture-of-experts model"):
-        ClusterSpec(llama[1], num_prefill=1, num_decode=1, expert_parallel=2)
+        ClusterSpec(llama[1], num_prefill=1, num_decode=1, engine=EngineArgs(expert_parallel_size=2))
     out = subprocess.run([sys.executable, "-m", "services.worker", "--model", str(llama[1]),
                           "--pipeline-parallel", "3"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "pipeline" in out.stderr and "exceeds" in out.stderr, out.stderr[-500:]
 
 
 def test_prefill_and_decode_pools_of_groups_hand_kv_between_them(llama, tmp_path):
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1, tensor_parallel=2, dtype="float32",
-                                  num_kv_blocks=256, scheduler_args=("--min-remote-prefill-blocks", "1")),
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1,
+                                  engine=EngineArgs(tensor_parallel_size=2, dtype="float32", num_kv_blocks=256),
+                                  scheduler_args=("--min-remote-prefill-blocks", "1")),
                       tmp_path)
     cluster.start(timeout=240)
     try:
@@ -63,8 +65,9 @@ def test_prefill_and_decode_pools_of_groups_hand_kv_between_them(llama, tmp_path
 
 @pytest.mark.parametrize("layout", ["tensor", "pipeline"])
 def test_a_group_is_one_worker_and_a_killed_rank_moves_its_requests(llama, tmp_path, layout):
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, **{f"{layout}_parallel": 2},
-                                  dtype="float32", num_kv_blocks=256), tmp_path)
+    sizes = {f"{layout}_parallel_size": 2}
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1,
+                                  engine=EngineArgs(**sizes, dtype="float32", num_kv_blocks=256)), tmp_path)
     cluster.start(timeout=240)
     try:
         cluster.add_worker("both", f"--{layout}-parallel", "1", timeout=240)  # a worker of one process

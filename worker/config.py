@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,assignment,union-attr"
 """Configuration for the engine: the model's shape (read from a Hugging Face
 ``config.json``) and the engine's own knobs. Both are frozen and validated on
 construction; values discovered at run time (the number of KV blocks that fit a
@@ -6,13 +7,12 @@ memory budget) come back as a new object via ``dataclasses.replace``."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from kervan.block_hash import DEFAULT_BLOCK_SIZE
-from kervan.speculative import SPECULATIVE_METHODS
+from kervan.engine_args import EngineArgs, EngineArgsError
 from worker.platform import DtypeError, Platform, parse_dtype
 
 DEFAULT_MAX_POSITION = 4096  # when config.json names no max_position_embeddings
@@ -194,126 +194,33 @@ def _parse_moe(arch: str, cfg: dict, num_layers: int) -> tuple[MoeConfig | None,
     return None, ()
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """The engine's knobs. ``num_kv_blocks`` None means: size the cache from
-    ``kv_cache_memory_bytes`` (a budget for K and V of all layers). ``dtype`` and
-    ``device`` may be ``"auto"``: ``resolve`` asks the platform what they stand for."""
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig(EngineArgs):
+    """The engine's knobs: ``EngineArgs``'s fields (``kervan/engine_args.py``, where each is
+    written once with its help), checked here against what needs torch and the engine's
+    registries. ``num_kv_blocks`` None means: size the cache from ``kv_cache_memory_bytes``.
+    ``dtype`` and ``device`` may be ``"auto"``: ``resolve`` asks the platform what they stand for."""
 
-    dtype: torch.dtype | str = "auto"
-    device: str = "auto"  # "auto" (CUDA when present), "cpu", "cuda", "cuda:N"
-    block_size: int = DEFAULT_BLOCK_SIZE
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 512 * 1024 * 1024
-    # tier 1 behind the pool (``worker/kv/host_tier.py``): host memory for blocks that leave it
-    # (evicted prefixes, preempted sequences), copied back on a hit instead of computed; 0: none
-    kv_host_bytes: int = 0
-    # tier 2 behind the host tier (``worker/kv/disk_tier.py``): one preallocated file of
-    # ``kv_disk_bytes`` under ``kv_disk_dir`` for blocks the host tier pushes out, kept across
-    # restarts; ``kv_disk_write`` "back" writes a block when the host tier lets it go, "through"
-    # as soon as it is demoted (more writes, and a block survives the host tier's loss at once)
-    kv_disk_dir: str | None = None
-    kv_disk_bytes: int = 0
-    kv_disk_write: str = "back"
-    # the tiers' reuse gate: a block is demoted only once this many requests have used it (1: all;
-    # 2 keeps one-off prompts out of the tiers; a preempted sequence's blocks always go)
-    kv_offload_min_uses: int = 1
-    max_num_batched_tokens: int = 2048
-    # at most this many prompt tokens per sequence per step, so that a long prompt leaves budget for
-    # new streams' prompts beside it (vLLM's long_prefill_token_threshold, Sarathi-Serve's chunk
-    # size below the budget; 0: only the budget bounds a chunk)
-    long_prefill_token_threshold: int = 0
-    max_num_seqs: int = 64
-    max_model_len: int | None = None  # None: the model's max_position
-    enable_prefix_caching: bool = True
-    max_n: int = 16  # bound on SamplingParams.n (a client must not fan out unboundedly)
-    seed: int = 0  # for requests without a seed of their own
-    # a worker group (``worker/parallel/``): ranks holding 1/N of every layer, ranks holding
-    # 1/N of the experts, pipeline stages holding 1/N of the layers
-    tensor_parallel_size: int = 1
-    expert_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    enforce_eager: bool = False  # no CUDA graphs for decode steps (``worker/runner/graphs.py``)
-    # batch-invariant kernels: a request's greedy tokens and logprobs are bit-identical whatever
-    # else is in its steps, however its prompt is chunked, wherever its prefix KV came from
-    # (``worker/layers/batch_invariant.py``); the CPU with the native kernels only, for now
-    deterministic: bool = False
-    # weight-only low precision for a float checkpoint's linears (``worker/quant/method.py``: int8,
-    # int4, fp8, nvfp4, ...); None: as the checkpoint holds them (a GGUF file stays in its blocks)
-    quantization: str | None = None
-    # speculative decoding (``worker/spec/``): a proposer guesses up to ``num_speculative_tokens``
-    # tokens per running sequence and each step verifies them with the target; "ngram" (prompt
-    # lookup, ``prompt_lookup_min``..``prompt_lookup_max`` tokens matched), "draft" (the smaller
-    # model in ``speculative_model``, same tokenizer) or "eagle" (the EAGLE head in
-    # ``speculative_model``; unset: the one Kervan ships for a catalog model); None: off. Off for a
-    # step whose batch holds more than ``speculative_disable_by_batch_size`` sequences (0: never off;
-    # 2: on SmolLM2-135M in bf16 both proposers gain at batch 2 and lose from batch 4 on chat
-    # answers, ``benchmarks/speculative.py``)
-    speculative: str | None = None
-    num_speculative_tokens: int = 3
-    speculative_model: str | None = None
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    speculative_disable_by_batch_size: int = 2
+    # the one field held in another type: a torch dtype once parsed ("auto" until ``resolve``)
+    dtype: torch.dtype | str = field(default="auto", metadata=EngineArgs.__dataclass_fields__["dtype"].metadata)
 
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         except DtypeError as exc:
             raise ConfigError(str(exc)) from None
+        try:
+            super().__post_init__()
+        except EngineArgsError as exc:
+            raise ConfigError(str(exc)) from None
         if self.device != "auto" and _device_type(self.device) not in ("cpu", "cuda"):
             raise ConfigError(f"device {self.device!r} unknown; choose auto, cpu, cuda or cuda:N")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_n", "tensor_parallel_size",
-                     "expert_parallel_size", "pipeline_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ConfigError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
-        if self.kv_host_bytes < 0:
-            raise ConfigError(f"kv_host_bytes must be >= 0, got {self.kv_host_bytes}")
-        if self.long_prefill_token_threshold < 0:
-            raise ConfigError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
-        if self.kv_disk_bytes < 0:
-            raise ConfigError(f"kv_disk_bytes must be >= 0, got {self.kv_disk_bytes}")
-        if self.kv_disk_bytes and not self.kv_disk_dir:
-            raise ConfigError("kv_disk_bytes needs kv_disk_dir, the directory of the disk tier's file")
-        if self.kv_disk_bytes and not self.kv_host_bytes:
-            raise ConfigError("the disk tier sits behind the host tier: kv_disk_bytes needs kv_host_bytes too")
-        if self.kv_offload_min_uses < 1:
-            raise ConfigError(f"kv_offload_min_uses must be >= 1, got {self.kv_offload_min_uses}")
         if self.quantization is not None:
             from worker.quant.method import method_names
 
             if self.quantization not in method_names():
                 raise ConfigError(f"quantization {self.quantization!r} unknown; choose one of "
                                   f"{', '.join(method_names())}")
-        if self.kv_disk_write not in ("back", "through"):
-            raise ConfigError(f"kv_disk_write must be back or through, got {self.kv_disk_write!r}")
-        self._check_speculative()
-
-    def _check_speculative(self) -> None:
-        if self.speculative not in (None, *SPECULATIVE_METHODS):
-            raise ConfigError(f"speculative {self.speculative!r} unknown; choose one of "
-                              f"{', '.join(SPECULATIVE_METHODS)}")
-        if self.speculative is None:
-            return
-        if self.num_speculative_tokens < 1:
-            raise ConfigError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ConfigError(f"n-gram sizes need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
-        if self.speculative_disable_by_batch_size < 0:
-            raise ConfigError(f"speculative_disable_by_batch_size must be >= 0, got "
-                              f"{self.speculative_disable_by_batch_size}")
-        if self.speculative == "draft" and self.speculative_model is None:
-            raise ConfigError("speculative='draft' needs speculative_model, the draft model's directory")
-        if self.speculative == "ngram" and self.speculative_model is not None:
-            raise ConfigError("speculative='ngram' takes no speculative_model (it has no weights)")
-
-    @property
-    def world_size(self) -> int:
-        """Ranks of the worker group (1: one process)."""
-        return max(self.tensor_parallel_size, self.expert_parallel_size) * self.pipeline_parallel_size
 
     def bytes_per_block(self, model: ModelConfig) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type"
 """Hugging Face directory -> a ready ``DecoderModel``.
 
 Reads ``config.json`` and ``*.safetensors`` (one file, or shards listed in

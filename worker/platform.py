@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kervan.engine_args import DTYPE_CHOICES
 from kervan.envs import onednn_max_cpu_isa
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,6 @@ log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
           "float": torch.float32}
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")  # what help texts and errors offer
 
 # x86 levels, lowest first: what PyTorch dispatches to and what native kernels are built for
 X86_LEVELS = ("baseline", "avx2", "avx512")
@@ -55,7 +55,7 @@ def parse_dtype(value: str | torch.dtype) -> str | torch.dtype:
     return DTYPES[name]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -177,10 +177,11 @@ class Platform:
     def resolve_dtype(self, requested: str | torch.dtype, device: str) -> torch.dtype:
         """The dtype to serve in; an explicit one this hardware runs slowly is kept,
         with one warning that says what would be faster."""
-        requested = parse_dtype(requested)
+        parsed = parse_dtype(requested)
         best = self.auto_dtype(device)
-        if requested == "auto":
+        if isinstance(parsed, str):  # "auto"
             return best
+        requested = parsed
         slow = self.slowness(requested, device)
         if slow:
             log.warning("dtype %s %s; %s is faster here (dtype=auto picks it)", dtype_name(requested), slow,
@@ -236,7 +237,7 @@ class Platform:
 
 def read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, frozenset[str]]:
     """(model name, feature flags) of the first processor listed; empty where unreadable."""
-    model, flags = "", frozenset()
+    model, flags = "", frozenset[str]()
     try:
         with open(path) as f:
             for line in f:
@@ -270,7 +271,7 @@ def detect_cpu() -> CpuInfo:
 def detect_cuda() -> CudaInfo | None:
     if not torch.cuda.is_available():
         return None
-    return CudaInfo(name=torch.cuda.get_device_name(0), capability=tuple(torch.cuda.get_device_capability(0)),
+    return CudaInfo(name=torch.cuda.get_device_name(0), capability=torch.cuda.get_device_capability(0),
                     count=torch.cuda.device_count())
 
 

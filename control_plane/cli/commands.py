@@ -23,20 +23,10 @@ import time
 
 import click
 
+from control_plane.cli.engine_options import engine_args, engine_options
 from control_plane.planner.options import planner_options
 from control_plane.tools.model_arg import model_path
 from kervan.envs import KERVAN_API_KEY, KERVAN_TLS_CA
-from kervan.speculative import SPECULATIVE_METHODS
-
-DTYPE_HELP = ("auto (bfloat16 where the hardware computes it natively, else float32), bfloat16, float16 "
-              "or float32")
-DETERMINISTIC_HELP = ("batch-invariant kernels: greedy tokens and logprobs bit-identical whatever else is batched, "
-                      "however the prompt is chunked, wherever its prefix KV came from (CPU only)")
-SPECULATIVE_HELP = ("decode and aggregated workers guess the next tokens and verify them in one step: ngram (prompt "
-                    "lookup), draft (--speculative-model) or eagle (the head Kervan ships for the model, or "
-                    "--speculative-model); the output stays the model's own")
-QUANTIZATION_HELP = ("weight-only low precision for a float checkpoint: int8, int4 (int4-g32, int4-g128), fp8, "
-                     "fp8-block, nvfp4 (a GGUF model keeps its own blocks)")
 
 
 @click.group()
@@ -76,23 +66,24 @@ def sampling_options(fn):
 @click.option("--chat", is_flag=True, help="send PROMPT as a user message through the model's chat template")
 @sampling_options
 @click.option("-n", "n", default=1, show_default=True, help="Number of samples.")
-@click.option("--dtype", default="auto", show_default=True, help=DTYPE_HELP)
-@click.option("--deterministic", is_flag=True, help=DETERMINISTIC_HELP)
-@click.option("--quantization", default=None, metavar="METHOD", help=QUANTIZATION_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@engine_options(exclude=("seed",))  # --seed is the request's own here
 def complete(prompt: str, model_dir: str | None, chat: bool, max_tokens: int, temperature: float | None,
-             top_p: float | None, top_k: int, min_p: float, seed: int | None, ignore_eos: bool, n: int, dtype: str,
-             deterministic: bool, quantization: str | None, as_json: bool) -> None:
+             top_p: float | None, top_k: int, min_p: float, seed: int | None, ignore_eos: bool, n: int,
+             as_json: bool, **opts) -> None:
     """Complete PROMPT with the in-process engine."""
+    from dataclasses import asdict
+
     from worker import Engine, InvalidRequest, SamplingParams
 
+    options = engine_args(opts)
     model = model_path(model_dir)
     text = chat_prompt(model, prompt) if chat else prompt
     try:
         unset = {"temperature": temperature, "top_p": top_p}  # None: the engine's default, as for generate
         params = SamplingParams(max_tokens=max_tokens, top_k=top_k, min_p=min_p, seed=seed, n=n,
                                 ignore_eos=ignore_eos, **{k: v for k, v in unset.items() if v is not None})
-        engine = Engine.from_pretrained(model, dtype=dtype, deterministic=deterministic, quantization=quantization)
+        engine = Engine.from_pretrained(model, **asdict(options))
         start = time.perf_counter()
         [out] = engine.generate([text], params)
     except (InvalidRequest, ValueError) as exc:
@@ -174,7 +165,6 @@ def generate(prompt, addr, token_ids, chat, model_dir, max_tokens, temperature, 
 @click.option("--both", "num_both", default=0, show_default=True, help="aggregated workers")
 @click.option("--port", default=8470, show_default=True, help="the router's port (0: any free port)")
 @click.option("--redis", "redis_url", default=None, help="use this Redis instead of starting one")
-@click.option("--dtype", default="auto", show_default=True, help=DTYPE_HELP)
 @click.option("--request", "request_text", default=None,
               help="send this prompt once the cluster is up, print the answer, then stop")
 @click.option("--max-tokens", default=32, show_default=True, help="with --request")
@@ -198,38 +188,13 @@ def generate(prompt, addr, token_ids, chat, model_dir, max_tokens, temperature, 
 @click.option("--pin-cores", is_flag=True,
               help="pin each worker to its own share of the cores (by default workers only get a thread count "
                    "each, the cores divided evenly, and the OS places them)")
-@click.option("--tensor-parallel", default=1, show_default=True,
-              help="every worker a group of N ranks each holding 1/N of every layer (the mesh sees one worker)")
-@click.option("--expert-parallel", default=1, show_default=True,
-              help="every worker a group of N ranks each holding 1/N of the experts")
-@click.option("--pipeline-parallel", default=1, show_default=True,
-              help="every worker a group of N pipeline stages each holding 1/N of the layers")
-@click.option("--kv-host-bytes", default=0, show_default=True,
-              help="host memory behind each worker's KV pool: evicted prefixes and preempted sequences are kept "
-                   "there and copied back instead of computed again")
-@click.option("--kv-disk-dir", default=None, type=click.Path(file_okay=False),
-              help="directory of the disk tier behind each worker's host tier (each worker a subdirectory named "
-                   "after it, found again when the cluster restarts)")
-@click.option("--kv-disk-bytes", default=0, show_default=True,
-              help="size of each worker's disk tier file (needs --kv-host-bytes and --kv-disk-dir)")
-@click.option("--deterministic", is_flag=True, help=DETERMINISTIC_HELP)
-@click.option("--quantization", default=None, metavar="METHOD", help=QUANTIZATION_HELP)
-@click.option("--speculative", type=click.Choice(SPECULATIVE_METHODS), default=None, help=SPECULATIVE_HELP)
-@click.option("--num-speculative-tokens", type=int, default=None, help="guesses per sequence and step (default 3)")
-@click.option("--speculative-model", default=None, type=click.Path(exists=True, file_okay=False),
-              help="the draft model of --speculative draft (a directory with the model's tokenizer), "
-                   "or the EAGLE head of --speculative eagle")
-@click.option("--speculative-disable-by-batch-size", type=int, default=None,
-              help="no guesses in a step whose batch holds more sequences than this (default 2; 0: always guess)")
 @click.option("--planner", is_flag=True, help="scale the prefill and decode pools to the SLO targets (the SLA "
               "planner: metrics on; the pools start at --prefill/--decode, which are their minimums)")
 @planner_options
-def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, request_text, max_tokens, chat,
+@engine_options()
+def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, request_text, max_tokens, chat,
        http_port, metrics, num_routers, num_schedulers, redis_persistent, tls, api_key_file, shared_prefix_cache,
-       pin_cores, tensor_parallel,
-       expert_parallel, pipeline_parallel, kv_host_bytes, kv_disk_dir, kv_disk_bytes, deterministic,
-       quantization, speculative, num_speculative_tokens, speculative_model,
-       speculative_disable_by_batch_size, planner, **planner_opts) -> None:
+       pin_cores, planner, **opts) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C. With --planner, the
     prefill and decode pools scale between their starting sizes and --max-prefill/--max-decode
     to meet --slo-ttft-ms and --slo-itl-ms."""
@@ -238,34 +203,23 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, dtype, req
 
     from control_plane.cli.client import Completion, accumulate, build_request, stream
     from control_plane.cli.launcher import Cluster, ClusterSpec, new_log_dir
-    from worker.platform import DtypeError, parse_dtype
 
-    try:
-        parse_dtype(dtype)
-    except DtypeError as exc:
-        raise click.BadParameter(str(exc), param_hint="--dtype") from None
+    engine = engine_args(opts)  # what it leaves in opts is the planner's
     model = Path(model_path(model_dir))
     try:
-        spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, dtype=dtype,
+        spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, engine=engine,
                            http_port=http_port, metrics=metrics or planner, tls=tls, num_routers=num_routers,
                            num_schedulers=num_schedulers, redis_persistent=redis_persistent,
                            api_key_file=Path(api_key_file) if api_key_file else None, pin_cores=pin_cores,
                            router_args=("--shared-prefix-cache",) if shared_prefix_cache else (),
-                           tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                           pipeline_parallel=pipeline_parallel, deterministic=deterministic,
-                           kv_host_bytes=kv_host_bytes, kv_disk_dir=Path(kv_disk_dir) if kv_disk_dir else None,
-                           kv_disk_bytes=kv_disk_bytes, quantization=quantization, speculative=speculative,
-                           num_speculative_tokens=num_speculative_tokens,
-                           speculative_model=Path(speculative_model) if speculative_model else None,
-                           speculative_disable_by_batch_size=speculative_disable_by_batch_size,
                            worker_args=("--drain-grace", str(PLANNER_DRAIN_S)) if planner else ())
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     policy = None
     if planner:
         from control_plane.planner.options import build_policy, planner_config
-        policy = build_policy(str(model), planner_config(num_prefill, num_decode, planner_opts),
-                              planner_opts["planner_hardware"], planner_opts["planner_profile"])
+        policy = build_policy(str(model), planner_config(num_prefill, num_decode, opts),
+                              opts["planner_hardware"], opts["planner_profile"])
     cluster = Cluster(spec, new_log_dir())
     click.echo(f"starting {num_prefill} prefill, {num_decode} decode, {num_both} aggregated worker(s) "
                f"on {model}; logs in {cluster.log_dir}", err=True)

@@ -40,7 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from control_plane.cli.death_signal import death_signal
 from control_plane.cli.port_reservations import PortReservations
 from control_plane.cli.redis_server import redis_argv, wait_listening
-from kervan.block_hash import DEFAULT_BLOCK_SIZE
+from kervan.engine_args import EngineArgs, to_flags
 from kervan.envs import KERVAN_LISTEN_REUSEPORT
 from kervan.worker_info import WorkerRole
 from services.common.lifeline import ENV as ENV_LIFELINE
@@ -58,12 +58,9 @@ class ClusterSpec:
     num_both: int = 0
     router_port: int = 0  # 0: a free port
     redis_url: str | None = None  # None: start a private redis-server
-    block_size: int = DEFAULT_BLOCK_SIZE
-    dtype: str = "auto"
-    num_kv_blocks: int | None = None
-    kv_host_bytes: int = 0  # host memory behind each worker's KV pool (--kv-host-bytes)
-    kv_disk_dir: Path | None = None  # the disk tier's directory: each worker a subdirectory of its name
-    kv_disk_bytes: int = 0  # each worker's disk tier file (--kv-disk-bytes)
+    # every worker's engine options (``kervan/engine_args.py``): its flags are the fields not at their
+    # defaults; a disk tier's directory gets a subdirectory per worker, and a prefill worker never speculates
+    engine: EngineArgs = field(default_factory=EngineArgs)
     threads_per_worker: int | None = None  # None: this host's cores shared evenly among its workers
     pin_cores: bool = False  # pin worker i to its own core(s) (benchmarks: no two engines share a core)
     scheduler_args: tuple[str, ...] = ()  # extra flags for the scheduler, e.g. ("--policy", "round_robin")
@@ -72,10 +69,6 @@ class ClusterSpec:
     worker_args: tuple[str, ...] = ()  # extra flags for every worker, e.g. ("--max-waiting", "8")
     http_port: int | None = None  # the router's OpenAI-compatible HTTP API (None: off, 0: a free port)
     metrics: bool = False  # every service serves Prometheus metrics on a free port (addresses["NAME-metrics"])
-    # every worker a worker group of these sizes
-    tensor_parallel: int = 1
-    expert_parallel: int = 1
-    pipeline_parallel: int = 1
     tls: bool = False  # mutual TLS between all services (a throw-away CA in the run's directory)
     # with tls: the registry refuses worker certificates that name no address (every worker's names its
     # own); False runs it as a deploy whose workers share one certificate (the k8s manifests)
@@ -84,51 +77,26 @@ class ClusterSpec:
     num_routers: int = 1  # replicas: "router", "router-1", ... (clients list them all: replicas.py)
     num_schedulers: int = 1  # replicas: "scheduler", "scheduler-1", ... (every router lists them all)
     redis_persistent: bool = False  # the private Redis keeps an append-only file (survives its restart)
-    deterministic: bool = False  # every worker runs batch-invariant kernels (--deterministic)
-    quantization: str | None = None  # every worker's weights in this low precision (--quantization)
-    # decode and aggregated workers speculate (--speculative ngram|draft|eagle, --num-speculative-tokens,
-    # --speculative-model, --speculative-disable-by-batch-size); prefill workers emit one token and never do
-    speculative: str | None = None
-    num_speculative_tokens: int | None = None
-    speculative_model: Path | None = None
-    speculative_disable_by_batch_size: int | None = None
-
-    def speculative_flags(self) -> list[str]:
-        flags = ["--speculative", self.speculative]
-        flags += ["--num-speculative-tokens", str(self.num_speculative_tokens)] if self.num_speculative_tokens else []
-        flags += ["--speculative-model", str(self.speculative_model)] if self.speculative_model else []
-        if self.speculative_disable_by_batch_size is not None:
-            flags += ["--speculative-disable-by-batch-size", str(self.speculative_disable_by_batch_size)]
-        return flags
 
     def __post_init__(self) -> None:
-        sizes = self.parallel_sizes()
-        if min(sizes.values()) < 1:
-            raise ValueError(f"parallel sizes must be >= 1, got {sizes}")
-        if self.kv_disk_bytes and not (self.kv_disk_dir and self.kv_host_bytes):
-            raise ValueError("--kv-disk-bytes needs --kv-disk-dir and --kv-host-bytes (the disk tier sits behind "
-                             "the host tier)")
-        if (self.speculative_disable_by_batch_size or 0) < 0:
-            raise ValueError(f"--speculative-disable-by-batch-size must be >= 0, got "
-                             f"{self.speculative_disable_by_batch_size}")
-        if self.group_size == 1:
+        if self.engine.world_size == 1:
             return
         from worker.config import ConfigError, ModelConfig, check_parallel
         from worker.platform import current_platform
         platform = current_platform()
         try:  # refused here, before any process starts, naming the numbers
-            check_parallel(ModelConfig.from_dir(self.model_dir), self.tensor_parallel, self.expert_parallel,
-                           self.pipeline_parallel, platform.num_ranks(platform.resolve_device("auto")))
+            check_parallel(ModelConfig.from_dir(self.model_dir), self.engine.tensor_parallel_size,
+                           self.engine.expert_parallel_size, self.engine.pipeline_parallel_size,
+                           platform.num_ranks(platform.resolve_device("auto")))
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
 
-    def parallel_sizes(self) -> dict[str, int]:
-        return {"tensor": self.tensor_parallel, "expert": self.expert_parallel, "pipeline": self.pipeline_parallel}
-
-    @property
-    def group_size(self) -> int:
-        """Ranks per aggregated worker."""
-        return max(self.tensor_parallel, self.expert_parallel) * self.pipeline_parallel
+    def worker_engine(self, name: str, role: WorkerRole) -> EngineArgs:
+        """The engine options of worker ``name``."""
+        engine = self.engine.without_speculation() if role is WorkerRole.PREFILL else self.engine
+        if engine.kv_disk_dir:  # each worker its own file, found again by name after a restart
+            engine = dataclasses.replace(engine, kv_disk_dir=str(Path(engine.kv_disk_dir) / name))
+        return engine
 
 
     @property
@@ -140,7 +108,7 @@ class ClusterSpec:
         # two processes on the same cores cost far more than they save
         # (per rank: a worker group's ranks share what one worker gets)
         per_worker = self.threads_per_worker or max(1, len(usable_cores()) // max(1, self.num_workers))
-        return max(1, per_worker // self.group_size)
+        return max(1, per_worker // self.engine.world_size)
 
 
 @dataclass
@@ -202,7 +170,7 @@ class Cluster:
 
     def registry_flags(self) -> list[str]:
         bound = ["--require-worker-addresses"] if self.spec.tls and self.spec.require_worker_addresses else []
-        return ["--block-size", str(self.spec.block_size), *bound, *self.spec.registry_args]
+        return ["--block-size", str(self.spec.engine.block_size), *bound, *self.spec.registry_args]
 
     def start(self, timeout: float = 180.0) -> None:
         """Start every service in dependency order; raises if one dies or never serves."""
@@ -261,24 +229,12 @@ class Cluster:
             usable = usable_cores()
             cores = {usable[(slot * threads + k) % len(usable)] for k in range(threads)}
         self.spawned[role] += 1
-        extra = ["--num-kv-blocks", str(self.spec.num_kv_blocks)] if self.spec.num_kv_blocks else []
-        extra += ["--kv-host-bytes", str(self.spec.kv_host_bytes)] if self.spec.kv_host_bytes else []
-        if self.spec.kv_disk_bytes:
-            extra += ["--kv-disk-dir", str(Path(self.spec.kv_disk_dir) / name), "--kv-disk-bytes",
-                      str(self.spec.kv_disk_bytes)]
-        extra += [arg for name, n in self.spec.parallel_sizes().items() if n > 1
-                  for arg in (f"--{name}-parallel", str(n))]
-        extra += ["--deterministic"] if self.spec.deterministic else []
-        extra += ["--quantization", self.spec.quantization] if self.spec.quantization else []
-        if self.spec.speculative and role != WorkerRole.PREFILL:
-            extra += self.spec.speculative_flags()
         port = self.ports.reserve()
         tls = None
         if self.authority is not None:  # its own certificate, naming the one address it may register
             tls = self.authority.issue("worker", name=name, addresses=[f"127.0.0.1:{port}"]).flags()
         self._start(name, "services.worker", "--role", str(role), "--model", str(self.spec.model_dir),
-                    "--registry", self.addresses["kv-registry"], "--dtype", self.spec.dtype,
-                    "--block-size", str(self.spec.block_size), *extra,
+                    "--registry", self.addresses["kv-registry"], *to_flags(self.spec.worker_engine(name, role)),
                     *self.spec.worker_args, *args, port=port, tls_flags=tls,
                     env={"OMP_NUM_THREADS": str(threads)}, cores=cores)
         return name

@@ -32,6 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from control_plane.plan.profile import Profile, synthetic_prompt
+from kervan.engine_args import EngineArgs
 
 # the scheduler of a plan's split cluster: every prompt prefilled on the prefill worker, as a plan assumes
 ALL_PROMPTS_REMOTE = ("--min-remote-prefill-blocks", "0", "--max-prefill-queue-tokens", "0")
@@ -192,7 +193,7 @@ def measure_served(model_dir: str | Path, dtype: str = "auto", batches=SERVED_BA
 
     shape = model_shape(str(model_dir))[0]
     max_len = min(shape.max_position, max(contexts) + 2048)
-    spec = ClusterSpec(Path(model_dir), num_prefill=1, num_decode=1, dtype=dtype, pin_cores=True,
+    spec = ClusterSpec(Path(model_dir), num_prefill=1, num_decode=1, engine=EngineArgs(dtype=dtype), pin_cores=True,
                        scheduler_args=ALL_PROMPTS_REMOTE)
     cluster = Cluster(spec, new_log_dir())
     try:

@@ -40,7 +40,7 @@ class Generations:
         if gen is None:
             await self.r.set(self.key, uuid.uuid4().hex, nx=True)
             gen = await self.r.get(self.key)
-        gen = gen.decode()
+        gen = gen.decode() if isinstance(gen, bytes) else str(gen)
         if self.current is not None and gen != self.current:
             self.started += 1
             self.rebuilding_until = time.monotonic() + self.grace_s

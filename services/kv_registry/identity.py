@@ -33,9 +33,10 @@ def registration_identity(context: grpc.aio.ServicerContext, worker: WorkerInfo,
     """The caller certificate's identity (its SHA-256), after checking that it may
     register ``worker``; None without TLS. Raises ``PermissionDenied``."""
     auth = context.auth_context()
-    pem = (auth.get("x509_pem_cert") or [None])[0]
-    if pem is None:
+    pems = list(auth.get("x509_pem_cert") or ())
+    if not pems:
         return None
+    pem = pems[0]
     names = [n.decode(errors="replace") for n in auth.get("x509_subject_alternative_name") or ()]
     addresses = [n[len(WORKER_ADDRESS_SCHEME):] for n in names if n.startswith(WORKER_ADDRESS_SCHEME)]
     if addresses or require_addresses:

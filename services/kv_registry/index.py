@@ -38,6 +38,7 @@ import asyncio
 import hashlib
 import logging
 import secrets
+from typing import Any
 
 import redis.asyncio as redis
 
@@ -300,6 +301,7 @@ def decode_live(registered: list[tuple[str, list]]) -> list[tuple[WorkerInfo, Lo
         if not flat:
             continue
         f = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
-        live.append((record_of(f), Load(**{k: int(f.get(k, 0)) for k in SCALARS})))
+        scalars: dict[str, Any] = {k: int(f.get(k, 0)) for k in SCALARS}
+        live.append((record_of(f), Load(**scalars)))
     return live
 

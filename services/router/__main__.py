@@ -102,6 +102,7 @@ async def serve(args: argparse.Namespace) -> None:
     model_dir = Path(args.model) if args.model else default_model_written()
     channels = worker_channels(security)
     scheduler_channel = None
+    routes: ScheduledRoutes | StaticRoutes
     if args.scheduler:
         scheduler_channel = security.channel(replicas.target(args.scheduler),
                                              KEEPALIVE + replicas.options(SCHEDULER_SERVICE), role="scheduler")

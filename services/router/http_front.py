@@ -30,10 +30,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 import uvicorn
@@ -131,7 +132,7 @@ class OpenAIFront:
         returns the port. ``stop`` gives the requests in flight ``grace_s`` seconds."""
         self.connections = ConnectionCounts(within_open_files(self.http_limits, raise_open_files_limit()))
         self.server = _Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off",
-                                             access_log=False, timeout_graceful_shutdown=grace_s,
+                                             access_log=False, timeout_graceful_shutdown=math.ceil(grace_s),
                                              ssl_certfile=tls_cert, ssl_keyfile=tls_key,
                                              http=guarded_protocol(self.connections)))
         # bound here, not by uvicorn: under the launcher, beside its reservation of the port
@@ -145,7 +146,8 @@ class OpenAIFront:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.should_exit = True
-            await self._task
+            if self._task is not None:
+                await self._task
 
     async def health(self, request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok"})
@@ -276,7 +278,7 @@ class _Answer:
                                 "finish_reason": c.finish_reason})
         return {**self._head(self.kind), "choices": choices, "usage": self._usage()}
 
-    async def stream(self, first, events: AsyncIterator) -> AsyncIterator[str]:
+    async def stream(self, first, events: AsyncGenerator) -> AsyncIterator[str]:
         try:
             if self.chat:  # the role first, as OpenAI streams it
                 for i in range(len(self.parsed.prompts) * self.parsed.n):
@@ -292,7 +294,7 @@ class _Answer:
                     if chunk:
                         yield _sse(chunk)
             except Exception as exc:  # noqa: BLE001 (after the first chunk the status is sent: say it in it)
-                yield _sse(json.loads(failure_response(exc).body))
+                yield _sse(json.loads(bytes(failure_response(exc).body)))
                 return
             if self.parsed.include_usage:
                 yield _sse({**self._head(self.kind + ("" if not self.chat else ".chunk")), "choices": [],
@@ -338,7 +340,7 @@ def _with_id(request: router_pb2.GenerateRequest, rid: str) -> router_pb2.Genera
 
 
 async def _merged(streams: list[AsyncIterator[router_pb2.GenerateResponse]]
-                  ) -> AsyncIterator[tuple[int, router_pb2.GenerateResponse]]:
+                  ) -> AsyncGenerator[tuple[int, router_pb2.GenerateResponse], None]:
     """(prompt index, response) from every stream, as they come; closing it closes them all
     (each one's request aborted on the workers, its slot given back)."""
     queue: asyncio.Queue = asyncio.Queue()

@@ -16,6 +16,7 @@ before any starts (``RequestBounds``): prompts per body, and prompts x n."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from kervan.sampling import InvalidRequest
 from services.proto import common_pb2, router_pb2
@@ -153,7 +154,7 @@ def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
                         for t, lp in zip(tokens, logprobs)]}
 
 
-def _is_ids(value: object) -> bool:
+def _is_ids(value: object) -> TypeGuard[list[int]]:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
                                                            for t in value)
 

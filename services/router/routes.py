@@ -6,6 +6,7 @@ place it, and keeps one channel per worker address."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kervan.block_hash import HASH_NAME, hash_blocks
@@ -46,7 +47,7 @@ class StaticRoutes:
         self.placement = placement
 
     async def route(self, request_id: str, prompt: list[int], max_tokens: int, n: int, timeout: float | None,
-                    model: str = "", exclude: list[str] = (), avoid: list[str] = (), cache_salt: str = ""
+                    model: str = "", exclude: Sequence[str] = (), avoid: Sequence[str] = (), cache_salt: str = ""
                     ) -> Placement:
         p = self.placement
         if p.worker is None and n > 1:  # FORKED_SAMPLES: the decode worker prefills too
@@ -76,7 +77,7 @@ class ScheduledRoutes:
         return self.block_size
 
     async def route(self, request_id: str, prompt: list[int], max_tokens: int, n: int, timeout: float | None,
-                    model: str = "", exclude: list[str] = (), avoid: list[str] = (), cache_salt: str = ""
+                    model: str = "", exclude: Sequence[str] = (), avoid: Sequence[str] = (), cache_salt: str = ""
                     ) -> Placement:
         """``exclude``: worker addresses this request found unreachable (the registry may
         not know yet); ``avoid``: those other requests did lately, most recent first

@@ -33,7 +33,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -130,7 +130,7 @@ class RequestRunner:
         self._background: set[asyncio.Task] = set()
 
     async def run(self, rid: str, prompt: list[int], params: SamplingParams, deadline,
-                  cache_salt: str = "") -> AsyncIterator[tuple[int, worker_pb2.TokenUpdate]]:
+                  cache_salt: str = "") -> AsyncGenerator[tuple[int, worker_pb2.TokenUpdate], None]:
         """(attempt, update) pairs; updates of later attempts carry indices continuing
         the earlier ones and no cached-prompt count (theirs covers delivered tokens)."""
         state = _Progress()
@@ -205,10 +205,12 @@ class RequestRunner:
             async for msg in self._stream(call, place.worker_address):
                 yield msg.update
             return
+        assert place.prefill is not None and place.decode is not None  # a placement is one worker, or both
+        prefill, decode = place.prefill, place.decode
         remaining = deadline.remaining()
         cap = self.policy.first_token_timeout_s
         try:
-            first = await place.prefill.Prefill(worker_pb2.PrefillRequest(
+            first = await prefill.Prefill(worker_pb2.PrefillRequest(
                 request_id=rid, prompt=ids, sampling=sampling, decode_address=place.decode_address, cache_salt=salt),
                 timeout=cap if remaining is None else min(remaining, cap))
         except grpc.aio.AioRpcError as err:
@@ -222,7 +224,7 @@ class RequestRunner:
                                      finish_reason=first.finish_reason, cached_prompt_tokens=first.cached_prompt_tokens)
         if first.finish_reason:
             return
-        call = place.decode.Decode(worker_pb2.DecodeRequest(
+        call = decode.Decode(worker_pb2.DecodeRequest(
             request_id=rid, prompt=ids, sampling=sampling, first_token=first.first_token,
             first_logprob=first.first_logprob, kv_handle=first.kv_handle, cache_salt=salt),
             timeout=deadline.remaining())
@@ -232,7 +234,7 @@ class RequestRunner:
         except asyncio.CancelledError:
             # the client left between handoff and decode: drop the staged KV now, not at lease end
             task = asyncio.ensure_future(  # a gRPC call is awaitable, not a coroutine: create_task refuses it
-                place.decode.Abort(worker_pb2.AbortRequest(request_id=rid), timeout=5))
+                decode.Abort(worker_pb2.AbortRequest(request_id=rid), timeout=5))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             raise

@@ -74,11 +74,13 @@ class SampleStream:
             sample_index=self.sample_index, index=update.index, token_ids=update.token_ids, text=text,
             logprobs=update.logprobs, attempt=attempt))
 
-    def _finished(self, finish_reason: int, cached_prompt_tokens: int) -> router_pb2.GenerateResponse:
-        ttft = (self.first_token_at - self.start) if self.first_token_at else 0.0
+    def _finished(self, finish_reason: common_pb2.FinishReason, cached_prompt_tokens: int
+                  ) -> router_pb2.GenerateResponse:
+        first, last = self.first_token_at, self.last_token_at
+        ttft = (first - self.start) if first else 0.0
         tpot = 0.0
-        if self.completion_tokens > 1:
-            tpot = (self.last_token_at - self.first_token_at) / (self.completion_tokens - 1)
+        if self.completion_tokens > 1 and first is not None and last is not None:
+            tpot = (last - first) / (self.completion_tokens - 1)
         usage = common_pb2.Usage(prompt_tokens=self.num_prompt_tokens, cached_prompt_tokens=cached_prompt_tokens,
                                  completion_tokens=self.completion_tokens, time_to_first_token_s=ttft,
                                  time_per_output_token_s=tpot)

@@ -35,7 +35,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        key = "" if self.api_keys is None else self.api_keys.identity(dict(context.invocation_metadata() or ()))
+        key = "" if self.api_keys is None else self.api_keys.identity(dict(context.invocation_metadata() or ()))  # type: ignore[arg-type]  # str pairs
         try:
             async for response in self.core.generate(request, key, Deadline(context.time_remaining())):
                 yield response

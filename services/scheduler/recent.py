@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 class RecentPlacements:
@@ -27,7 +27,7 @@ class RecentPlacements:
         self._holders: dict[bytes, set[str]] = {}  # block hash -> the workers it was placed on (not yet expired)
         self._swept = clock()  # when every worker's prefixes were last expired
 
-    def add(self, worker_id: str, prefill_tokens: int = 0, blocks: int = 0, block_hashes: list[bytes] = ()) -> None:
+    def add(self, worker_id: str, prefill_tokens: int = 0, blocks: int = 0, block_hashes: Sequence[bytes] = ()) -> None:
         now = self.clock()
         self._placed.setdefault(worker_id, deque()).append((now, prefill_tokens, blocks))
         if block_hashes:

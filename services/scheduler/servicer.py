@@ -141,8 +141,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         rest only each role's best, else all. ``cut``: the pool lacks listed workers."""
         if self.policy.remembers:
             remembered = [self.policy.remembered_blocks(c.worker_id, hashes) for c in pool]
-            if all(r is not None for r in remembered):  # the policy's own memory, never what workers report
-                return [self._candidate(c, r) for c, r in zip(pool, remembered)]
+            known = [r for r in remembered if r is not None]
+            if len(known) == len(pool):  # the policy's own memory, never what workers report
+                return [self._candidate(c, r) for c, r in zip(pool, known)]
         matched, host, disk = dict(match.matched_blocks), dict(match.host_blocks), dict(match.disk_blocks)
         loaded = set(self.recent.loaded_workers())
         holders = set(self.recent.holders(hashes[0])) if hashes else set()

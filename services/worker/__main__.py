@@ -15,7 +15,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
-from kervan.block_hash import DEFAULT_BLOCK_SIZE
+from kervan import engine_args
 from kervan.worker_info import WorkerRole
 from services.common import replicas
 from services.common.config import parse_service_args, service_parser
@@ -30,8 +30,8 @@ from services.worker.kv_transfer import sweep_stale_segments
 from services.worker.membership import Membership
 from services.worker.metrics import EngineCollector, KernelChoiceCollector
 from services.worker.servicer import CALLERS, WorkerServicer
-from worker.config import SPECULATIVE_METHODS, ConfigError, EngineConfig
-from worker.platform import DTYPE_CHOICES, dtype_name
+from worker.config import ConfigError
+from worker.platform import dtype_name
 
 log = logging.getLogger("services.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
@@ -54,51 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--registry", default=None, help="HOST:PORT of the kv-registry to join (optional)")
     ap.add_argument("--advertise-address", default=None,
                     help="HOST:PORT others reach this worker at, when not the one it binds (a proxy, a Service)")
-    ap.add_argument("--dtype", default="auto", type=str.lower, choices=DTYPE_CHOICES,
-                    help="auto: bfloat16 where the hardware computes it natively, else float32 (float16 on GPUs "
-                         "without bf16); `kervan info` shows the choice")
-    ap.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
-                    help="tokens per KV block; every process of a mesh takes the same (the kv-registry refuses others)")
-    ap.add_argument("--num-kv-blocks", type=int, default=None)
-    ap.add_argument("--kv-host-bytes", type=int, default=0,
-                    help="host memory behind the KV pool: blocks leaving it (evicted prefixes, preempted sequences) "
-                         "are kept there and copied back on a hit instead of computed (0: none)")
-    ap.add_argument("--kv-disk-dir", default=None,
-                    help="directory of the disk tier behind the host tier (one file, kv-blocks.bin, per worker; "
-                         "its blocks are found again after a restart)")
-    ap.add_argument("--kv-disk-bytes", type=int, default=0,
-                    help="size of the disk tier's file, reserved at start (0: no disk tier; needs --kv-host-bytes)")
-    ap.add_argument("--kv-disk-write", choices=("back", "through"), default="back",
-                    help="back: a block is written to disk when the host tier lets it go; through: as soon as it "
-                         "leaves the pool")
-    ap.add_argument("--kv-offload-min-uses", type=int, default=1,
-                    help="the tiers' reuse gate: a block is demoted to host memory (and disk) only once this many "
-                         "requests used it (1: every block; 2 keeps one-off prompts from flushing the tiers)")
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
-                    help="tokens one engine step computes at most: a longer prompt is prefilled in chunks of this "
-                         "size between decode steps (chunked prefill; smaller: steadier inter-token latency)")
-    ap.add_argument("--long-prefill-token-threshold", type=int, default=EngineConfig.long_prefill_token_threshold,
-                    help="prompt tokens one sequence computes per step at most (0: only the step's budget bounds it)")
-    group = ap.add_argument_group("worker group", "one worker of several ranks (processes on the CPU, GPUs on "
-                                  "CUDA) that the mesh sees as one, in any role: KV handed to or from it is "
-                                  "re-sharded")
-    group.add_argument("--tensor-parallel", type=int, default=1, help="ranks each holding 1/N of every layer")
-    group.add_argument("--expert-parallel", type=int, default=1,
-                       help="ranks each holding 1/N of the experts, tokens sent to them (all-to-all); equal to "
-                            "--tensor-parallel, or that 1 (attention then replicated)")
-    group.add_argument("--pipeline-parallel", type=int, default=1, help="stages each holding 1/N of the layers")
-    ap.add_argument("--enforce-eager", action="store_true",
-                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start")
-    ap.add_argument("--deterministic", action="store_true",
-                    help="batch-invariant kernels: a request's greedy tokens and logprobs are bit-identical whatever "
-                         "else it is batched with, however its prompt is chunked, wherever its prefix KV came from "
-                         "(cache, KV push, a migration's re-prefill); every worker of a mesh must run it (CPU only)")
-    ap.add_argument("--quantization", default=None, metavar="METHOD",
-                    help="weight-only low precision for a float checkpoint: int8, int4 (groups of 64; int4-g32, "
-                         "int4-g128), fp8, fp8-block, nvfp4; a GGUF model is served in its own blocks without it")
-    add_speculative_arguments(ap)
+    engine_args.add_arguments(ap)
     ap.add_argument("--max-step-failures", type=int, default=3,
                     help="engine steps failing in a row after which the worker leaves the mesh and exits (70)")
     ap.add_argument("--engine-wedge-timeout-s", type=float, default=120.0,
@@ -107,32 +63,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-waiting", type=int, default=256,
                     help="requests queued beyond a full batch before new ones get RESOURCE_EXHAUSTED")
     return parse_service_args(ap, "worker", argv)
-
-
-def add_speculative_arguments(ap: argparse.ArgumentParser) -> None:
-    spec = ap.add_argument_group("speculative decoding", "guesses of the next tokens, verified by the model in one "
-                                 "step; the output is the model's own (greedy, seeded samples: the same tokens)")
-    spec.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
-                      help="ngram: prompt lookup, no weights; draft: a smaller model with the same tokenizer "
-                           "(--speculative-model)")
-    spec.add_argument("--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
-                      help="guesses per sequence and step")
-    spec.add_argument("--speculative-model", default=None, help="the draft model's directory")
-    spec.add_argument("--prompt-lookup-min", type=int, default=EngineConfig.prompt_lookup_min,
-                      help="ngram: the fewest tokens a match takes")
-    spec.add_argument("--prompt-lookup-max", type=int, default=EngineConfig.prompt_lookup_max,
-                      help="ngram: the most tokens a match takes (longest first)")
-    spec.add_argument("--speculative-disable-by-batch-size", type=int,
-                      default=EngineConfig.speculative_disable_by_batch_size,
-                      help="no guesses in a step whose batch holds more sequences than this "
-                           "(default %(default)s; 0: always guess)")
-
-
-def speculative_options(args: argparse.Namespace) -> dict:
-    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                speculative_model=args.speculative_model, prompt_lookup_min=args.prompt_lookup_min,
-                prompt_lookup_max=args.prompt_lookup_max,
-                speculative_disable_by_batch_size=args.speculative_disable_by_batch_size)
 
 
 async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: Path, stop: asyncio.Event) -> None:
@@ -167,6 +97,7 @@ async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: 
         if membership_task is not None:
             membership_task.cancel()  # no heartbeat may re-register this worker now
             await asyncio.gather(membership_task, return_exceptions=True)
+        if membership is not None:
             await membership.deregister()
 
     async def on_stop() -> None:  # after on_drain: the membership task is done
@@ -212,19 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     sweep_stale_segments()
     model_dir = Path(args.model) if args.model else ensure_default_model()
     try:
-        engine = Engine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                                        num_kv_blocks=args.num_kv_blocks, kv_host_bytes=args.kv_host_bytes,
-                                        kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes,
-                                        kv_disk_write=args.kv_disk_write,
-                                        kv_offload_min_uses=args.kv_offload_min_uses,
-                                        max_num_seqs=args.max_num_seqs,
-                                        max_num_batched_tokens=args.max_num_batched_tokens,
-                                        long_prefill_token_threshold=args.long_prefill_token_threshold,
-                                        tensor_parallel_size=args.tensor_parallel,
-                                        expert_parallel_size=args.expert_parallel,
-                                        pipeline_parallel_size=args.pipeline_parallel,
-                                        enforce_eager=args.enforce_eager, deterministic=args.deterministic,
-                                        quantization=args.quantization, **speculative_options(args))
+        engine = Engine.from_pretrained(model_dir, **engine_args.from_namespace(args))
     except ConfigError as exc:
         raise SystemExit(f"worker: {exc}") from None
     log.info("engine: %s on %s, native CPU kernels %s%s", dtype_name(engine.config.dtype), engine.config.device,

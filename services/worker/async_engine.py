@@ -302,12 +302,12 @@ class AsyncEngine:
         try:
             result = command.fn(self.engine)
         except Exception as exc:
-            if command.future is None:
+            if command.future is None or command.loop is None:
                 log.exception("posted engine call failed")
             else:
                 command.loop.call_soon_threadsafe(_settle, command.future, None, exc)
         else:
-            if command.future is not None:
+            if command.future is not None and command.loop is not None:
                 command.loop.call_soon_threadsafe(_settle, command.future, result, None)
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:

@@ -47,6 +47,7 @@ class DecodePeers:
         return self._channels.stub(address)
 
     async def _refresh(self) -> None:
+        assert self.registry is not None  # only a worker with a registry refreshes
         try:
             reply = await self.registry.ListWorkers(kv_registry_pb2.ListWorkersRequest(), timeout=2)
         except grpc.aio.AioRpcError as err:

@@ -99,15 +99,16 @@ class SharedMemoryExport:
         self.shm = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}", create=True,
                                               size=size)
         # the receiver owns the segment's end; don't let this process's tracker unlink it
-        resource_tracker.unregister(self.shm._name, "shared_memory")
+        resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]  # the tracker's key
         self.name = self.shm.name
         try:
-            _reserve(self.shm._fd, size)
+            _reserve(self.shm._fd, size)  # type: ignore[attr-defined]  # the segment's descriptor, not exposed
         except SharedMemoryFull:
             self.discard()
             raise
-        self.shm.buf[:SHM_TOKEN_BYTES] = self.token
-        np.frombuffer(self.shm.buf, dtype=np.uint8, count=raw.numel(), offset=SHM_TOKEN_BYTES)[:] = raw.numpy()
+        buf = _buffer(self.shm)
+        buf[:SHM_TOKEN_BYTES] = self.token
+        np.frombuffer(buf, dtype=np.uint8, count=raw.numel(), offset=SHM_TOKEN_BYTES)[:] = raw.numpy()
 
     def close(self) -> None:
         self.shm.close()
@@ -178,9 +179,9 @@ def read_shared_memory(head: worker_pb2.KvHeader) -> torch.Tensor:
         shm = shared_memory.SharedMemory(name=head.shm_name)
     except FileNotFoundError:
         raise InvalidRequest(f"shared memory segment {head.shm_name!r} does not exist") from None
-    resource_tracker.unregister(shm._name, "shared_memory")  # its end is this function's, or its creator's
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]  # its end is this function's, or its creator's
     try:
-        if shm.size < SHM_TOKEN_BYTES or not hmac.compare_digest(bytes(shm.buf[:SHM_TOKEN_BYTES]), head.shm_token):
+        if shm.size < SHM_TOKEN_BYTES or not hmac.compare_digest(bytes(_buffer(shm)[:SHM_TOKEN_BYTES]), head.shm_token):
             raise InvalidRequest(f"shared memory segment {head.shm_name!r} is not this push's (its token differs)")
     except BaseException:
         shm.close()  # left to its creator: another hand-off's segment, named by a caller that cannot read it
@@ -189,7 +190,7 @@ def read_shared_memory(head: worker_pb2.KvHeader) -> torch.Tensor:
         if shm.size < SHM_TOKEN_BYTES + head.num_bytes:
             raise InvalidRequest(f"shared memory {head.shm_name} holds {shm.size - SHM_TOKEN_BYTES} bytes, header "
                                  f"says {head.num_bytes}")
-        raw = torch.from_numpy(np.frombuffer(shm.buf, dtype=np.uint8, count=head.num_bytes,
+        raw = torch.from_numpy(np.frombuffer(_buffer(shm), dtype=np.uint8, count=head.num_bytes,
                                              offset=SHM_TOKEN_BYTES).copy())
     finally:
         shm.close()
@@ -314,3 +315,10 @@ async def receive(messages: AsyncIterator[worker_pb2.PushKvRequest], staging: Kv
         if head is not None:
             staging.release(head.num_bytes)
         raise
+
+
+def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
+    """An open segment's bytes (``buf`` is None only once it is closed)."""
+    if shm.buf is None:
+        raise ValueError(f"shared memory segment {shm.name} is closed")
+    return shm.buf

@@ -30,6 +30,7 @@ from kervan.block_hash import HASH_NAME
 from kervan.kv_events import MEDIUM_DEVICE, KVEvent
 from kervan.worker_info import WorkerInfo, WorkerRole
 from services.common.convert import event_to_proto, load_to_proto, tier_to_proto, worker_info_to_proto
+from services.common.load import Load
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from services.worker.async_engine import AsyncEngine
 
@@ -58,7 +59,7 @@ class Membership:
         self.on_unhealthy = on_unhealthy
         self._registering = asyncio.Lock()  # the beat and event loops may both learn they are stale
         self.ejected: str | None = None  # why this worker left the mesh on its own
-        self._reported = None
+        self._reported: Load | None = None
         self._dump_wanted = False
 
     async def register(self) -> None:

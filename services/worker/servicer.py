@@ -69,6 +69,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         async for update in self.engine.generate(rid, prompt, dataclasses.replace(params, max_tokens=1), hold_kv=True,
                                                  cache_salt=request.cache_salt.encode()):
             out = update  # the last one: the prompt's first token
+        assert out is not None  # generate yields at least once, or raises
         first = out.outputs[0]
         metrics.count_admission(len(prompt), out.num_cached_tokens, out.queue_time_s)
         _first_output_event(out)

@@ -25,6 +25,7 @@ import grpc
 
 from control_plane.cli.client import build_request, stream
 from control_plane.cli.launcher import Cluster, ClusterSpec
+from kervan.engine_args import EngineArgs
 from tests.chaos.checker import Outcome, check, record, wait_baseline
 from tests.chaos.fault_proxy import FaultProxy
 from tests.chaos.test_network_faults import ProxyThread
@@ -102,7 +103,8 @@ async def http_front_answers(address: str, prompts: list[list[int]], expected: l
 
 
 def test_any_single_control_process_can_die_or_starve_and_nothing_is_lost(llama, tmp_path):
-    spec = ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, **EXACT_MESH, num_kv_blocks=256,
+    spec = ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2,
+                       engine=EngineArgs(**EXACT_MESH, num_kv_blocks=256),
                        num_routers=2, num_schedulers=2, registry_args=("--ttl", "2"), metrics=True,
                        http_port=0)
     cluster = Cluster(spec, tmp_path)

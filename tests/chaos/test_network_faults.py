@@ -10,6 +10,7 @@ import time
 import pytest
 
 from control_plane.cli.launcher import Cluster, ClusterSpec, free_port
+from kervan.engine_args import EngineArgs
 from tests.chaos.checker import check, record, streams_decoding_on, wait_baseline
 from tests.chaos.fault_proxy import FaultProxy
 from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts
@@ -42,8 +43,9 @@ MAX_TOKENS = 400  # long enough that every stream still runs when the fault come
 # hanging until they fail DEADLINE_EXCEEDED
 @pytest.mark.parametrize("fault", ["reset", "blackhole"])
 def test_a_worker_cut_off_by_the_network_is_migrated_away_from(llama, tmp_path, fault):
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1, **EXACT_MESH,
-                                  num_kv_blocks=256, router_args=("--stall-timeout-s", "600")), tmp_path)
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=1,
+                                  engine=EngineArgs(**EXACT_MESH, num_kv_blocks=256),
+                                  router_args=("--stall-timeout-s", "600")), tmp_path)
     cluster.start(timeout=240)
     proxies = ProxyThread()
     try:

@@ -8,6 +8,7 @@ import asyncio
 import grpc
 
 from control_plane.cli.launcher import Cluster, ClusterSpec
+from kervan.engine_args import EngineArgs
 from services.proto import worker_pb2, worker_pb2_grpc
 from tests.chaos.checker import check, record, runtime, stream, wait_baseline
 from tests.cluster_helpers import scheduler_stats, worker_loads
@@ -22,8 +23,9 @@ def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tm
     # meet and levels off (+26 MB over four waves, then +0.4 MB a wave, measured in process);
     # without packing what is left to grow is Kervan's own
     monkeypatch.setenv("KERVAN_WEIGHT_PACKING", "off")
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, **EXACT_MESH,
-                                  num_kv_blocks=256, worker_args=("--max-num-seqs", "4", "--max-waiting", "4")),
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2,
+                                  engine=EngineArgs(**EXACT_MESH, num_kv_blocks=256),
+                                  worker_args=("--max-num-seqs", "4", "--max-waiting", "4")),
                       tmp_path)
     cluster.start(timeout=240)
     try:

@@ -25,6 +25,7 @@ from control_plane.plan.sizing import Sizer, Slo
 from control_plane.planner.policy import PlannerConfig, Policy
 from control_plane.planner.scaler import LauncherScaler
 from control_plane.planner.sla_planner import PlannerThread, SlaPlanner
+from kervan.engine_args import EngineArgs
 from tests.chaos.checker import check, record, stream, wait_baseline
 from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts
 
@@ -48,7 +49,8 @@ async def ramp_streams(address: str, prompts: list[list[int]]) -> list:
 
 
 def test_the_planner_grows_the_decode_pool_with_the_ramp_and_drains_it_after_losing_nothing(llama, tmp_path):
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1, **EXACT_MESH, num_kv_blocks=256,
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1,
+                                  engine=EngineArgs(**EXACT_MESH, num_kv_blocks=256),
                                   metrics=True, worker_args=("--drain-grace", "20"),
                                   registry_args=("--ttl", "2")), tmp_path)
     cluster.start(timeout=240)

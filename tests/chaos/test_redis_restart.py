@@ -10,14 +10,16 @@ import redis.asyncio as redis
 
 from control_plane.cli.launcher import Cluster, ClusterSpec
 from kervan.block_hash import hash_blocks
+from kervan.engine_args import EngineArgs
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from tests.chaos.checker import check, record, restart_redis, stream, wait_baseline
 from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts
 
 
 def test_redis_restarting_empty_starts_a_generation_and_requests_keep_flowing(llama, tmp_path):
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, **EXACT_MESH,
-                                  num_kv_blocks=256, registry_args=("--ttl", "2")), tmp_path)
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2,
+                                  engine=EngineArgs(**EXACT_MESH, num_kv_blocks=256),
+                                  registry_args=("--ttl", "2")), tmp_path)
     cluster.start(timeout=240)
     url = cluster.redis_url
     try:

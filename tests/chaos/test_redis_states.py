@@ -15,6 +15,7 @@ import time
 import redis.asyncio as redis
 
 from control_plane.cli.launcher import Cluster, ClusterSpec
+from kervan.engine_args import EngineArgs
 from tests.chaos.checker import check, record, stream, wait_baseline
 from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts
 
@@ -35,8 +36,9 @@ async def _nothing() -> None:
 
 
 def test_redis_full_or_busy_and_a_least_privilege_lease_watch_lose_nothing(llama, tmp_path):
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, **EXACT_MESH,
-                                  num_kv_blocks=256, registry_args=("--ttl", "5")), tmp_path)
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2,
+                                  engine=EngineArgs(**EXACT_MESH, num_kv_blocks=256),
+                                  registry_args=("--ttl", "5")), tmp_path)
     cluster.start(timeout=240)
     try:
         prompts = make_prompts([20 + i for i in range(6)], seed=170)

@@ -12,6 +12,7 @@ import time
 from collections import Counter
 
 from control_plane.cli.launcher import Cluster, ClusterSpec
+from kervan.engine_args import EngineArgs
 from tests.chaos.checker import check, open_fds, process_gone, record, restart_redis, runtime, stream, wait_baseline
 from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts
 
@@ -24,8 +25,8 @@ SERVICES = ("router", "scheduler", "kv-registry")  # the workers are replaced as
 def test_soak_with_random_faults(llama, tmp_path):
     """Reproducible from its seed: which prompts each client sends, after how many finished
     requests each fault strikes and what it is (not the wall clock, which varies by machine)."""
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, **EXACT_MESH,
-                                  num_kv_blocks=256, registry_args=("--ttl", "2"),
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2,
+                                  engine=EngineArgs(**EXACT_MESH, num_kv_blocks=256), registry_args=("--ttl", "2"),
                                   router_args=("--stall-timeout-s", "3")), tmp_path)
     cluster.start(timeout=240)
     rng = random.Random(SEED)

@@ -14,6 +14,7 @@ import time
 import grpc
 
 from control_plane.cli.launcher import Cluster, ClusterSpec
+from kervan.engine_args import EngineArgs
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from tests.chaos.checker import check, process_gone, record, stream, wait_baseline
 from tests.chaos.test_worker_faults import after_a_few_tokens
@@ -24,8 +25,9 @@ MAX_TOKENS = 300
 
 
 def test_a_worker_with_tiers_killed_mid_stream_comes_back_with_what_its_disk_holds(llama, tmp_path):
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, **EXACT_MESH, num_kv_blocks=32,
-                                  kv_host_bytes=64 << 10, kv_disk_dir=tmp_path / "disk", kv_disk_bytes=8 << 20,
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2,
+                                  engine=EngineArgs(**EXACT_MESH, num_kv_blocks=32, kv_host_bytes=64 << 10,
+                                                    kv_disk_dir=str(tmp_path / "disk"), kv_disk_bytes=8 << 20),
                                   metrics=True, router_args=("--stall-timeout-s", "3"), registry_args=("--ttl", "2")),
                       tmp_path)
     cluster.start(timeout=240)

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.cli.launcher import Cluster, ClusterSpec
 from kervan.block_hash import hash_blocks
+from kervan.engine_args import EngineArgs
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.chaos.checker import check, process_gone, record, stream, wait_baseline
 from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts, other_dtype
@@ -22,8 +23,9 @@ MAX_TOKENS = 400  # long enough to still run while the test finds its worker
 
 
 def start(llama, tmp_path, *router_args, dtype: str = "auto") -> Cluster:
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2, **dict(EXACT_MESH, dtype=dtype),
-                                  num_kv_blocks=256, router_args=router_args, registry_args=("--ttl", "2")), tmp_path)
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2,
+                                  engine=EngineArgs(**dict(EXACT_MESH, dtype=dtype), num_kv_blocks=256),
+                                  router_args=router_args, registry_args=("--ttl", "2")), tmp_path)
     cluster.start(timeout=240)
     for name in ("both-0", "both-1"):  # ClusterSpec(deterministic=True) reached every engine
         assert ", deterministic" in (cluster.log_dir / f"{name}.log").read_text()
@@ -198,7 +200,8 @@ def test_a_stopped_decode_worker_is_left_behind_and_its_late_tokens_never_arrive
 
 
 def test_a_prefill_worker_killed_during_the_handoff_is_replaced_by_local_prefill(llama, tmp_path):
-    cluster = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1, **EXACT_MESH, num_kv_blocks=256,
+    cluster = Cluster(ClusterSpec(llama[1], num_prefill=1, num_decode=1,
+                                  engine=EngineArgs(**EXACT_MESH, num_kv_blocks=256),
                                   registry_args=("--ttl", "2")), tmp_path)
     cluster.start(timeout=240)
     try:

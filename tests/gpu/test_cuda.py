@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from kervan.engine_args import EngineArgs
 from tests.conftest import make_prompts
 from worker import Engine, SamplingParams
 from worker.layers.paged_attention import AttentionMetadata, paged_attention
@@ -76,7 +77,7 @@ def test_one_request_through_a_disaggregated_cluster_on_the_gpu(llama, tmp_path)
     from control_plane.cli.launcher import Cluster, ClusterSpec
     from tests.cluster_helpers import complete
     _, path = llama
-    cluster = Cluster(ClusterSpec(path, num_prefill=1, num_decode=1, num_kv_blocks=256), tmp_path)
+    cluster = Cluster(ClusterSpec(path, num_prefill=1, num_decode=1, engine=EngineArgs(num_kv_blocks=256)), tmp_path)
     cluster.start(timeout=300)
     try:
         prompt = make_prompts([45], seed=40)[0]  # 2 full blocks: prefilled remotely, KV moved from GPU to GPU

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,operator,union-attr"
 """The engine: add requests, ``step()``, read outputs. No gRPC in here.
 
     step = schedule -> execute -> update -> emit

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="assignment,operator,union-attr"
 """The engine's iteration scheduler: which sequences run this step, and how many
 of their tokens.
 

@@ -83,7 +83,7 @@ class KVCacheManager:
         return self.tiers.gate(evicted) if self.tiers is not None else []
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       computed: list[KVBlock] = ()) -> list[KVBlock] | None:
+                       computed: list[KVBlock] | tuple[()] = ()) -> list[KVBlock] | None:
         """Make room for ``num_new_tokens`` more tokens after the sequence's computed
         ones (plus ``computed`` prefix-hit blocks when admitting it)."""
         table = self.tables.setdefault(seq.seq_id, [])

@@ -75,9 +75,9 @@ class KVTiers:
         staged_hashes, staged_kv = self.staged.pop(seq.seq_id, ([], None))
         at = {h: k for k, h in enumerate(staged_hashes)}
         parts: list[torch.Tensor] = []
-        for from_disk, group in itertools.groupby(hashes, key=lambda h: h in at):
-            group = list(group)
-            if from_disk:
+        for from_disk, run in itertools.groupby(hashes, key=lambda h: h in at):
+            group = list(run)
+            if from_disk and staged_kv is not None:
                 positions = [at[h] for h in group]
                 parts += [staged_kv.narrow(2, positions[k], n) for k, n in consecutive_runs(positions)]
             else:
@@ -159,6 +159,7 @@ class KVTiers:
         self.pool.announce_tier(on_disk, [], MEDIUM_DISK)
 
     def _to_disk(self, hashes: list[BlockHash], data: torch.Tensor) -> None:
+        assert self.disk is not None  # only a tier with a disk behind it writes through
         dropped = self.disk.put(hashes, data)
         self.pool.announce_tier([], [h for h in dropped if h not in self.host], MEDIUM_DISK)
 

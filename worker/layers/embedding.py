@@ -1,3 +1,4 @@
+# mypy: disable-error-code="unreachable"
 """Vocabulary-parallel embedding and LM head: each rank owns a contiguous slice
 of the vocabulary. Lookups of ids outside the slice give zeros and the ranks'
 results are summed; the head's partial logits are gathered on the last dim.

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="misc"
 """Mixture-of-experts feed-forward: a router picks ``top_k`` experts per token,
 the chosen SwiGLU experts run on their tokens, and their outputs are summed with
 the routing weights; optional shared experts run on every token.

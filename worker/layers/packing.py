@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,index,misc"
 """Packed linear weights on the CPU, in one of two layouts.
 
 - oneDNN's (``mkldnn::_linear_pointwise``): a plain ``F.linear`` lets oneDNN/MKL

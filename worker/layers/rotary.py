@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type"
 """Rotary position embedding (rotate-half convention), with Llama-3 and linear
 frequency scaling and partial rotation (only the first ``rotary_dim`` channels of
 each head turn, as in GLM-4.5). cos/sin are computed in float32 for every

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,attr-defined,list-item,return-value,union-attr,unreachable"
 """A decode step's decoder layers as one native call (``worker/kernels/decode_stack.cpp``):
 the CPU's counterpart of replaying a CUDA graph.
 

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,misc,operator,union-attr"
 """The Llama-family decoder, dense or mixture-of-experts.
 
 Llama, Mistral, Qwen2 (attention biases, tied embeddings), Mixtral, Qwen2-MoE

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,list-item"
 """A worker group: the ranks of one tensor-, expert- or pipeline-parallel worker, which
 the mesh sees as one.
 
@@ -81,7 +82,7 @@ def rendezvous(rank: int, world: int, store_path: str, peers: list[subprocess.Po
     every other rank has joined, failing at once when one of them exits first."""
     import torch.distributed as dist
     timeout = timedelta(seconds=join_timeout_s())
-    store = dist.FileStore(store_path, world)
+    store = dist.FileStore(store_path, world)  # type: ignore[attr-defined]  # exported, but not in its stubs
     store.set_timeout(timeout)
     if rank:
         store.add("joined", 1)

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,attr-defined"
 """``python -m worker.parallel.peer``: rank 1..N-1 of a worker group (started by rank 0,
 ``group.py``). It loads its shard of the model, allocates its shard of the KV cache and
 runs each step rank 0 broadcasts (a pipeline stage: its stage of each micro-batch),

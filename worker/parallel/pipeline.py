@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type"
 """Pipeline parallel: each rank of a worker group is a stage holding a contiguous range
 of layers and their KV (``ParallelState.layer_range``).
 

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="attr-defined,index,union-attr"
 """Collectives for the ranks of a worker group on one CPU host, through shared memory.
 
 gloo over loopback takes 1.4-2.1 ms per all-reduce here, even for 512 floats (a TCP

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type"
 """The tensor index of a GGUF file, read without its metadata.
 
 llama.cpp's ``gguf.GGUFReader`` builds an object for every part of every metadata value

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,assignment,type-var,union-attr"
 """Which kernel computes a quantized matmul's decode-step calls on this CPU,
 chosen by timing them on the model's own weights when it loads.
 

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,assignment,index,misc,operator,union-attr"
 """Quantizing a loaded model's weights in place (``--quantization NAME``).
 
 After the loader has filled this rank's slices in the model's dtype, every dense

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,index,misc"
 """A weight matrix kept in its low-precision codes: ``QuantizedWeight``.
 
 ``[out_features, in_features]`` as codes, one scale per group of ``group`` input

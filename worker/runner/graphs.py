@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,return-value"
 """Decode steps replayed as CUDA graphs: one launch per step instead of one per kernel.
 
 A decode step's shapes depend only on its batch size, so the runner captures the

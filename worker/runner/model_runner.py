@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,index,operator,type-var,union-attr"
 """Turns a ``ScheduledBatch`` into tensors, runs the model, samples.
 
 Owns the KV cache tensors, one per layer: [2, num_blocks, num_kv_heads,

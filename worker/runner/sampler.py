@@ -71,7 +71,8 @@ class Sampler:
         seeded = [i for i, r in enumerate(rows) if r.generator is not None or r.noise is not None]
         noise = exponential(shape, self.generator) if len(seeded) < len(rows) else torch.empty(shape)
         for i in seeded:
-            noise[i] = rows[i].noise if rows[i].noise is not None else exponential(shape[1:], rows[i].generator)
+            row_noise, generator = rows[i].noise, rows[i].generator
+            noise[i] = row_noise if row_noise is not None else exponential(shape[1:], _seeded(generator))
         return noise
 
     def probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -98,3 +99,9 @@ class Sampler:
         if (min_p > 0).any():
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs
+
+
+def _seeded(generator: torch.Generator | None) -> torch.Generator:
+    if generator is None:
+        raise ValueError("a seeded row without its generator")
+    return generator

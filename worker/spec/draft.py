@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,type-var,union-attr"
 """The ``draft`` method: a smaller model with the target's tokenizer guesses the next
 tokens, k steps of its own per target step.
 

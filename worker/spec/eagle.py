@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,index,union-attr"
 """The ``eagle`` method: an EAGLE head (``eagle_head.py``) guesses the next tokens from the
 target's hidden states, k passes of one layer per target step.
 

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="index,operator,union-attr"
 """An EAGLE draft head (Li et al. 2024): one decoder layer that reads the target's final
 hidden state at a position and the embedding of the token after it, and predicts the
 target's hidden state at the next position; the target's LM head turns that into the

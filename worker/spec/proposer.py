@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type"
 """Proposers: after each step, guesses of the next tokens of the sequences that decode,
 for the next step to verify (``Sequence.draft_tokens``; ``draft_probs`` when a draft
 sampled them from its own distributions).

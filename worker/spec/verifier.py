@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,assignment,index,misc,return-value"
 """The runner's side of speculative decoding: the sampling rows of a sequence that runs
 guesses, and the run of tokens it keeps (``verify.py`` holds the rules), counted as vLLM
 counts them (drafts, draft tokens, accepted tokens, accepted per position)."""

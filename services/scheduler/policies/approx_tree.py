@@ -27,7 +27,7 @@ class ApproxTrees:
     def matched(self, worker_id: str, block_hashes: Sequence[bytes]) -> int:
         """Leading blocks of the prompt the worker's tree holds (hashes chain: a present
         block implies its prefix was sent there)."""
-        tree = self.trees.get(worker_id, {})
+        tree: OrderedDict[bytes, None] | dict[bytes, None] = self.trees.get(worker_id, {})
         n = 0
         for h in block_hashes:
             if h not in tree:
