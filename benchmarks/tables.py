@@ -2,8 +2,8 @@
 
 Every number a table quotes is read from a committed report, never typed in:
 
-    python -m benchmarks.tables            # rewrite the generated tables in benchmarks/README.md
-    python -m benchmarks.tables --check    # exit 1 if the README's tables differ from the JSON
+    python -m benchmarks.tables            # rewrite the generated tables in benchmarks/pages/*.md
+    python -m benchmarks.tables --check    # exit 1 if a page's tables differ from the JSON
 
 A generated table sits between ``<!-- table: NAME -->`` and ``<!-- end table -->`` in the
 README; ``tests/test_benchmark_tables.py`` fails when one is stale."""
@@ -20,6 +20,12 @@ from benchmarks import cells, mesh_tables
 HERE = Path(__file__).parent
 RESULTS = cells.RESULTS
 README = HERE / "README.md"
+PAGES = HERE / "pages"  # one page per benchmark; the README is their index
+
+
+def documents() -> list[Path]:
+    """The README and every benchmark's page: where tables are generated and reports cited."""
+    return [README, *sorted(PAGES.glob("*.md"))]
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
 
 
@@ -316,11 +322,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if the README's tables are stale")
     args = ap.parse_args()
-    text = README.read_text()
-    fresh = render(text)
+    stale = []
+    for path in documents():
+        text = path.read_text()
+        fresh = render(text)
+        if fresh != text:
+            stale.append(path)
+            if not args.check:
+                path.write_text(fresh)
     if args.check:
-        sys.exit(0 if fresh == text else 1)
-    README.write_text(fresh)
+        sys.exit(1 if stale else 0)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,29 @@
-"""The benchmarks README's generated tables match the committed JSON they are made from."""
+"""The benchmark pages' generated tables match the committed JSON they are made from, and the
+README (their index) reaches every page and cites only reports that exist."""
 
 import json
+import re
 
 from benchmarks import tables
 
 
-def test_the_readme_tables_are_generated_from_the_committed_json():
-    text = tables.README.read_text()
-    assert tables.BLOCK.search(text), "benchmarks/README.md has no generated table"
-    assert tables.render(text) == text, "stale: run python -m benchmarks.tables"
+def test_the_pages_tables_are_generated_from_the_committed_json():
+    texts = {path.name: path.read_text() for path in tables.documents()}
+    assert sum(bool(tables.BLOCK.search(text)) for text in texts.values()) >= 10
+    for name, text in texts.items():
+        assert tables.render(text) == text, f"{name} is stale: run python -m benchmarks.tables"
+
+
+def test_the_index_links_every_page_and_its_headlines_cite_reports_that_exist():
+    index = tables.README.read_text()
+    pages = sorted(tables.PAGES.glob("*.md"))
+    assert len(pages) >= 20
+    for page in pages:
+        assert f"(pages/{page.name})" in index, f"benchmarks/README.md does not link {page.name}"
+        assert (tables.HERE / f"{page.stem}.py").is_file(), f"{page.name} names no benchmark"
+    headline = index.split("## Headlines", 1)[1].split("\n## ", 1)[0]
+    cited = re.findall(r"`([\w.-]+\.json)`", headline)
+    assert cited and all((tables.RESULTS / name).is_file() for name in cited), cited
 
 
 def test_every_engine_report_names_its_commit_machine_and_rounds():
@@ -26,13 +41,13 @@ def test_every_engine_report_names_its_commit_machine_and_rounds():
 def test_every_committed_report_names_its_commit_and_machine_and_is_cited_in_the_readme():
     """No raw report sits unread and none lacks what makes it checkable: the commit it
     measured and the machine (ISA) it ran on."""
-    text = tables.README.read_text()
+    text = "".join(path.read_text() for path in tables.documents())
     reports = sorted(tables.RESULTS.glob("*.json"))
     assert reports
     for path in reports:
         report = json.loads(path.read_text())
         assert report["commit"] and report["machine"]["isa"], path.name
-        assert f"`{path.name}`" in text, f"{path.name} is not cited in benchmarks/README.md"
+        assert f"`{path.name}`" in text, f"{path.name} is cited by no page of benchmarks/"
     assert not sorted(tables.RESULTS.glob("*.png")), "results/ holds reports (JSON), not pictures of them"
 
 

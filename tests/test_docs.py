@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+BENCHMARK_PAGES = [ROOT / "benchmarks" / "README.md", *sorted((ROOT / "benchmarks" / "pages").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -28,7 +29,7 @@ def anchors(page: Path) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", PAGES + BENCHMARK_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_reaches_a_file_and_heading(page):
     broken = []
     for target in LINK.findall(page.read_text()):
