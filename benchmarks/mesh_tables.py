@@ -210,9 +210,9 @@ def fleet() -> str:
         bg = next((r["with_traffic"]["background"] for rs in p["runs"].values() for r in rs), {})
         sender = (f"; sent by their own process at niceness {bg['niceness']}" if "niceness" in bg else
                   "; sent from the measuring client's event loop")
-        out.append(f"\nPlacement, quiet and then with the fleet's traffic behind it (a heartbeat from every worker "
-                   f"each second and KV events at {p['event_rate_asked']:,.0f}/s asked{sender}; what the registry "
-                   f"answered is in the last column):\n")
+        out.append(f"\nPlacement, quiet and then with the fleet's traffic behind it (a heartbeat from every\n"
+                   f"worker each second and KV events at {p['event_rate_asked']:,.0f}/s asked{sender};\n"
+                   f"what the registry answered is in the last column):\n")
         out.append("| scheduler | pass | condition | Place p50 / p99 ms | decision p50 / p99 ms (histogram) "
                    "| decisions under 1 ms | placements/s | background: heartbeats/s, events/s |")
         out.append("|---|---|---|---|---|---|---|---|")

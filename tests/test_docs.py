@@ -65,3 +65,15 @@ def test_ci_runs_the_readme_s_two_commands_and_nothing_else():
     assert not [line for line in ci if own.search(line)], ci
     assert any("python3 .ci/readme_commands.py" in line for line in ci)
     assert any('bash -euo pipefail -c "$command"' in line for line in ci)
+
+
+@pytest.mark.parametrize("page", PAGES + BENCHMARK_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_line_is_wider_than_120_characters(page):
+    """Outside code blocks; a benchmark page's generated tables (rows from the JSON) excepted."""
+    wide, in_code = [], False
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and len(line) > 120 and not (page in BENCHMARK_PAGES and line.startswith("|")):
+            wide.append(number)
+    assert not wide, f"{page.name}: lines {wide}"
