@@ -1,4 +1,3 @@
-# mypy: disable-error-code="assignment,operator,union-attr"
 """The engine's iteration scheduler: which sequences run this step, and how many
 of their tokens.
 
@@ -35,13 +34,16 @@ from collections import deque
 
 from worker.batch import KVWrite, ScheduledBatch, ScheduledSequence
 from worker.config import EngineConfig
-from worker.kv.kv_cache_manager import KVCacheManager
+from worker.kv.kv_cache_manager import KVCacheManager, Prefix
 from worker.sequence import Sequence, SequenceStatus
 
 
 class StepScheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        if config.max_model_len is None:
+            raise ValueError("the scheduler takes a resolved config (EngineConfig.resolve)")
         self.config = config
+        self.max_model_len = config.max_model_len
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -64,6 +66,31 @@ class StepScheduler:
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
+        scheduled, budget, preempted = self._schedule_running(budget)
+        writes: list[KVWrite] = []
+        taken = sum(_seats(r) for r in self.running)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            if taken + _seats(seq) > self.config.max_num_seqs:
+                break
+            prefix = self.kv.prefix(seq)  # the pool's cache, the tiers', or the request's own KV
+            if prefix is None:  # its disk blocks are being read: the others run meanwhile
+                break
+            n = self._chunk(seq, prefix.num_tokens, budget)
+            placed = self.kv.place(seq, prefix, n)
+            if placed is None:
+                break
+            writes += placed
+            self._admit(seq, prefix)
+            taken += _seats(seq)
+            scheduled.append(self._scheduled(seq, prefix.num_tokens, n))
+            budget -= n
+        return ScheduledBatch(scheduled, self.kv.take_copies(), writes)
+
+    def _schedule_running(self, budget: int) -> tuple[list[ScheduledSequence], int, bool]:
+        """The running sequences' next tokens (and guesses), in admission order; preempts the
+        latest arrivals when blocks run out. Returns them, the budget left, and whether any
+        sequence was preempted."""
         scheduled: list[ScheduledSequence] = []
         preempted = False
         i = 0
@@ -83,55 +110,19 @@ class StepScheduler:
                 scheduled.append(self._scheduled(seq, seq.num_computed_tokens, n, guesses))
                 budget -= n + len(guesses)
                 i += 1
-        writes: list[KVWrite] = []
-        taken = sum(_seats(r) for r in self.running)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
-            seq = self.waiting[0]
-            if taken + _seats(seq) > self.config.max_num_seqs:
-                break
-            hit = self.kv.get_computed_blocks(seq)
-            cached = hit.num_tokens
-            if seq.imported_kv is not None:
-                # the prompt's KV arrived with the request: place it, compute only the next token
-                if self.kv.allocate_slots(seq, seq.num_tokens - hit.num_tokens, hit.blocks) is None:
-                    break
-                first = len(hit.blocks)
-                blocks = self.kv.get_block_ids(seq.seq_id)[first:seq.imported_kv.shape[2]]
-                writes.append(KVWrite(blocks, seq.imported_kv[:, :, first:]))
-                seq.imported_kv = None
-                start = seq.num_prompt_tokens
-            else:
-                # what the pool lacks but the host tier holds is copied back, not computed (no budget);
-                # what only the disk tier holds is read first, while others run
-                tiers = self.kv.tiers
-                if tiers is not None and tiers.awaiting_disk(seq, len(hit.blocks)):
-                    break
-                promoted = tiers.prefix(seq, len(hit.blocks)) if tiers is not None else []
-                start = cached = hit.num_tokens + len(promoted) * self.config.block_size
-                if self.kv.allocate_slots(seq, start - hit.num_tokens + self._chunk(seq, start, budget),
-                                          hit.blocks) is None:
-                    break
-                if promoted:
-                    first = len(hit.blocks)
-                    blocks = self.kv.get_block_ids(seq.seq_id)[first:first + len(promoted)]
-                    for part in tiers.take(seq, promoted):  # runs of the tiers' slots, copied in place
-                        writes.append(KVWrite(blocks[:part.shape[2]], part))
-                        blocks = blocks[part.shape[2]:]
-            n = self._chunk(seq, start, budget)
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            if seq.queue_time_s is None:  # a preempted sequence's second admission does not count
-                seq.queue_time_s = time.monotonic() - seq.arrival_time
-            seq.num_computed_tokens = start
-            if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = cached
-                if self.kv.tiers is not None:
-                    self.kv.tiers.count_use(seq)
-            self.running.append(seq)
-            taken += _seats(seq)
-            scheduled.append(self._scheduled(seq, start, n))
-            budget -= n
-        return ScheduledBatch(scheduled, self.kv.take_copies(), writes)
+        return scheduled, budget, preempted
+
+    def _admit(self, seq: Sequence, prefix: Prefix) -> None:
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        if seq.queue_time_s is None:  # a preempted sequence's second admission does not count
+            seq.queue_time_s = time.monotonic() - seq.arrival_time
+        seq.num_computed_tokens = prefix.num_tokens
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = prefix.num_reused_tokens
+            if self.kv.tiers is not None:
+                self.kv.tiers.count_use(seq)
+        self.running.append(seq)
 
     def _chunk(self, seq: Sequence, num_computed: int, budget: int) -> int:
         """How many of the sequence's tokens this step computes: what is left, within the
@@ -140,7 +131,8 @@ class StepScheduler:
         cap = self.config.long_prefill_token_threshold
         return min(n, cap) if cap > 0 else n
 
-    def _scheduled(self, seq: Sequence, num_computed: int, n: int, guesses: list[int] = ()) -> ScheduledSequence:
+    def _scheduled(self, seq: Sequence, num_computed: int, n: int,
+                   guesses: list[int] | tuple[()] = ()) -> ScheduledSequence:
         reaches_end = num_computed + n == seq.num_tokens
         first_of_many = seq.num_output_tokens == 0 and seq.params.n > 1 and seq.sample_index == 0
         samples = (seq.params.n if first_of_many else 1) if reaches_end else 0
@@ -194,7 +186,7 @@ class StepScheduler:
             seq.append_output(token, logprob)
             if token in seq.stop_ids:
                 seq.status = SequenceStatus.FINISHED_STOPPED
-            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 seq.status = SequenceStatus.FINISHED_LENGTH
             if seq.is_finished:
                 break

@@ -16,11 +16,14 @@ caller preempts or waits, nothing is half-allocated."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import torch
 
 from kervan.block_hash import BlockHash
 from kervan.kv_events import KVEvent
-from worker.batch import BlockCopy
+from worker.batch import BlockCopy, KVWrite
 from worker.kv.block_pool import BlockPool, KVBlock
 from worker.kv.disk_tier import DiskTier
 from worker.kv.host_tier import HostTier
@@ -31,6 +34,24 @@ from worker.sequence import Sequence
 class ComputedBlocks(NamedTuple):
     blocks: list[KVBlock]
     num_tokens: int
+
+
+@dataclass
+class Prefix:
+    """Where an admitted sequence's leading blocks come from, in order: the pool's cache
+    (``cached``), then the host or disk tier (``promoted``: copied back, not computed), or all
+    of the prompt with the request (``imported``, the decode side of a KV handoff).
+    ``num_tokens``: the tokens whose KV is there once they are placed (the first to compute)."""
+
+    cached: ComputedBlocks
+    num_tokens: int
+    promoted: list[BlockHash] = field(default_factory=list)
+    imported: torch.Tensor | None = None
+
+    @property
+    def num_reused_tokens(self) -> int:
+        """What the request reports as cached: the pool's and the tiers' tokens, not imported ones."""
+        return self.cached.num_tokens if self.imported is not None else self.num_tokens
 
 
 class KVCacheManager:
@@ -67,6 +88,38 @@ class KVCacheManager:
                 break
             hits.append(block)
         return ComputedBlocks(hits, len(hits) * self.block_size)
+
+    def prefix(self, seq: Sequence) -> Prefix | None:
+        """Where a waiting sequence's prefix comes from; None while a disk read it waits for is
+        in flight (what only the disk tier holds is read first, while others run)."""
+        cached = self.get_computed_blocks(seq)
+        if seq.imported_kv is not None:  # the prompt's KV arrived with the request: only the next token is computed
+            return Prefix(cached, seq.num_prompt_tokens, imported=seq.imported_kv)
+        if self.tiers is None:
+            return Prefix(cached, cached.num_tokens)
+        if self.tiers.awaiting_disk(seq, len(cached.blocks)):
+            return None
+        promoted = self.tiers.prefix(seq, len(cached.blocks))
+        return Prefix(cached, cached.num_tokens + len(promoted) * self.block_size, promoted)
+
+    def place(self, seq: Sequence, prefix: Prefix, num_new_tokens: int) -> list[KVWrite] | None:
+        """Blocks for ``prefix`` and the ``num_new_tokens`` after it; the copies that fill the
+        prefix's blocks not in the pool (imported, or from the tiers) before the step runs.
+        None when the pool lacks the blocks: nothing is taken then."""
+        cached = prefix.cached
+        if self.allocate_slots(seq, prefix.num_tokens - cached.num_tokens + num_new_tokens, cached.blocks) is None:
+            return None
+        first = len(cached.blocks)
+        blocks = self.get_block_ids(seq.seq_id)[first:]
+        if prefix.imported is not None:
+            seq.imported_kv = None
+            return [KVWrite(blocks[:prefix.imported.shape[2] - first], prefix.imported[:, :, first:])]
+        writes = []
+        if prefix.promoted and self.tiers is not None:
+            for part in self.tiers.take(seq, prefix.promoted):  # runs of the tiers' slots, copied in place
+                writes.append(KVWrite(blocks[:part.shape[2]], part))
+                blocks = blocks[part.shape[2]:]
+        return writes
 
     @property
     def host(self) -> HostTier | None:
