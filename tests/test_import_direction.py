@@ -190,3 +190,38 @@ def test_a_planted_circle_is_caught(tmp_path):
     (tmp_path / "worker" / "c.py").write_text("def f():\n    import worker.a\n")
     (tmp_path / "worker" / "d.py").write_text("import worker.a\n")  # outside the circle
     assert circles(tmp_path) == [["worker.a", "worker.b", "worker.c"]]
+
+
+# docs/architecture.md: "services/common/convert.py turns protobuf into domain objects and back"
+DOMAIN_TYPES = {"SamplingParams", "WorkerInfo", "RequestLimits", "Load", "BlockStored", "BlockRemoved",
+                "AllBlocksCleared"}
+# builds its own WorkerInfo from the engine's numbers (no message read), then hands it to convert.py
+BUILDS_ITS_OWN = {"services/worker/membership.py"}
+
+
+def domain_builders(root: Path) -> list[str]:
+    """Modules that import the generated messages and construct a domain object themselves."""
+    out = []
+    for top in ("services", "control_plane"):
+        for path in sorted((root / top).rglob("*.py")):
+            if "proto" in path.relative_to(root).parts:
+                continue
+            tree = ast.parse(path.read_text())
+            froms = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+            if not any(n.module == "services.proto" for n in froms):
+                continue
+            domain = {a.asname or a.name for n in froms if n.module.startswith(("kervan", "services.common.load"))
+                      for a in n.names if a.name in DOMAIN_TYPES}
+            if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in domain
+                   for n in ast.walk(tree)):
+                out.append(str(path.relative_to(root)))
+    return out
+
+
+def test_only_convert_py_turns_messages_into_domain_objects(tmp_path):
+    assert set(domain_builders(ROOT)) == {"services/common/convert.py", *BUILDS_ITS_OWN}
+    (tmp_path / "services" / "router").mkdir(parents=True)
+    (tmp_path / "services" / "router" / "bad.py").write_text(
+        "from kervan.sampling import SamplingParams\nfrom services.proto import common_pb2\n"
+        "def f(m: common_pb2.SamplingParams):\n    return SamplingParams(temperature=m.temperature)\n")
+    assert domain_builders(tmp_path) == ["services/router/bad.py"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import click
 
 from control_plane.planner.options import build_policy, planner_config, planner_options
+from kervan.worker_info import WorkerRole
 
 
 @click.command()
@@ -36,8 +37,8 @@ def main(model, router_metrics, prefill_metrics, decode_metrics, namespace, pref
 
     config = planner_config(min_prefill, min_decode, opts)
     policy = build_policy(str(model_path(model)), config, opts["planner_hardware"], opts["planner_profile"])
-    scaler = KubernetesScaler(namespace, {"prefill": prefill_deployment, "decode": decode_deployment})
-    targets = {"router": [router_metrics], "prefill": [prefill_metrics], "decode": [decode_metrics]}
+    scaler = KubernetesScaler(namespace, {WorkerRole.PREFILL: prefill_deployment, WorkerRole.DECODE: decode_deployment})
+    targets = {"router": [router_metrics], WorkerRole.PREFILL: [prefill_metrics], WorkerRole.DECODE: [decode_metrics]}
     planner = SlaPlanner(policy, scaler, lambda: targets, Path(log_path) if log_path else None, say=click.echo)
     click.echo(f"planner: every {config.interval_s:g}s, TTFT {config.slo.ttft_s * 1e3:g} ms, ITL "
                f"{config.slo.itl_s * 1e3:g} ms, prefill {config.min_prefill}..{config.max_prefill}, decode "

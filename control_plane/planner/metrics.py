@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kervan.worker_info import WorkerRole
+
 PROMPT_TOKENS = "kervan_request_prompt_tokens"  # a histogram per admitted request: its count is the arrivals
 GENERATION_TOKENS = "kervan_request_generation_tokens"  # a histogram per sample that ended
 TTFT = "kervan_time_to_first_token_seconds"
@@ -22,7 +24,7 @@ ITL = "kervan_inter_token_latency_seconds"
 RUNNING = "kervan_num_requests_running"
 WAITING = "kervan_num_requests_waiting"
 KV_USAGE = "kervan_kv_cache_usage_perc"
-POOLS = ("router", "prefill", "decode")
+POOLS = ("router", WorkerRole.PREFILL, WorkerRole.DECODE)
 
 
 @dataclass
@@ -106,7 +108,7 @@ def observe(before: dict[str, Scrape], after: dict[str, Scrape], seconds: float)
         return d if d >= 0 else router_b.counters.get(name, 0.0)
 
     admitted, finished = delta(PROMPT_TOKENS + "_count"), delta(GENERATION_TOKENS + "_count")
-    decode, prefill = after["decode"], after["prefill"]
+    decode, prefill = after[WorkerRole.DECODE], after[WorkerRole.PREFILL]
     running = decode.gauges.get(RUNNING, [])
     return Observation(
         seconds=seconds, rate=admitted / seconds if seconds > 0 else 0.0,
@@ -120,7 +122,7 @@ def observe(before: dict[str, Scrape], after: dict[str, Scrape], seconds: float)
         decode_waiting=sum(decode.gauges.get(WAITING, [])),
         decode_kv_usage=max(decode.gauges.get(KV_USAGE, [0.0])),
         prefill_waiting=sum(prefill.gauges.get(WAITING, [])),
-        num_workers={pool: after[pool].num_targets for pool in ("prefill", "decode")})
+        num_workers={pool: after[pool].num_targets for pool in (WorkerRole.PREFILL, WorkerRole.DECODE)})
 
 
 def _mean(total: float, count: float) -> float | None:

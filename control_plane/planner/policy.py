@@ -29,6 +29,7 @@ from control_plane.plan.pools import decode_pool, prefill_pool, prefill_ttft_s
 from control_plane.plan.sizing import Layout, Load, Sizer, Slo
 from control_plane.planner.metrics import Observation
 from control_plane.planner.predictor import PREDICTORS, Average
+from kervan.worker_info import WorkerRole
 
 CORRECTION_RANGE = (0.5, 8.0)  # a measurement outside this says more about the measurement
 CORRECTION_SMOOTHING = 0.5  # weight of the newest interval's ratio
@@ -62,7 +63,9 @@ class PlannerConfig:
             raise ValueError("the TTFT and ITL targets must be positive")
 
     def bounds(self, pool: str) -> tuple[int, int]:
-        return (self.min_prefill, self.max_prefill) if pool == "prefill" else (self.min_decode, self.max_decode)
+        if pool == WorkerRole.PREFILL:
+            return self.min_prefill, self.max_prefill
+        return self.min_decode, self.max_decode
 
 
 @dataclass(frozen=True)
@@ -85,11 +88,11 @@ class CorrectedSizer:
 
     def decode_step_s(self, layout: Layout, batch: int, context: float) -> dict:
         step = self.sizer.decode_step_s(layout, batch, context)
-        return {**step, "step_s": step["step_s"] * self.corrections["decode"]}
+        return {**step, "step_s": step["step_s"] * self.corrections[WorkerRole.DECODE]}
 
     def prefill_chunk_s(self, layout: Layout, tokens: int, context: float, decode_batch: int = 0) -> dict:
         step = self.sizer.prefill_chunk_s(layout, tokens, context, decode_batch)
-        return {**step, "step_s": step["step_s"] * self.corrections["prefill"]}
+        return {**step, "step_s": step["step_s"] * self.corrections[WorkerRole.PREFILL]}
 
 
 class Policy:
@@ -98,9 +101,10 @@ class Policy:
     def __init__(self, sizer: Sizer, config: PlannerConfig, layout: Layout = ONE_DEVICE):
         self.sizer, self.config, self.layout = sizer, config, layout
         self.predictors = {"rate": PREDICTORS[config.predictor](), "input_len": Average(), "output_len": Average()}
-        self.corrections = {"decode": 1.0, "prefill": 1.0}
+        self.corrections = {WorkerRole.DECODE: 1.0, WorkerRole.PREFILL: 1.0}
         self.last_change: dict[str, float] = {}
-        self.history: dict[str, list[tuple[float, int]]] = {"prefill": [], "decode": []}  # (when, needed)
+        # (when, needed) per pool
+        self.history: dict[str, list[tuple[float, int]]] = {WorkerRole.PREFILL: [], WorkerRole.DECODE: []}
         self.started: float | None = None  # the first decision: a planner (re)started shrinks nothing for a window
 
     def decide(self, obs: Observation, current: dict[str, int], now: float) -> Decision:
@@ -110,7 +114,7 @@ class Policy:
                 self.predictors[key].add(getattr(obs, key))
         predicted = {k: p.predict() for k, p in self.predictors.items()}
         if predicted["input_len"] is None or predicted["output_len"] is None:  # never a request yet
-            needed = {"prefill": 0, "decode": 0}
+            needed = {WorkerRole.PREFILL: 0, WorkerRole.DECODE: 0}
             reasons = ["no request seen yet: the pools' minimums"]
         else:
             needed, reasons = self._needed(obs, current, predicted)
@@ -128,15 +132,15 @@ class Policy:
         sizer = CorrectedSizer(self.sizer, self.corrections)
         d = decode_pool(sizer, layout, memory, load, slo, context)
         p = prefill_pool(sizer, layout, load, slo, d.operating_batch)
-        needed = {"prefill": p.workers, "decode": d.workers}
+        needed = {WorkerRole.PREFILL: p.workers, WorkerRole.DECODE: d.workers}
         reasons = [f"predicted {load.rate:.3g} req/s of {isl:.0f} prompt and {osl:.0f} output tokens",
                    f"decode: {load.rate * osl:.3g} tok/s over {d.tokens_per_s_per_worker:.3g} a worker (batch "
                    f"{d.max_batch} within ITL {slo.itl_s * 1e3:g} ms, steps x{self.corrections['decode']:.2f} "
                    f"measured) -> {d.workers}",
                    f"prefill: {p.workers} worker(s) for TTFT {p.ttft_s * 1e3:.0f} ms (steps "
                    f"x{self.corrections['prefill']:.2f} measured) within {slo.ttft_s * 1e3:g} ms"]
-        if obs.decode_waiting >= max(1, obs.num_workers.get("decode", 1)) or obs.decode_kv_usage >= KV_FULL:
-            needed["decode"] = max(needed["decode"], current["decode"] + 1)
+        if obs.decode_waiting >= max(1, obs.num_workers.get(WorkerRole.DECODE, 1)) or obs.decode_kv_usage >= KV_FULL:
+            needed[WorkerRole.DECODE] = max(needed[WorkerRole.DECODE], current[WorkerRole.DECODE] + 1)
             reasons.append(f"decode pool queueing ({obs.decode_waiting:g} waiting, KV {obs.decode_kv_usage:.0%} "
                            f"full): one more")
         return needed, reasons
@@ -148,13 +152,13 @@ class Policy:
         ratios = {}
         if obs.itl_mean_s and obs.decode_running >= 1:
             expected = self.sizer.decode_step_s(self.layout, obs.decode_running, context)["step_s"]
-            ratios["decode"] = obs.itl_mean_s / expected
-        if obs.ttft_mean_s and obs.rate > 0 and current.get("prefill", 0) > 0:
+            ratios[WorkerRole.DECODE] = obs.itl_mean_s / expected
+        if obs.ttft_mean_s and obs.rate > 0 and current.get(WorkerRole.PREFILL, 0) > 0:
             seen = Load(obs.rate, isl, osl, math.ceil(isl), math.ceil(osl))
-            batch = max(1, round(obs.decode_running / max(1, current.get("decode", 1))))
-            expected = prefill_ttft_s(self.sizer, self.layout, seen, current["prefill"], batch)["ttft_s"]
+            batch = max(1, round(obs.decode_running / max(1, current.get(WorkerRole.DECODE, 1))))
+            expected = prefill_ttft_s(self.sizer, self.layout, seen, current[WorkerRole.PREFILL], batch)["ttft_s"]
             if math.isfinite(expected):
-                ratios["prefill"] = obs.ttft_mean_s / expected
+                ratios[WorkerRole.PREFILL] = obs.ttft_mean_s / expected
         lo, hi = CORRECTION_RANGE
         for pool, ratio in ratios.items():
             mixed = (1 - CORRECTION_SMOOTHING) * self.corrections[pool] + CORRECTION_SMOOTHING * ratio
@@ -163,7 +167,7 @@ class Policy:
     def _bounded(self, needed: dict[str, int], current: dict[str, int], now: float) -> tuple[dict, list[str]]:
         cfg, target, reasons = self.config, {}, []
         self.started = now if self.started is None else self.started
-        for pool in ("prefill", "decode"):
+        for pool in (WorkerRole.PREFILL, WorkerRole.DECODE):
             lo, hi = cfg.bounds(pool)
             want, have = min(hi, max(lo, needed[pool])), current[pool]
             history = self.history[pool]

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-POOL_ROLES = ("prefill", "decode")
+from kervan.worker_info import WorkerRole
+
+POOL_ROLES = (WorkerRole.PREFILL, WorkerRole.DECODE)
 
 
 class Scaler(Protocol):
