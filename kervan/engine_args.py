@@ -33,10 +33,12 @@ class EngineArgsError(ValueError):
 
 
 def option(default: Any, help: str, *, flags: tuple[str, ...] = (), choices: tuple[str, ...] = (),
-           metavar: str | None = None) -> Any:
+           metavar: str | None = None, existing_dir: bool = False) -> Any:
     """A field of ``EngineArgs``: ``flags`` are its command-line names (default ``--field-name``;
-    the first is the one written), ``choices`` what a string option takes."""
-    return field(default=default, metadata={"help": help, "flags": flags, "choices": choices, "metavar": metavar})
+    the first is the one written), ``choices`` what a string option takes, ``existing_dir``: a
+    directory that must exist where the command is given (checked there, before anything starts)."""
+    return field(default=default, metadata={"help": help, "flags": flags, "choices": choices, "metavar": metavar,
+                                            "existing_dir": existing_dir})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +103,8 @@ class EngineArgs:
                                      "or --speculative-model); the output stays the model's own",
                                      choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = option(3, "guesses per sequence and step")
-    speculative_model: str | None = option(None, "the draft model's directory, or the EAGLE head's")
+    speculative_model: str | None = option(None, "the draft model's directory, or the EAGLE head's",
+                                           existing_dir=True)
     prompt_lookup_min: int = option(2, "ngram: the fewest tokens a match takes")
     prompt_lookup_max: int = option(4, "ngram: the most tokens a match takes (longest first)")
     # 2: on SmolLM2-135M in bf16 both proposers gain at batch 2 and lose from batch 4 on chat
@@ -176,6 +179,7 @@ class Option:
     help: str
     choices: tuple[str, ...]
     metavar: str | None
+    existing_dir: bool = False
 
 
 def options(cls: type[EngineArgs] = EngineArgs) -> list[Option]:
@@ -188,7 +192,8 @@ def options(cls: type[EngineArgs] = EngineArgs) -> list[Option]:
         kind = kinds.get(type_name.removesuffix("|None"), str)  # EngineConfig's dtype: a torch dtype or its name
         flags = f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),)
         out.append(Option(f.name, flags, kind, optional, f.default, f.metadata.get("help", ""),
-                          f.metadata.get("choices", ()), f.metadata.get("metavar")))
+                          f.metadata.get("choices", ()), f.metadata.get("metavar"),
+                          f.metadata.get("existing_dir", False)))
     return out
 
 

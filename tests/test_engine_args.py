@@ -119,3 +119,10 @@ def test_one_new_field_in_one_file_appears_on_every_surface(tmp_path, llama):
     argv = json.loads(run("-c", LAUNCHER_ARGV, str(llama[1])))
     assert argv[argv.index("-m") + 1] == "services.worker"
     assert argv[argv.index("--kv-test-knob") + 1] == "9"
+
+
+def test_a_directory_option_that_does_not_exist_is_refused_before_anything_starts(tmp_path):
+    from control_plane.cli.commands import main
+
+    res = CliRunner().invoke(main, ["up", "--speculative", "draft", "--speculative-model", str(tmp_path / "none")])
+    assert res.exit_code == 2 and "does not exist" in res.output

@@ -25,6 +25,8 @@ def engine_options(cls: type[EngineArgs] = EngineArgs, *, exclude: tuple[str, ..
                 fn = click.option(*names, o.name, default=o.default, help=o.help, show_default=True)(fn)
                 continue
             kind: Any = click.Choice(o.choices, case_sensitive=False) if o.choices else o.kind
+            if o.existing_dir:
+                kind = click.Path(exists=True, file_okay=False)
             fn = click.option(*o.flags, o.name, type=kind, default=o.default, help=o.help, metavar=o.metavar,
                               show_default=o.default is not None)(fn)
         return fn
