@@ -225,3 +225,11 @@ def test_only_convert_py_turns_messages_into_domain_objects(tmp_path):
         "from kervan.sampling import SamplingParams\nfrom services.proto import common_pb2\n"
         "def f(m: common_pb2.SamplingParams):\n    return SamplingParams(temperature=m.temperature)\n")
     assert domain_builders(tmp_path) == ["services/router/bad.py"]
+
+
+def test_the_architecture_doc_names_every_package():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    packages = sorted({str(init.parent.relative_to(ROOT)) for top in PRODUCT
+                       for init in (ROOT / top).rglob("__init__.py")})
+    assert len(packages) > 20
+    assert [p for p in packages if f"`{p}/`" not in text] == []
