@@ -149,9 +149,13 @@ def _is_locked(path: Path) -> bool:
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find the build's compilers")
 def test_a_start_killed_during_the_first_kernel_build_is_followed_by_a_start_that_answers(tmp_path):
+    from worker.default_model import ensure_default_model
+
     env = {**os.environ, "KERVAN_CACHE_DIR": str(tmp_path), "KERVAN_ATTENTION_BACKEND": "native"}
-    cmd = [sys.executable, "-m", "control_plane.cli", "complete", "Once upon a time", "--max-tokens", "4",
-           "--temperature", "0", "--json"]
+    # the default model as the user's cache holds it: the fresh cache starts without kernels and has nothing
+    # else to make first
+    cmd = [sys.executable, "-m", "control_plane.cli", "complete", "Once upon a time", "--model",
+           str(ensure_default_model()), "--max-tokens", "4", "--temperature", "0", "--json"]
     first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
     try:
