@@ -98,7 +98,6 @@ class ClusterSpec:
             engine = dataclasses.replace(engine, kv_disk_dir=str(Path(engine.kv_disk_dir) / name))
         return engine
 
-
     @property
     def num_workers(self) -> int:
         return self.num_prefill + self.num_decode + self.num_both
