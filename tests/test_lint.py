@@ -28,13 +28,13 @@ def test_mypy_passes():
 
 # what mypy does not yet hold to strict (pyproject.toml) or excepts by error code (a module's first
 # line): each may only shrink; lower the number when a module leaves the list
-NOT_STRICT_AT_MOST = 61
-EXCEPTED_AT_MOST = 26
+NOT_STRICT_AT_MOST = 89
+EXCEPTED_AT_MOST = 33
 
 
 def test_the_type_checkers_exceptions_only_shrink():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
-    assert set(config["files"]) >= {"kervan", "services", "worker"}
+    assert set(config["files"]) >= {"kervan", "services", "worker", "control_plane"}
     [relaxed] = [o for o in config["overrides"] if o.get("disallow_untyped_defs") is False]
     assert len(relaxed["module"]) <= NOT_STRICT_AT_MOST
     excepted = [path for top in config["files"] for path in (ROOT / top).rglob("*.py")

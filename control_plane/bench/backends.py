@@ -46,7 +46,7 @@ class Timed:
 
     def token_arrived(self, count: int) -> None:
         now = time.perf_counter()
-        if not self.tokens:
+        if not self.tokens or self.last_token is None:
             self.ttft = now - self.started
         else:
             self.itls.append(now - self.last_token)
@@ -65,7 +65,7 @@ class KervanBackend:
                  timeout_s: float = 600.0):
         self.address, self.security, self.timeout_s = address, security, timeout_s
         self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
-        self._channel = None
+        self._channel: grpc.aio.Channel | None = None
 
     async def __aenter__(self) -> KervanBackend:
         self._channel = self.security.channel(replicas.target(self.address), replicas.options(ROUTER_SERVICE))
@@ -73,7 +73,8 @@ class KervanBackend:
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()
 
     async def send(self, req: BenchRequest) -> Timed:
         out = Timed(started=time.perf_counter())

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,attr-defined,misc,return-value"
 """``kervan bench``: the command line, and ``sweep``, which the benchmarks in
 ``benchmarks/`` call with the same arguments."""
 

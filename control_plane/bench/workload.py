@@ -1,3 +1,4 @@
+# mypy: disable-error-code="union-attr"
 """What a benchmark sends: a seeded list of requests.
 
 Prompts are token ids (a Kervan router takes them as they are; an OpenAI server

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from services.common import replicas
@@ -16,7 +16,7 @@ ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_na
 def build_request(prompt: str | None = None, token_ids: list[int] | None = None, *, request_id: str = "",
                   max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                   top_k: int = 0, min_p: float = 0.0, seed: int | None = None, n: int | None = None,
-                  ignore_eos: bool = False, stop_token_ids: list[int] = (), stop: list[str] = ()
+                  ignore_eos: bool = False, stop_token_ids: Sequence[int] = (), stop: Sequence[str] = ()
                   ) -> router_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(top_k=top_k, min_p=min_p, ignore_eos=ignore_eos,
                                          stop_token_ids=list(stop_token_ids), stop=list(stop))

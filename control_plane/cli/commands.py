@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,misc"
 """The ``kervan`` command line.
 
 - ``kervan up``: a whole local cluster (Redis, kv-registry, scheduler, prefill and

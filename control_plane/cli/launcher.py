@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -46,6 +47,9 @@ from kervan.worker_info import WorkerRole
 from services.common.lifeline import ENV as ENV_LIFELINE
 from services.common.security import MESH_SECRET_ENV, PLAINTEXT, MeshSecurity
 from worker.platform import usable_cores
+
+if TYPE_CHECKING:
+    from control_plane.cli.certificates import CertificateAuthority
 
 RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest wait before restarting a crashed service
 
@@ -121,7 +125,7 @@ class Cluster:
     mesh_secret: str | None = None  # without TLS but with API keys: what internal services require
     redis_url: str | None = None  # the URL the services use (with the private Redis's password)
     redis_password: str | None = None
-    authority: object = None  # with tls: the run's CertificateAuthority (it can issue more certificates)
+    authority: CertificateAuthority | None = None  # with tls: the run's CA (it can issue more certificates)
     restarts: Counter[str] = field(default_factory=Counter)  # crashed services restarted, by name
     pids: list[int] = field(default_factory=list)  # every process started, dead ones included
     # how each service was started (argv, env, cores): what a restart repeats

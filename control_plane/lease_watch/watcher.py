@@ -54,7 +54,7 @@ class LeaseWatcher:
 
     async def _enable_notifications(self) -> None:
         try:
-            flags = (await self.r.config_get("notify-keyspace-events")).get("notify-keyspace-events", "")
+            flags = str((await self.r.config_get("notify-keyspace-events")).get("notify-keyspace-events") or "")
             if not ("E" in flags and ("x" in flags or "A" in flags)):
                 await self.r.config_set("notify-keyspace-events", flags + "Ex")
             self.notifications_on = True

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,misc"
 """``kervan plan``: the command line of the planner (``control_plane/plan``)."""
 
 from __future__ import annotations

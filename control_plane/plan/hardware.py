@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 GB = 1e9
 
@@ -130,4 +131,5 @@ def measure_this(per_core: bool = False) -> Hardware:
 
 def with_overrides(hw: Hardware, **changes: float) -> Hardware:
     """``hw`` with some figures replaced (``--memory-gb`` and the like on the command line)."""
-    return replace(hw, **{k: v for k, v in changes.items() if v is not None})
+    given: dict[str, Any] = {k: v for k, v in changes.items() if v is not None}
+    return replace(hw, **given)

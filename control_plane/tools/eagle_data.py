@@ -24,6 +24,7 @@ import torch
 
 from kervan.sampling import SamplingParams
 from worker.batch import ScheduledSequence
+from worker.engine.outputs import RequestOutput
 
 INSTRUCTIONS = ("Explain what this documentation describes.", "Summarize this in two sentences.",
                 "Write a short Python example that uses this.", "What are the main points here?")
@@ -151,7 +152,7 @@ def generate_examples(engine, prompts: list[str], max_tokens: int, seed: int = 0
               SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=seed + i, ignore_eos=False)
               for i in range(len(prompts))]
     ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
-    final = {}
+    final: dict[str, RequestOutput] = {}
     while len(final) < len(ids):
         final.update((o.request_id, o) for o in engine.step() if o.finished)
     examples = []

