@@ -281,7 +281,7 @@ class DiskTier(HashSlots):
             raw = block.reshape(-1).view(torch.uint8).numpy()  # the tensor's own bytes, no copy
             record = RECORD.pack(RECORD_MAGIC, use, len(block_hash), block_hash, self._mac(block_hash, raw))
             os.pwrite(self.fd, EMPTY_RECORD, self.records_at + slot * RECORD.size)
-            os.pwrite(self.fd, memoryview(raw), self.blocks_at + slot * self.block_bytes)
+            os.pwrite(self.fd, raw, self.blocks_at + slot * self.block_bytes)
             os.pwrite(self.fd, record, self.records_at + slot * RECORD.size)
             self.num_stored += 1
         except OSError as exc:

@@ -1,4 +1,3 @@
-# mypy: disable-error-code="arg-type"
 """Rotary position embedding (rotate-half convention), with Llama-3 and linear
 frequency scaling and partial rotation (only the first ``rotary_dim`` channels of
 each head turn, as in GLM-4.5). cos/sin are computed in float32 for every
@@ -34,6 +33,9 @@ def inverse_frequencies(rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # buffers: [max_positions, rotary_dim] in the model's dtype
+    sin: torch.Tensor
+
     def __init__(self, rope: RopeConfig, max_positions: int, dtype: torch.dtype):
         super().__init__()
         self.rotary_dim = rope.rotary_dim

@@ -1,4 +1,3 @@
-# mypy: disable-error-code="arg-type"
 """Pipeline parallel: each rank of a worker group is a stage holding a contiguous range
 of layers and their KV (``ParallelState.layer_range``).
 
@@ -77,6 +76,8 @@ def run_later_stage(forward: Callable[[StepInputs, torch.Tensor], torch.Tensor |
     carried = recv_from(ps.rank - 1, (2, len(step.token_ids), hidden_size), dtype, device)
     out = forward(step, carried)
     if not ps.is_last_stage:
+        if out is None:
+            raise RuntimeError(f"pipeline stage {ps.rank} produced no hidden states for the next")
         send_to(ps.rank + 1, out)
     elif out is not None:
         send_to(0, out.float())

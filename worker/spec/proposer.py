@@ -1,4 +1,3 @@
-# mypy: disable-error-code="arg-type"
 """Proposers: after each step, guesses of the next tokens of the sequences that decode,
 for the next step to verify (``Sequence.draft_tokens``; ``draft_probs`` when a draft
 sampled them from its own distributions).
@@ -90,6 +89,8 @@ class PromptLookup:
 
     def __init__(self, config: EngineConfig):
         self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        if config.max_model_len is None:
+            raise ValueError("a proposer takes a resolved config (EngineConfig.resolve)")
         self.max_model_len = config.max_model_len
 
     def propose(self, running: list[Sequence]) -> None:
