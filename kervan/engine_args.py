@@ -211,10 +211,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[EngineArgs] = Engin
                            metavar=o.metavar, help=o.help + ("" if o.default is None else " (default %(default)s)"))
 
 
-def from_namespace(ns: argparse.Namespace | dict[str, Any], cls: type[EngineArgs] = EngineArgs) -> dict[str, Any]:
+def from_namespace(ns: argparse.Namespace, cls: type[EngineArgs] = EngineArgs) -> dict[str, Any]:
     """The engine's options out of parsed flags, as keywords for ``cls`` (or ``EngineConfig``)."""
-    values = vars(ns) if isinstance(ns, argparse.Namespace) else ns
-    return {o.name: values[o.name] for o in options(cls)}
+    return {o.name: getattr(ns, o.name) for o in options(cls)}
 
 
 def to_flags(args: EngineArgs) -> list[str]:
