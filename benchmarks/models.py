@@ -26,6 +26,10 @@ SHAPES = {
     "default": {},
     "125m": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
              "num_key_value_heads": 4, "head_dim": 64},
+    # SmolLM2-135M's shape (30 layers, hidden 576, GQA 9/3): its KV, 46 KB a token in float32, is what crosses
+    # a link in the hand-off benchmarks
+    "smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "head_dim": 64},
     # a Mixtral of 8 experts (top 2) per layer, 6 layers, about 150M parameters with 32,000 ids
     "moe": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 768,
             "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 12, "num_key_value_heads": 4,

@@ -95,7 +95,7 @@ class Recording(Cluster):  # the command line the launcher builds, without the p
 cluster = Recording(ClusterSpec(Path(sys.argv[1]), engine=EngineArgs(kv_test_knob=9)), Path(tempfile.mkdtemp()))
 cluster.addresses["kv-registry"] = "127.0.0.1:1"
 cluster.spawn_worker("decode")
-cluster.ports.release_all()
+cluster.service_hosts.close()
 print(json.dumps(cluster.argv))
 """
 

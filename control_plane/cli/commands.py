@@ -191,11 +191,16 @@ def generate(prompt, addr, token_ids, chat, model_dir, max_tokens, temperature, 
                    "each, the cores divided evenly, and the OS places them)")
 @click.option("--planner", is_flag=True, help="scale the prefill and decode pools to the SLO targets (the SLA "
               "planner: metrics on; the pools start at --prefill/--decode, which are their minimums)")
+@click.option("--hosts", "num_hosts", default=0, type=click.IntRange(0, 200),
+              help="lay the cluster over this many simulated hosts of this machine (network namespaces, root "
+                   "only): the control services on the first, the workers spread over the others; implies --tls")
+@click.option("--link", "link_text", default="unshaped", show_default=True,
+              help="with --hosts: each host's link, RATE[,DELAY] (1gbit, 100mbit,2ms; a delay needs netem)")
 @planner_options
 @engine_options()
 def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, request_text, max_tokens, chat,
        http_port, metrics, num_routers, num_schedulers, redis_persistent, tls, api_key_file, shared_prefix_cache,
-       pin_cores, planner, **opts) -> None:
+       pin_cores, planner, num_hosts, link_text, **opts) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C. With --planner, the
     prefill and decode pools scale between their starting sizes and --max-prefill/--max-decode
     to meet --slo-ttft-ms and --slo-itl-ms."""
@@ -204,17 +209,20 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, request_te
 
     from control_plane.cli.client import Completion, accumulate, build_request, stream
     from control_plane.cli.launcher import Cluster, ClusterSpec, new_log_dir
+    from control_plane.hosts.link import Link, LinkError
 
     engine = engine_args(opts)  # what it leaves in opts is the planner's
     model = Path(model_path(model_dir))
+    tls = tls or num_hosts > 1  # beyond loopback every service speaks mutual TLS
     try:
         spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, engine=engine,
                            http_port=http_port, metrics=metrics or planner, tls=tls, num_routers=num_routers,
                            num_schedulers=num_schedulers, redis_persistent=redis_persistent,
                            api_key_file=Path(api_key_file) if api_key_file else None, pin_cores=pin_cores,
                            router_args=("--shared-prefix-cache",) if shared_prefix_cache else (),
-                           worker_args=("--drain-grace", str(PLANNER_DRAIN_S)) if planner else ())
-    except ValueError as exc:
+                           worker_args=("--drain-grace", str(PLANNER_DRAIN_S)) if planner else (),
+                           hosts=num_hosts, link=Link.parse(link_text))
+    except (ValueError, LinkError) as exc:
         raise click.UsageError(str(exc)) from None
     policy = None
     if planner:
@@ -227,7 +235,7 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, request_te
     start = time.perf_counter()
     try:
         cluster.start()
-    except (RuntimeError, TimeoutError, ValueError) as exc:
+    except (RuntimeError, TimeoutError, ValueError) as exc:  # HostNetworkError is a RuntimeError
         raise click.ClickException(str(exc)) from None
     try:
         click.echo(f"Kervan is up in {time.perf_counter() - start:.1f}s: router on {cluster.router_addresses}",

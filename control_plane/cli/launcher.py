@@ -2,7 +2,8 @@
 
     redis-server -> kv-registry -> control plane -> scheduler -> workers (prefill, decode, both) -> router
 
-Every service is its own process on 127.0.0.1 with a port chosen here; the
+Every service is its own process on 127.0.0.1 with a port chosen here (or, with ``hosts``,
+on simulated hosts of this machine: ``control_plane/hosts/``, ``service_hosts.py``); the
 launcher waits until each reports SERVING on the standard health service before
 starting the services that depend on it, prints the router's address, and on
 Ctrl-C, SIGTERM or SIGHUP stops them all (SIGTERM, then SIGKILL after a grace
@@ -39,8 +40,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.cli.death_signal import death_signal
-from control_plane.cli.port_reservations import PortReservations
 from control_plane.cli.redis_server import redis_argv, wait_listening
+from control_plane.cli.service_hosts import LoopbackHosts, ServiceHosts, SimulatedHosts
+from control_plane.hosts.link import Link
 from kervan.engine_args import EngineArgs, to_flags
 from kervan.envs import KERVAN_LISTEN_REUSEPORT
 from kervan.worker_info import WorkerRole
@@ -81,8 +83,14 @@ class ClusterSpec:
     num_routers: int = 1  # replicas: "router", "router-1", ... (clients list them all: replicas.py)
     num_schedulers: int = 1  # replicas: "scheduler", "scheduler-1", ... (every router lists them all)
     redis_persistent: bool = False  # the private Redis keeps an append-only file (survives its restart)
+    # > 0: the cluster laid over that many simulated hosts (network namespaces), each linked to the others
+    # by ``link``: the control services on the first, the workers spread over the rest
+    hosts: int = 0
+    link: Link = field(default_factory=Link)
 
     def __post_init__(self) -> None:
+        if self.hosts > 1 and not self.tls:  # every service refuses to listen beyond loopback in plaintext
+            raise ValueError("services on simulated hosts talk over a network: start them with tls, as production")
         if self.engine.world_size == 1:
             return
         from worker.config import ConfigError, ModelConfig, check_parallel
@@ -135,8 +143,9 @@ class Cluster:
     _lifeline: tuple[int, int] | None = None  # the pipe whose closing tells children the launcher is gone
     # workers told to drain and not yet gone: name -> (process, when it is killed if still there)
     draining: dict[str, tuple[subprocess.Popen, float]] = field(default_factory=dict)
-    # every service's port, held for the cluster's life: no other user takes one while its service restarts
-    ports: PortReservations = field(default_factory=PortReservations)
+    # where each service runs; on loopback every service's port is held for the cluster's life: no other
+    # user takes one while its service restarts
+    service_hosts: ServiceHosts = field(default_factory=LoopbackHosts)
 
     @property
     def router_address(self) -> str:
@@ -166,7 +175,8 @@ class Cluster:
         for role in ROLES:
             if role != "worker":  # each worker gets its own, naming its address (spawn_worker): no unbound one
                 self._tls_flags[role] = ca.issue(role).flags()
-        public = ca.issue_public()  # what the router's public port serves (clients check it for 127.0.0.1)
+        # what the router's public port serves (clients check it for 127.0.0.1, or the router's host)
+        public = ca.issue_public(hosts=[self.service_hosts.address("router")])
         self._tls_flags["router"] += ["--public-tls-cert", str(public.cert), "--public-tls-key", str(public.key)]
         admin = ca.issue("admin")
         self.client_security = MeshSecurity.from_files(str(admin.cert), str(admin.key), str(admin.ca))
@@ -178,6 +188,9 @@ class Cluster:
     def start(self, timeout: float = 180.0) -> None:
         """Start every service in dependency order; raises if one dies or never serves."""
         try:
+            if self.spec.hosts:
+                from control_plane.hosts.network import HostNetwork
+                self.service_hosts = SimulatedHosts(HostNetwork.create(self.spec.hosts, self.spec.link))
             if self.spec.tls:
                 self._make_certificates()
             elif self.spec.api_key_file is not None:  # keys guard the router; the secret, every other service
@@ -208,8 +221,8 @@ class Cluster:
             for name in routers:
                 http = []
                 if self.spec.http_port is not None:  # every router serves HTTP: the first on the port asked for
-                    port = self.ports.reserve(self.spec.http_port if name == "router" else 0)
-                    self.addresses[f"{name}-http"] = f"127.0.0.1:{port}"
+                    port = self.service_hosts.port(f"{name}-http", self.spec.http_port if name == "router" else 0)
+                    self.addresses[f"{name}-http"] = f"{self.service_hosts.address(name)}:{port}"
                     http = ["--http-port", str(port)]
                 self._start(name, "services.router", "--scheduler", ",".join(self.addresses[s] for s in schedulers),
                             "--model", str(self.spec.model_dir),
@@ -232,10 +245,11 @@ class Cluster:
             usable = usable_cores()
             cores = {usable[(slot * threads + k) % len(usable)] for k in range(threads)}
         self.spawned[role] += 1
-        port = self.ports.reserve()
+        port = self.service_hosts.port(name)
         tls = None
         if self.authority is not None:  # its own certificate, naming the one address it may register
-            tls = self.authority.issue("worker", name=name, addresses=[f"127.0.0.1:{port}"]).flags()
+            address = f"{self.service_hosts.address(name)}:{port}"
+            tls = self.authority.issue("worker", name=name, addresses=[address]).flags()
         self._start(name, "services.worker", "--role", str(role), "--model", str(self.spec.model_dir),
                     "--registry", self.addresses["kv-registry"], *to_flags(self.spec.worker_engine(name, role)),
                     *self.spec.worker_args, *args, port=port, tls_flags=tls,
@@ -284,27 +298,29 @@ class Cluster:
         return gone
 
     def _start_redis(self) -> str:
-        port = free_port()
+        port = self.service_hosts.unreserved_port("redis")
+        host = self.service_hosts.address("redis")
         password = self.redis_password = secrets.token_hex(16)
-        self._spawn("redis", redis_argv(port, self.log_dir, password, self.spec.redis_persistent))
-        self.addresses["redis"] = f"127.0.0.1:{port}"
-        wait_listening(port, self.procs["redis"])
-        return f"redis://:{password}@127.0.0.1:{port}/0"
+        self._spawn("redis", redis_argv(port, self.log_dir, password, self.spec.redis_persistent, bind=host))
+        self.addresses["redis"] = f"{host}:{port}"
+        wait_listening(port, self.procs["redis"], host=host)
+        return f"redis://:{password}@{host}:{port}/0"
 
     def _start(self, name: str, module: str, *args: str, port: int = 0, env: dict[str, str] | None = None,
                cores: set[int] | None = None, tls_flags: list[str] | None = None) -> None:
-        port = self.ports.reserve(port)
-        self.addresses[name] = f"127.0.0.1:{port}"
+        port = self.service_hosts.port(name, port)
+        host = self.service_hosts.address(name)
+        self.addresses[name] = f"{host}:{port}"
         role = module.removeprefix("services.").replace("_", "-")  # the mesh role its certificate names
         tls = tls_flags if tls_flags is not None else self._tls_flags.get(role, [])
-        self._spawn(name, [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
+        self._spawn(name, [sys.executable, "-m", module, "--host", host, "--port", str(port),
                            *self._metrics_args(name), *tls, *args], env, cores)
 
     def _metrics_args(self, name: str) -> list[str]:
         if not self.spec.metrics:
             return []
-        port = free_port()
-        self.addresses[f"{name}-metrics"] = f"127.0.0.1:{port}"
+        port = self.service_hosts.unreserved_port(f"{name}-metrics")
+        self.addresses[f"{name}-metrics"] = f"{self.service_hosts.address(name)}:{port}"
         return ["--metrics-port", str(port)]
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
@@ -322,8 +338,9 @@ class Cluster:
         # gets one, and only from a launcher with no other thread (`kervan up`)
         setup = death_signal(os.getpid()) if name == "redis" and threading.active_count() == 1 else None
         # a new session: Ctrl-C in the terminal reaches the launcher only, which stops children in order
-        self.procs[name] = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        self.procs[name] = subprocess.Popen(  # inside its host, when the cluster spans simulated hosts
+            self.service_hosts.argv(name, argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
             env={**os.environ, **(env or {}), ENV_LIFELINE: str(self._lifeline[0])}, pass_fds=(self._lifeline[0],),
             preexec_fn=setup)
         if cores:  # before the child starts its OpenMP threads, which inherit the mask
@@ -416,7 +433,7 @@ class Cluster:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
-        self.ports.release_all()
+        self.service_hosts.close()
         if self._lifeline is not None:
             for fd in self._lifeline:
                 os.close(fd)

@@ -27,8 +27,9 @@ def redis_server_binary() -> str:
     return str(path)
 
 
-def redis_argv(port: int, data_dir: Path, password: str | None = None, persistent: bool = False) -> list[str]:
-    """A private redis-server on loopback, memory-only unless ``persistent`` (an append-only
+def redis_argv(port: int, data_dir: Path, password: str | None = None, persistent: bool = False,
+               bind: str = "127.0.0.1") -> list[str]:
+    """A private redis-server on ``bind`` (loopback), memory-only unless ``persistent`` (an append-only
     file in ``data_dir``, fsynced every second: a restart keeps the leases and the index);
     with ``password``, written to an owner-only config file in ``data_dir`` (not the
     command line, which anyone can read)."""
@@ -39,15 +40,15 @@ def redis_argv(port: int, data_dir: Path, password: str | None = None, persisten
         with os.fdopen(fd, "w") as f:
             f.write(f"requirepass {password}\n")
         argv.append(str(conf))
-    return argv + ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+    return argv + ["--port", str(port), "--bind", bind, "--save", "", "--appendonly",
                    "yes" if persistent else "no", "--dir", str(data_dir)]
 
 
-def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 30.0, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+            if s.connect_ex((host, port)) == 0:
                 return
         if proc.poll() is not None:
             raise RuntimeError(f"redis-server exited with {proc.returncode}")

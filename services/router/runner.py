@@ -14,7 +14,9 @@ is 1.0: sampling) and n > 1 do not (their continuation could not equal the
 fault-free one): they end UNAVAILABLE, saying so. A worker that fails the call
 (INTERNAL) counts as lost, as does one that gives no first token within
 ``first_token_timeout_s`` (a wedged prefill). A prefill worker whose push to the
-decode worker failed (ABORTED) is not the one lost: the decode worker is.
+decode worker failed (ABORTED) is not the one lost: the decode worker is, unless it still
+answers the router — then the link between the two failed (a partition between their hosts),
+and the prefill worker is the one left out, so the decode worker prefills itself.
 Later attempts run under ids a client cannot send (``{rid}~m{n}``).
 
 Addresses found unreachable are excluded from this request's placements and, for
@@ -42,7 +44,7 @@ from opentelemetry import trace
 from kervan.sampling import FORKED_SAMPLES, SamplingParams
 from services.common.convert import sampling_to_proto
 from services.common.errors import Overloaded, Unavailable, retry_after_s
-from services.proto import common_pb2, worker_pb2
+from services.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.router import metrics
 from services.router.routes import ScheduledRoutes, StaticRoutes
 
@@ -108,6 +110,15 @@ class Suspects:
         now = time.monotonic()
         self._until = {a: t for a, t in self._until.items() if t > now}
         return sorted(self._until, key=self._until.__getitem__, reverse=True)
+
+
+async def answers(worker: worker_pb2_grpc.WorkerServiceStub, timeout_s: float = 1.0) -> bool:
+    """Whether a worker answers this router now (its load, within ``timeout_s``)."""
+    try:
+        await worker.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout_s)
+        return True
+    except grpc.aio.AioRpcError:
+        return False
 
 
 @dataclass
@@ -217,6 +228,10 @@ class RequestRunner:
             if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (remaining is None or remaining > cap):
                 raise WorkerLost(place.prefill_address, f"no first token within {cap:g} s") from None
             if err.code() == grpc.StatusCode.ABORTED:  # the prefill worker could not reach the decode worker
+                if await answers(decode):
+                    raise WorkerLost(place.prefill_address, f"{err.details() or 'KV push failed'} (the decode "
+                                                            "worker answers the router: the link between them "
+                                                            "failed)") from None
                 raise WorkerLost(place.decode_address, err.details() or "KV push failed") from None
             raise worker_error(place.prefill_address, err) from None
         yield worker_pb2.TokenUpdate(index=0, token_ids=[first.first_token],

@@ -15,6 +15,8 @@ QUEUE_TIME = Histogram("kervan_request_queue_time_seconds", "From a request's ar
                        "step", buckets=LATENCY_BUCKETS)
 KV_TRANSFER_BYTES = Counter("kervan_kv_transfer_bytes", "Bytes of KV handed between workers, pushed or received",
                             ["direction"])
+KV_PUSHES = Counter("kervan_kv_pushes", "KV pushes to decode workers, by path: shared_memory (same host) or stream "
+                    "(the gRPC stream, any host)", ["path"])
 KV_SHM_FALLBACKS = Counter("kervan_kv_shm_fallbacks", "KV pushes that went by the gRPC stream because shared "
                            "memory had no room for them")
 ENGINE_STEP_TIME = Histogram("kervan_engine_step_seconds", "Wall time of one engine step (schedule, run the "

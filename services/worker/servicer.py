@@ -120,6 +120,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     metrics.KV_PUSH_RETRIES.inc()
                     await asyncio.sleep(wait)
             pushed = True
+            metrics.KV_PUSHES.labels("shared_memory" if export is not None else "stream").inc()
             metrics.KV_TRANSFER_TIME.observe(time.perf_counter() - start)
             metrics.KV_TRANSFER_BYTES.labels("pushed").inc(receipt.num_bytes)
         finally:

@@ -22,6 +22,7 @@ import grpc
 
 from control_plane.cli.client import build_request
 from control_plane.cli.redis_server import redis_argv, wait_listening
+from services.common.security import PLAINTEXT, MeshSecurity
 from services.proto import router_pb2_grpc, runtime_pb2, runtime_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 # one report per run, emptied at its start (tests/conftest.py's pytest_configure)
@@ -43,10 +44,10 @@ class Outcome:
 
 
 async def stream(address: str, prompt: list[int], max_tokens: int, on_delta=None, timeout: float = 120,
-                 **sampling) -> Outcome:
+                 security: MeshSecurity = PLAINTEXT, **sampling) -> Outcome:
     out = Outcome()
     t0 = time.monotonic()
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with security.channel(address) as channel:
         call = router_pb2_grpc.RouterServiceStub(channel).Generate(build_request(
             token_ids=prompt, max_tokens=max_tokens, temperature=sampling.pop("temperature", 0.0), ignore_eos=True,
             **sampling), timeout=timeout)
@@ -97,23 +98,24 @@ def process_gone(proc, timeout: float = 10.0) -> None:
 
 
 async def streams_decoding_on(router: str, worker: str, prompts: list[list[int]], max_tokens: int,
-                              timeout: float) -> list[asyncio.Task]:
+                              timeout: float, security: MeshSecurity = PLAINTEXT) -> list[asyncio.Task]:
     """Start one stream per prompt and return once every client holds a token and
     ``worker`` (HOST:PORT, asked directly) runs a stream past its prefill: the moment a
     fault on that worker hits streams that already delivered tokens."""
-    tasks, _ = await streams_decoding_on_one_of(router, [worker], prompts, max_tokens, timeout)
+    tasks, _ = await streams_decoding_on_one_of(router, [worker], prompts, max_tokens, timeout, security=security)
     return tasks
 
 
 async def streams_decoding_on_one_of(router: str, workers: list[str], prompts: list[list[int]], max_tokens: int,
-                                     timeout: float, tries: int = 3) -> tuple[list[asyncio.Task], str]:
+                                     timeout: float, tries: int = 3, security: MeshSecurity = PLAINTEXT
+                                     ) -> tuple[list[asyncio.Task], str]:
     """As ``streams_decoding_on``, for whichever of ``workers`` is first seen running a stream
     past its prefill (all asked at once, so neither the placement nor a fast decode of the
     streams one worker got decides whether the test can go on); returns the tasks and that worker.
     When none is (placement gave them few enough streams to finish before the last client held
     its token), those streams run to their end and new ones are started, ``tries`` times in all."""
     for _ in range(tries):
-        tasks, worker = await _streams_and_one_running(router, workers, prompts, max_tokens, timeout)
+        tasks, worker = await _streams_and_one_running(router, workers, prompts, max_tokens, timeout, security)
         if worker is not None:
             return tasks, worker
         await asyncio.gather(*tasks)
@@ -121,17 +123,17 @@ async def streams_decoding_on_one_of(router: str, workers: list[str], prompts: l
 
 
 async def _streams_and_one_running(router: str, workers: list[str], prompts: list[list[int]], max_tokens: int,
-                                   timeout: float) -> tuple[list[asyncio.Task], str | None]:
+                                   timeout: float, security: MeshSecurity) -> tuple[list[asyncio.Task], str | None]:
     started = [asyncio.Event() for _ in prompts]
 
     def first_token(k):
         async def on_delta(out):
             started[k].set()
         return on_delta
-    tasks = [asyncio.create_task(stream(router, p, max_tokens, on_delta=first_token(k), timeout=timeout))
-             for k, p in enumerate(prompts)]
+    tasks = [asyncio.create_task(stream(router, p, max_tokens, on_delta=first_token(k), timeout=timeout,
+                                        security=security)) for k, p in enumerate(prompts)]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-    channels = [grpc.aio.insecure_channel(w) for w in workers]
+    channels = [security.channel(w, role="worker") for w in workers]
     try:
         stubs = [worker_pb2_grpc.WorkerServiceStub(ch) for ch in channels]
         deadline = time.monotonic() + 5
@@ -172,9 +174,9 @@ async def wait_baseline(cluster, workers: list[str], redis_url: str | None = Non
     while True:
         loads = []
         for w in workers:
-            async with grpc.aio.insecure_channel(cluster.addresses[w]) as ch:
+            async with cluster.client_security.channel(cluster.addresses[w], role="worker") as ch:
                 loads.append((await worker_pb2_grpc.WorkerServiceStub(ch).GetLoad(worker_pb2.GetLoadRequest())).load)
-        async with grpc.aio.insecure_channel(cluster.addresses["kv-registry"]) as ch:
+        async with cluster.client_security.channel(cluster.addresses["kv-registry"], role="kv-registry") as ch:
             registry = kv_registry_pb2_grpc.KvRegistryServiceStub(ch)
             # what the lease watch does every second, for the moments a test has it dead or starved
             await registry.PurgeExpired(kv_registry_pb2.PurgeExpiredRequest())
@@ -230,6 +232,9 @@ async def redis_leftovers(r, live: set[str]) -> list[str]:
             continue
         if kind in ("w", "own", "seq"):
             if owner not in live:
+                out.append(key)
+        elif kind == "cert":  # TLS meshes: the worker id a certificate registered at an address
+            if (await r.get(key) or b"").decode() not in live:
                 out.append(key)
         elif kind == "blk":
             raw = await r.get(key) or b""  # SETBIT offset 0 is the first byte's highest bit
