@@ -176,8 +176,9 @@ async def test_the_router_refuses_past_its_in_flight_limit_with_retry_info(mesh)
 
 
 async def test_a_failed_kv_push_blames_the_decode_worker_and_an_internal_error_places_again():
-    """Prefill answers ABORTED when its push to the decode worker failed: the decode address
-    is excluded, not the healthy prefill worker's. A worker that fails the call itself
+    """Prefill answers ABORTED when its push to the decode worker failed: with the decode worker
+    silent to the router too, the decode address is excluded, not the healthy prefill worker's
+    (a decode worker that still answers: the next test). A worker that fails the call itself
     (INTERNAL) before the first token is lost too: the request is placed again."""
     from services.proto import common_pb2, worker_pb2
     from services.router.routes import Placement
@@ -206,7 +207,9 @@ async def test_a_failed_kv_push_blames_the_decode_worker_and_an_internal_error_p
         async def route(self, rid, prompt, max_tokens, n, timeout, model="", exclude=(), avoid=(), cache_salt=""):
             excluded.append(list(exclude))
             if len(excluded) == 1:
-                return Placement(prefill=pushing, decode=stub(), prefill_address="P", decode_address="D")
+                dead = stub()
+                dead.GetLoad = failing(grpc.StatusCode.UNAVAILABLE)
+                return Placement(prefill=pushing, decode=dead, prefill_address="P", decode_address="D")
             if len(excluded) == 2:
                 return Placement(worker=sick, worker_address="S")
             return Placement(worker=Answering(), worker_address="A")
@@ -216,6 +219,45 @@ async def test_a_failed_kv_push_blames_the_decode_worker_and_an_internal_error_p
                                               type("NoDeadline", (), {"remaining": lambda self: None})())]
     assert [list(u.token_ids) for u in updates] == [[7]]
     assert excluded == [[], ["D"], ["D", "S"]]
+
+
+async def test_a_failed_kv_push_to_a_decode_worker_that_answers_leaves_out_the_prefill_worker():
+    """A partition between a prefill host and a decode host: the push fails (ABORTED) while the
+    decode worker answers the router. The prefill worker is excluded and the request placed
+    again (the decode worker prefills itself); the decode worker stays a candidate."""
+    from services.proto import common_pb2, worker_pb2
+    from services.router.routes import Placement
+    from services.router.runner import MigrationPolicy, RequestRunner
+
+    class Pushing:
+        async def Prefill(self, request, timeout=None):
+            raise grpc.aio.AioRpcError(grpc.StatusCode.ABORTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "KV push to the decode worker failed: UNAVAILABLE")
+
+    class Decoding:  # answers the router, and prefills itself when placed alone
+        async def GetLoad(self, request, timeout=None):
+            return worker_pb2.GetLoadResponse()
+
+        def Execute(self, request, timeout=None):
+            return _Call([worker_pb2.ExecuteResponse(update=worker_pb2.TokenUpdate(
+                token_ids=[7], finish_reason=common_pb2.FINISH_REASON_LENGTH))])
+
+    excluded = []
+
+    class Routes:
+        alternatives = True
+
+        async def route(self, rid, prompt, max_tokens, n, timeout, model="", exclude=(), avoid=(), cache_salt=""):
+            excluded.append(list(exclude))
+            if "P" not in exclude:
+                return Placement(prefill=Pushing(), decode=Decoding(), prefill_address="P", decode_address="D")
+            return Placement(worker=Decoding(), worker_address="D")
+
+    runner = RequestRunner(Routes(), "", MigrationPolicy())
+    updates = [u async for _, u in runner.run("r", [5, 6], SamplingParams(max_tokens=1),
+                                              type("NoDeadline", (), {"remaining": lambda self: None})())]
+    assert [list(u.token_ids) for u in updates] == [[7]]
+    assert excluded == [[], ["P"]]
 
 
 class _Call:
