@@ -17,6 +17,7 @@ import torch
 
 from kervan.block_hash import ROOT_HASH, BlockHash, hash_blocks
 from kervan.sampling import SamplingParams
+from worker.kv.cluster_tier import FetchedKV
 from worker.noise import exponential
 
 
@@ -65,6 +66,8 @@ class Sequence:
         # disaggregated serving: KV of the prompt computed elsewhere ([layers, 2, blocks,
         # kv_heads, block_size * head_dim]), written into this engine's blocks on admission
         self.imported_kv: torch.Tensor | None = None
+        # the cluster KV tier: blocks of the prompt's prefix fetched from another worker (worker/kv/cluster_tier.py)
+        self.fetched_kv: FetchedKV | None = None
         self.hold_kv = False  # keep the blocks after finishing, until released (prefill side)
         self.arrival_time = time.monotonic()
         self.queue_time_s: float | None = None  # arrival to first scheduled (set once, by the scheduler)

@@ -208,7 +208,7 @@ class Cluster:
             schedulers = _replica_names("scheduler", self.spec.num_schedulers)
             for name in schedulers:
                 self._start(name, "services.scheduler", "--registry", self.addresses["kv-registry"],
-                            *self.spec.scheduler_args)
+                            *self._link_flags(), *self.spec.scheduler_args)
             roles = [role for role, n in ((WorkerRole.PREFILL, self.spec.num_prefill),
                                           (WorkerRole.DECODE, self.spec.num_decode),
                                           (WorkerRole.BOTH, self.spec.num_both)) for _ in range(n)]
@@ -296,6 +296,12 @@ class Cluster:
             del self.draining[name]
             gone.append(name)
         return gone
+
+    def _link_flags(self) -> list[str]:
+        """The simulated hosts' link rate: what the scheduler prices a KV fetch with until the
+        workers have measured their links."""
+        rate = self.spec.link.bytes_per_s if self.spec.hosts > 1 else None
+        return [] if rate is None else ["--link-bytes-per-s", f"{rate:g}"]
 
     def _start_redis(self) -> str:
         port = self.service_hosts.unreserved_port("redis")

@@ -16,6 +16,11 @@ class Load:
     num_requests: int = 0  # sequences admitted and not finished (n per request of n samples; admission limits it)
     max_requests: int = 0  # past this many new requests are refused; 0: no limit
     num_aborted: int = 0  # requests aborted before they finished, since the worker started
+    # what placement prices the cluster KV tier with: the prompt tokens a second the engine computes and the
+    # bytes a second its KV transfers move, both measured (0: not yet), and one block's bytes
+    prefill_tokens_per_s: int = 0
+    kv_link_bytes_per_s: int = 0
+    kv_block_bytes: int = 0
     # MoE: (token, expert) pairs each rank of the worker group computed, since the start (load balance);
     # the worker reports it, the registry keeps only the counts above (SCALARS)
     expert_tokens_per_rank: tuple[int, ...] = ()

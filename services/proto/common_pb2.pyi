@@ -65,7 +65,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefill_tokens", "num_evictable_blocks", "num_requests", "max_requests", "num_aborted", "expert_tokens_per_rank")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefill_tokens", "num_evictable_blocks", "num_requests", "max_requests", "num_aborted", "expert_tokens_per_rank", "prefill_tokens_per_s", "kv_link_bytes_per_s", "kv_block_bytes")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,9 @@ class WorkerLoad(_message.Message):
     MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
     EXPERT_TOKENS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_LINK_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -86,7 +89,20 @@ class WorkerLoad(_message.Message):
     max_requests: int
     num_aborted: int
     expert_tokens_per_rank: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., max_requests: _Optional[int] = ..., num_aborted: _Optional[int] = ..., expert_tokens_per_rank: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefill_tokens_per_s: int
+    kv_link_bytes_per_s: int
+    kv_block_bytes: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., max_requests: _Optional[int] = ..., num_aborted: _Optional[int] = ..., expert_tokens_per_rank: _Optional[_Iterable[int]] = ..., prefill_tokens_per_s: _Optional[int] = ..., kv_link_bytes_per_s: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ...) -> None: ...
+
+class KvSource(_message.Message):
+    __slots__ = ("address", "first_block", "num_blocks")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    first_block: int
+    num_blocks: int
+    def __init__(self, address: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class MeshConfig(_message.Message):
     __slots__ = ("block_size", "hash_name")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto import common_pb2 as kervan_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kervan/v1/scheduler.proto\x12\tkervan.v1\x1a\x16kervan/v1/common.proto\"\xc6\x01\n\x0cPlaceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x0f\n\x07\x64ry_run\x18\x04 \x01(\x08\x12\r\n\x05model\x18\x05 \x01(\t\x12\x19\n\x11\x65xclude_addresses\x18\x06 \x03(\t\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\t\n\x01n\x18\x08 \x01(\r\x12\x17\n\x0f\x61void_addresses\x18\t \x03(\t\"\xa2\x02\n\rPlaceResponse\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\x12\x34\n\x06scores\x18\x04 \x03(\x0b\x32$.kervan.v1.PlaceResponse.ScoresEntry\x12\x16\n\x0eprefill_reason\x18\x05 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x07 \x01(\t\x12\x17\n\x0funknown_workers\x18\x08 \x03(\t\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x11\n\x0fGetStatsRequest\"\xad\x03\n\x10GetStatsResponse\x12\x12\n\nplacements\x18\x01 \x01(\x04\x12K\n\x11\x62y_prefill_reason\x18\x02 \x03(\x0b\x32\x30.kervan.v1.GetStatsResponse.ByPrefillReasonEntry\x12<\n\tby_worker\x18\x03 \x03(\x0b\x32).kervan.v1.GetStatsResponse.ByWorkerEntry\x12\x0f\n\x07refused\x18\x04 \x01(\x04\x12I\n\x10\x62y_policy_branch\x18\x05 \x03(\x0b\x32/.kervan.v1.GetStatsResponse.ByPolicyBranchEntry\x1a\x36\n\x14\x42yPrefillReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a/\n\rByWorkerEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x35\n\x13\x42yPolicyBranchEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"&\n$SchedulerServiceGetMeshConfigRequest\"N\n%SchedulerServiceGetMeshConfigResponse\x12%\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x15.kervan.v1.MeshConfig2\x87\x02\n\x10SchedulerService\x12:\n\x05Place\x12\x17.kervan.v1.PlaceRequest\x1a\x18.kervan.v1.PlaceResponse\x12\x43\n\x08GetStats\x12\x1a.kervan.v1.GetStatsRequest\x1a\x1b.kervan.v1.GetStatsResponse\x12r\n\rGetMeshConfig\x12/.kervan.v1.SchedulerServiceGetMeshConfigRequest\x1a\x30.kervan.v1.SchedulerServiceGetMeshConfigResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kervan/v1/scheduler.proto\x12\tkervan.v1\x1a\x16kervan/v1/common.proto\"\xc6\x01\n\x0cPlaceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x0f\n\x07\x64ry_run\x18\x04 \x01(\x08\x12\r\n\x05model\x18\x05 \x01(\t\x12\x19\n\x11\x65xclude_addresses\x18\x06 \x03(\t\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\t\n\x01n\x18\x08 \x01(\r\x12\x17\n\x0f\x61void_addresses\x18\t \x03(\t\"\xca\x02\n\rPlaceResponse\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\x12\x34\n\x06scores\x18\x04 \x03(\x0b\x32$.kervan.v1.PlaceResponse.ScoresEntry\x12\x16\n\x0eprefill_reason\x18\x05 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x07 \x01(\t\x12\x17\n\x0funknown_workers\x18\x08 \x03(\t\x12&\n\tkv_source\x18\t \x01(\x0b\x32\x13.kervan.v1.KvSource\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x11\n\x0fGetStatsRequest\"\xad\x03\n\x10GetStatsResponse\x12\x12\n\nplacements\x18\x01 \x01(\x04\x12K\n\x11\x62y_prefill_reason\x18\x02 \x03(\x0b\x32\x30.kervan.v1.GetStatsResponse.ByPrefillReasonEntry\x12<\n\tby_worker\x18\x03 \x03(\x0b\x32).kervan.v1.GetStatsResponse.ByWorkerEntry\x12\x0f\n\x07refused\x18\x04 \x01(\x04\x12I\n\x10\x62y_policy_branch\x18\x05 \x03(\x0b\x32/.kervan.v1.GetStatsResponse.ByPolicyBranchEntry\x1a\x36\n\x14\x42yPrefillReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a/\n\rByWorkerEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x35\n\x13\x42yPolicyBranchEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"&\n$SchedulerServiceGetMeshConfigRequest\"N\n%SchedulerServiceGetMeshConfigResponse\x12%\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x15.kervan.v1.MeshConfig2\x87\x02\n\x10SchedulerService\x12:\n\x05Place\x12\x17.kervan.v1.PlaceRequest\x1a\x18.kervan.v1.PlaceResponse\x12\x43\n\x08GetStats\x12\x1a.kervan.v1.GetStatsRequest\x1a\x1b.kervan.v1.GetStatsResponse\x12r\n\rGetMeshConfig\x12/.kervan.v1.SchedulerServiceGetMeshConfigRequest\x1a\x30.kervan.v1.SchedulerServiceGetMeshConfigResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,23 +43,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PLACEREQUEST']._serialized_start=65
   _globals['_PLACEREQUEST']._serialized_end=263
   _globals['_PLACERESPONSE']._serialized_start=266
-  _globals['_PLACERESPONSE']._serialized_end=556
-  _globals['_PLACERESPONSE_SCORESENTRY']._serialized_start=511
-  _globals['_PLACERESPONSE_SCORESENTRY']._serialized_end=556
-  _globals['_GETSTATSREQUEST']._serialized_start=558
-  _globals['_GETSTATSREQUEST']._serialized_end=575
-  _globals['_GETSTATSRESPONSE']._serialized_start=578
-  _globals['_GETSTATSRESPONSE']._serialized_end=1007
-  _globals['_GETSTATSRESPONSE_BYPREFILLREASONENTRY']._serialized_start=849
-  _globals['_GETSTATSRESPONSE_BYPREFILLREASONENTRY']._serialized_end=903
-  _globals['_GETSTATSRESPONSE_BYWORKERENTRY']._serialized_start=905
-  _globals['_GETSTATSRESPONSE_BYWORKERENTRY']._serialized_end=952
-  _globals['_GETSTATSRESPONSE_BYPOLICYBRANCHENTRY']._serialized_start=954
-  _globals['_GETSTATSRESPONSE_BYPOLICYBRANCHENTRY']._serialized_end=1007
-  _globals['_SCHEDULERSERVICEGETMESHCONFIGREQUEST']._serialized_start=1009
-  _globals['_SCHEDULERSERVICEGETMESHCONFIGREQUEST']._serialized_end=1047
-  _globals['_SCHEDULERSERVICEGETMESHCONFIGRESPONSE']._serialized_start=1049
-  _globals['_SCHEDULERSERVICEGETMESHCONFIGRESPONSE']._serialized_end=1127
-  _globals['_SCHEDULERSERVICE']._serialized_start=1130
-  _globals['_SCHEDULERSERVICE']._serialized_end=1393
+  _globals['_PLACERESPONSE']._serialized_end=596
+  _globals['_PLACERESPONSE_SCORESENTRY']._serialized_start=551
+  _globals['_PLACERESPONSE_SCORESENTRY']._serialized_end=596
+  _globals['_GETSTATSREQUEST']._serialized_start=598
+  _globals['_GETSTATSREQUEST']._serialized_end=615
+  _globals['_GETSTATSRESPONSE']._serialized_start=618
+  _globals['_GETSTATSRESPONSE']._serialized_end=1047
+  _globals['_GETSTATSRESPONSE_BYPREFILLREASONENTRY']._serialized_start=889
+  _globals['_GETSTATSRESPONSE_BYPREFILLREASONENTRY']._serialized_end=943
+  _globals['_GETSTATSRESPONSE_BYWORKERENTRY']._serialized_start=945
+  _globals['_GETSTATSRESPONSE_BYWORKERENTRY']._serialized_end=992
+  _globals['_GETSTATSRESPONSE_BYPOLICYBRANCHENTRY']._serialized_start=994
+  _globals['_GETSTATSRESPONSE_BYPOLICYBRANCHENTRY']._serialized_end=1047
+  _globals['_SCHEDULERSERVICEGETMESHCONFIGREQUEST']._serialized_start=1049
+  _globals['_SCHEDULERSERVICEGETMESHCONFIGREQUEST']._serialized_end=1087
+  _globals['_SCHEDULERSERVICEGETMESHCONFIGRESPONSE']._serialized_start=1089
+  _globals['_SCHEDULERSERVICEGETMESHCONFIGRESPONSE']._serialized_end=1167
+  _globals['_SCHEDULERSERVICE']._serialized_start=1170
+  _globals['_SCHEDULERSERVICE']._serialized_end=1433
 # @@protoc_insertion_point(module_scope)

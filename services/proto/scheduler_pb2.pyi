@@ -30,7 +30,7 @@ class PlaceRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., dry_run: _Optional[bool] = ..., model: _Optional[str] = ..., exclude_addresses: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., n: _Optional[int] = ..., avoid_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PlaceResponse(_message.Message):
-    __slots__ = ("decode_address", "prefill_address", "cached_blocks", "scores", "prefill_reason", "decode_worker_id", "prefill_worker_id", "unknown_workers")
+    __slots__ = ("decode_address", "prefill_address", "cached_blocks", "scores", "prefill_reason", "decode_worker_id", "prefill_worker_id", "unknown_workers", "kv_source")
     class ScoresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class PlaceResponse(_message.Message):
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     decode_address: str
     prefill_address: str
     cached_blocks: int
@@ -54,7 +55,8 @@ class PlaceResponse(_message.Message):
     decode_worker_id: str
     prefill_worker_id: str
     unknown_workers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, decode_address: _Optional[str] = ..., prefill_address: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., scores: _Optional[_Mapping[str, float]] = ..., prefill_reason: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., unknown_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_source: _common_pb2.KvSource
+    def __init__(self, decode_address: _Optional[str] = ..., prefill_address: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., scores: _Optional[_Mapping[str, float]] = ..., prefill_reason: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., unknown_workers: _Optional[_Iterable[str]] = ..., kv_source: _Optional[_Union[_common_pb2.KvSource, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

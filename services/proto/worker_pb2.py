@@ -25,43 +25,47 @@ _sym_db = _symbol_database.Default()
 from services.proto import common_pb2 as kervan_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kervan/v1/worker.proto\x12\tkervan.v1\x1a\x16kervan/v1/common.proto\"\x8a\x01\n\x0e\x45xecuteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06prompt\x18\x02 \x01(\x0b\x32\x13.kervan.v1.TokenIds\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kervan.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"9\n\x0f\x45xecuteResponse\x12&\n\x06update\x18\x01 \x01(\x0b\x32\x16.kervan.v1.TokenUpdate\"\xa5\x01\n\x0bTokenUpdate\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.kervan.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"6\n\x0fGetLoadResponse\x12#\n\x04load\x18\x01 \x01(\x0b\x32\x15.kervan.v1.WorkerLoad\"\xcd\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06prompt\x18\x02 \x01(\x0b\x32\x13.kervan.v1.TokenIds\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kervan.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12)\n\ttransport\x18\x05 \x01(\x0e\x32\x16.kervan.v1.KvTransport\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\xb0\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.kervan.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x11\n\tkv_handle\x18\x05 \x01(\t\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x04\"\xad\x01\n\x08KvHeader\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x12\x10\n\x08shm_name\x18\x06 \x01(\t\x12\x10\n\x08lease_ms\x18\x07 \x01(\r\x12\x15\n\rprompt_digest\x18\x08 \x01(\x0c\x12\x11\n\tshm_token\x18\t \x01(\x0c\"O\n\rPushKvRequest\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.kervan.v1.KvHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"3\n\x0ePushKvResponse\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\xc8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06prompt\x18\x02 \x01(\x0b\x32\x13.kervan.v1.TokenIds\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kervan.v1.SamplingParams\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12\x15\n\rfirst_logprob\x18\x05 \x01(\x02\x12\x11\n\tkv_handle\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"8\n\x0e\x44\x65\x63odeResponse\x12&\n\x06update\x18\x01 \x01(\x0b\x32\x16.kervan.v1.TokenUpdate*i\n\x0bKvTransport\x12\x1c\n\x18KV_TRANSPORT_UNSPECIFIED\x10\x00\x12\x1e\n\x1aKV_TRANSPORT_SHARED_MEMORY\x10\x01\x12\x1c\n\x18KV_TRANSPORT_GRPC_STREAM\x10\x02\x32\x95\x03\n\rWorkerService\x12\x42\n\x07\x45xecute\x12\x19.kervan.v1.ExecuteRequest\x1a\x1a.kervan.v1.ExecuteResponse0\x01\x12@\n\x07Prefill\x12\x19.kervan.v1.PrefillRequest\x1a\x1a.kervan.v1.PrefillResponse\x12?\n\x06PushKv\x12\x18.kervan.v1.PushKvRequest\x1a\x19.kervan.v1.PushKvResponse(\x01\x12?\n\x06\x44\x65\x63ode\x12\x18.kervan.v1.DecodeRequest\x1a\x19.kervan.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kervan.v1.AbortRequest\x1a\x18.kervan.v1.AbortResponse\x12@\n\x07GetLoad\x12\x19.kervan.v1.GetLoadRequest\x1a\x1a.kervan.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kervan/v1/worker.proto\x12\tkervan.v1\x1a\x16kervan/v1/common.proto\"\xb2\x01\n\x0e\x45xecuteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06prompt\x18\x02 \x01(\x0b\x32\x13.kervan.v1.TokenIds\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kervan.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12&\n\tkv_source\x18\x05 \x01(\x0b\x32\x13.kervan.v1.KvSource\"9\n\x0f\x45xecuteResponse\x12&\n\x06update\x18\x01 \x01(\x0b\x32\x16.kervan.v1.TokenUpdate\"\xa5\x01\n\x0bTokenUpdate\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.kervan.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"6\n\x0fGetLoadResponse\x12#\n\x04load\x18\x01 \x01(\x0b\x32\x15.kervan.v1.WorkerLoad\"\xf5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06prompt\x18\x02 \x01(\x0b\x32\x13.kervan.v1.TokenIds\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kervan.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12)\n\ttransport\x18\x05 \x01(\x0e\x32\x16.kervan.v1.KvTransport\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12&\n\tkv_source\x18\x07 \x01(\x0b\x32\x13.kervan.v1.KvSource\"\xb0\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.kervan.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x11\n\tkv_handle\x18\x05 \x01(\t\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x04\"\xad\x01\n\x08KvHeader\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x12\x10\n\x08shm_name\x18\x06 \x01(\t\x12\x10\n\x08lease_ms\x18\x07 \x01(\r\x12\x15\n\rprompt_digest\x18\x08 \x01(\x0c\x12\x11\n\tshm_token\x18\t \x01(\x0c\"O\n\rPushKvRequest\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.kervan.v1.KvHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"3\n\x0ePushKvResponse\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"&\n\x0e\x46\x65tchKvRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"Q\n\x0f\x46\x65tchKvResponse\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.kervan.v1.KvHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\xc8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06prompt\x18\x02 \x01(\x0b\x32\x13.kervan.v1.TokenIds\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kervan.v1.SamplingParams\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12\x15\n\rfirst_logprob\x18\x05 \x01(\x02\x12\x11\n\tkv_handle\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"8\n\x0e\x44\x65\x63odeResponse\x12&\n\x06update\x18\x01 \x01(\x0b\x32\x16.kervan.v1.TokenUpdate*i\n\x0bKvTransport\x12\x1c\n\x18KV_TRANSPORT_UNSPECIFIED\x10\x00\x12\x1e\n\x1aKV_TRANSPORT_SHARED_MEMORY\x10\x01\x12\x1c\n\x18KV_TRANSPORT_GRPC_STREAM\x10\x02\x32\xd9\x03\n\rWorkerService\x12\x42\n\x07\x45xecute\x12\x19.kervan.v1.ExecuteRequest\x1a\x1a.kervan.v1.ExecuteResponse0\x01\x12@\n\x07Prefill\x12\x19.kervan.v1.PrefillRequest\x1a\x1a.kervan.v1.PrefillResponse\x12?\n\x06PushKv\x12\x18.kervan.v1.PushKvRequest\x1a\x19.kervan.v1.PushKvResponse(\x01\x12\x42\n\x07\x46\x65tchKv\x12\x19.kervan.v1.FetchKvRequest\x1a\x1a.kervan.v1.FetchKvResponse0\x01\x12?\n\x06\x44\x65\x63ode\x12\x18.kervan.v1.DecodeRequest\x1a\x19.kervan.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kervan.v1.AbortRequest\x1a\x18.kervan.v1.AbortResponse\x12@\n\x07GetLoad\x12\x19.kervan.v1.GetLoadRequest\x1a\x1a.kervan.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kervan.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVTRANSPORT']._serialized_start=1531
-  _globals['_KVTRANSPORT']._serialized_end=1636
+  _globals['_KVTRANSPORT']._serialized_start=1734
+  _globals['_KVTRANSPORT']._serialized_end=1839
   _globals['_EXECUTEREQUEST']._serialized_start=62
-  _globals['_EXECUTEREQUEST']._serialized_end=200
-  _globals['_EXECUTERESPONSE']._serialized_start=202
-  _globals['_EXECUTERESPONSE']._serialized_end=259
-  _globals['_TOKENUPDATE']._serialized_start=262
-  _globals['_TOKENUPDATE']._serialized_end=427
-  _globals['_ABORTREQUEST']._serialized_start=429
-  _globals['_ABORTREQUEST']._serialized_end=463
-  _globals['_ABORTRESPONSE']._serialized_start=465
-  _globals['_ABORTRESPONSE']._serialized_end=497
-  _globals['_GETLOADREQUEST']._serialized_start=499
-  _globals['_GETLOADREQUEST']._serialized_end=515
-  _globals['_GETLOADRESPONSE']._serialized_start=517
-  _globals['_GETLOADRESPONSE']._serialized_end=571
-  _globals['_PREFILLREQUEST']._serialized_start=574
-  _globals['_PREFILLREQUEST']._serialized_end=779
-  _globals['_PREFILLRESPONSE']._serialized_start=782
-  _globals['_PREFILLRESPONSE']._serialized_end=958
-  _globals['_KVHEADER']._serialized_start=961
-  _globals['_KVHEADER']._serialized_end=1134
-  _globals['_PUSHKVREQUEST']._serialized_start=1136
-  _globals['_PUSHKVREQUEST']._serialized_end=1215
-  _globals['_PUSHKVRESPONSE']._serialized_start=1217
-  _globals['_PUSHKVRESPONSE']._serialized_end=1268
-  _globals['_DECODEREQUEST']._serialized_start=1271
-  _globals['_DECODEREQUEST']._serialized_end=1471
-  _globals['_DECODERESPONSE']._serialized_start=1473
-  _globals['_DECODERESPONSE']._serialized_end=1529
-  _globals['_WORKERSERVICE']._serialized_start=1639
-  _globals['_WORKERSERVICE']._serialized_end=2044
+  _globals['_EXECUTEREQUEST']._serialized_end=240
+  _globals['_EXECUTERESPONSE']._serialized_start=242
+  _globals['_EXECUTERESPONSE']._serialized_end=299
+  _globals['_TOKENUPDATE']._serialized_start=302
+  _globals['_TOKENUPDATE']._serialized_end=467
+  _globals['_ABORTREQUEST']._serialized_start=469
+  _globals['_ABORTREQUEST']._serialized_end=503
+  _globals['_ABORTRESPONSE']._serialized_start=505
+  _globals['_ABORTRESPONSE']._serialized_end=537
+  _globals['_GETLOADREQUEST']._serialized_start=539
+  _globals['_GETLOADREQUEST']._serialized_end=555
+  _globals['_GETLOADRESPONSE']._serialized_start=557
+  _globals['_GETLOADRESPONSE']._serialized_end=611
+  _globals['_PREFILLREQUEST']._serialized_start=614
+  _globals['_PREFILLREQUEST']._serialized_end=859
+  _globals['_PREFILLRESPONSE']._serialized_start=862
+  _globals['_PREFILLRESPONSE']._serialized_end=1038
+  _globals['_KVHEADER']._serialized_start=1041
+  _globals['_KVHEADER']._serialized_end=1214
+  _globals['_PUSHKVREQUEST']._serialized_start=1216
+  _globals['_PUSHKVREQUEST']._serialized_end=1295
+  _globals['_PUSHKVRESPONSE']._serialized_start=1297
+  _globals['_PUSHKVRESPONSE']._serialized_end=1348
+  _globals['_FETCHKVREQUEST']._serialized_start=1350
+  _globals['_FETCHKVREQUEST']._serialized_end=1388
+  _globals['_FETCHKVRESPONSE']._serialized_start=1390
+  _globals['_FETCHKVRESPONSE']._serialized_end=1471
+  _globals['_DECODEREQUEST']._serialized_start=1474
+  _globals['_DECODEREQUEST']._serialized_end=1674
+  _globals['_DECODERESPONSE']._serialized_start=1676
+  _globals['_DECODERESPONSE']._serialized_end=1732
+  _globals['_WORKERSERVICE']._serialized_start=1842
+  _globals['_WORKERSERVICE']._serialized_end=2315
 # @@protoc_insertion_point(module_scope)

@@ -18,16 +18,18 @@ KV_TRANSPORT_SHARED_MEMORY: KvTransport
 KV_TRANSPORT_GRPC_STREAM: KvTransport
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "cache_salt")
+    __slots__ = ("request_id", "prompt", "sampling", "cache_salt", "kv_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: _common_pb2.TokenIds
     sampling: _common_pb2.SamplingParams
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    kv_source: _common_pb2.KvSource
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., kv_source: _Optional[_Union[_common_pb2.KvSource, _Mapping]] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("update",)
@@ -74,20 +76,22 @@ class GetLoadResponse(_message.Message):
     def __init__(self, load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "decode_address", "transport", "cache_salt")
+    __slots__ = ("request_id", "prompt", "sampling", "decode_address", "transport", "cache_salt", "kv_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: _common_pb2.TokenIds
     sampling: _common_pb2.SamplingParams
     decode_address: str
     transport: KvTransport
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., transport: _Optional[_Union[KvTransport, str]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    kv_source: _common_pb2.KvSource
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., transport: _Optional[_Union[KvTransport, str]] = ..., cache_salt: _Optional[str] = ..., kv_source: _Optional[_Union[_common_pb2.KvSource, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "first_logprob", "finish_reason", "cached_prompt_tokens", "kv_handle", "kv_bytes")
@@ -142,6 +146,20 @@ class PushKvResponse(_message.Message):
     handle: str
     num_bytes: int
     def __init__(self, handle: _Optional[str] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class FetchKvRequest(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class FetchKvResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: KvHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[KvHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "sampling", "first_token", "first_logprob", "kv_handle", "cache_salt")

@@ -5,7 +5,7 @@ import warnings
 
 from services.proto import worker_pb2 as kervan_dot_v1_dot_worker__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -53,6 +53,11 @@ class WorkerServiceStub:
                 request_serializer=kervan_dot_v1_dot_worker__pb2.PushKvRequest.SerializeToString,
                 response_deserializer=kervan_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
                 _registered_method=True)
+        self.FetchKv = channel.unary_stream(
+                '/kervan.v1.WorkerService/FetchKv',
+                request_serializer=kervan_dot_v1_dot_worker__pb2.FetchKvRequest.SerializeToString,
+                response_deserializer=kervan_dot_v1_dot_worker__pb2.FetchKvResponse.FromString,
+                _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/kervan.v1.WorkerService/Decode',
                 request_serializer=kervan_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
@@ -98,6 +103,14 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchKv(self, request, context):
+        """Send the KV of the leading blocks of a prompt this worker holds, by hash, from its pool,
+        host tier or disk tier, computing nothing (the cluster KV tier's source side).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Decode(self, request, context):
         """Continue a request whose KV was pushed here, streaming tokens after the first.
         """
@@ -136,6 +149,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.PushKv,
                     request_deserializer=kervan_dot_v1_dot_worker__pb2.PushKvRequest.FromString,
                     response_serializer=kervan_dot_v1_dot_worker__pb2.PushKvResponse.SerializeToString,
+            ),
+            'FetchKv': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchKv,
+                    request_deserializer=kervan_dot_v1_dot_worker__pb2.FetchKvRequest.FromString,
+                    response_serializer=kervan_dot_v1_dot_worker__pb2.FetchKvResponse.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
@@ -238,6 +256,33 @@ class WorkerService:
             '/kervan.v1.WorkerService/PushKv',
             kervan_dot_v1_dot_worker__pb2.PushKvRequest.SerializeToString,
             kervan_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kervan.v1.WorkerService/FetchKv',
+            kervan_dot_v1_dot_worker__pb2.FetchKvRequest.SerializeToString,
+            kervan_dot_v1_dot_worker__pb2.FetchKvResponse.FromString,
             options,
             channel_credentials,
             insecure,

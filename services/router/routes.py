@@ -14,7 +14,7 @@ from services.common.channels import ChannelPool
 from services.common.errors import FailedPrecondition
 from services.common.security import PLAINTEXT, MeshSecurity
 from services.common.server import KEEPALIVE
-from services.proto import scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
+from services.proto import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class Placement:
     decode_address: str = ""
     worker_address: str = ""
     prefill_address: str = ""
+    kv_source: common_pb2.KvSource | None = None  # blocks the computing worker fetches (the cluster KV tier)
 
 
 Channels = ChannelPool[worker_pb2_grpc.WorkerServiceStub]
@@ -89,8 +90,10 @@ class ScheduledRoutes:
             num_prompt_tokens=len(prompt),
             max_tokens=max_tokens, n=n, model=model, exclude_addresses=exclude, avoid_addresses=avoid),
             timeout=timeout)
+        source = placed.kv_source if placed.HasField("kv_source") else None
         if not placed.prefill_address:
-            return Placement(worker=self.channels.stub(placed.decode_address), worker_address=placed.decode_address)
+            return Placement(worker=self.channels.stub(placed.decode_address), worker_address=placed.decode_address,
+                             kv_source=source)
         return Placement(prefill=self.channels.stub(placed.prefill_address),
                          decode=self.channels.stub(placed.decode_address), decode_address=placed.decode_address,
-                         prefill_address=placed.prefill_address)
+                         prefill_address=placed.prefill_address, kv_source=source)

@@ -212,7 +212,8 @@ class RequestRunner:
         ids = common_pb2.TokenIds(ids=prompt)
         if place.worker is not None:
             call = place.worker.Execute(worker_pb2.ExecuteRequest(request_id=rid, prompt=ids, sampling=sampling,
-                                                                  cache_salt=salt), timeout=deadline.remaining())
+                                                                  cache_salt=salt, kv_source=place.kv_source),
+                                        timeout=deadline.remaining())
             async for msg in self._stream(call, place.worker_address):
                 yield msg.update
             return
@@ -222,7 +223,8 @@ class RequestRunner:
         cap = self.policy.first_token_timeout_s
         try:
             first = await prefill.Prefill(worker_pb2.PrefillRequest(
-                request_id=rid, prompt=ids, sampling=sampling, decode_address=place.decode_address, cache_salt=salt),
+                request_id=rid, prompt=ids, sampling=sampling, decode_address=place.decode_address, cache_salt=salt,
+                kv_source=place.kv_source),
                 timeout=cap if remaining is None else min(remaining, cap))
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (remaining is None or remaining > cap):

@@ -48,6 +48,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pull-block-cost", type=float, default=PlacementConfig.pull_block_cost,
                     help="pull a prefix another worker holds (it prefills, the KV moves) when the blocks saved "
                          "outweigh this share of an uncached block per prompt block moved (0: never)")
+    ap.add_argument("--no-kv-fetch", dest="kv_fetch", action="store_false",
+                    help="never have a worker fetch a prefix another worker holds (the cluster KV tier)")
+    ap.add_argument("--link-bytes-per-s", type=float, default=PlacementConfig.link_bytes_per_s,
+                    help="the link rate to price a fetch with until the workers have measured theirs (0: unknown)")
+    ap.add_argument("--link-latency-s", type=float, default=PlacementConfig.link_latency_s,
+                    help="a fetch's fixed cost: the link's round trip and the holder's read")
+    ap.add_argument("--prefill-tokens-per-s", type=float, default=PlacementConfig.prefill_tokens_per_s,
+                    help="the prefill rate to price recomputing with until a worker has measured its own (0: unknown)")
     ap.add_argument("--eviction-weight", type=float, default=PlacementConfig.eviction_weight,
                     help="weight of cached blocks a request would evict")
     ap.add_argument("--temperature", type=float, default=PlacementConfig.temperature,

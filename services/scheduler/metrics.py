@@ -6,6 +6,8 @@ from prometheus_client import Counter, Histogram
 
 PLACEMENTS = Counter("kervan_placements", "Requests placed, by where the prompt is prefilled and why "
                      "(remote, short, forked, fallback, overflow, ...)", ["reason"])
+KV_FETCHES = Counter("kervan_placement_kv_fetches", "Placements that have the worker computing the prompt fetch "
+                     "blocks another worker holds (the cluster KV tier: moving them priced below computing them)")
 REFUSALS = Counter("kervan_placement_refusals", "Requests refused because every worker that could take them is busy")
 PANICS = Counter("kervan_placement_panics", "Placements that ignored the caller's suspect workers because too few "
                  "others remained (panic threshold)")

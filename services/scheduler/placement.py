@@ -35,10 +35,22 @@ shorter, the decode worker prefills (an overflow). Without it a closed loop of
 clients piles up behind the prefill pool while the decode pool idles. So it does
 when every prefill worker is at its request limit. When every decode worker is,
 ``place`` raises ``AllBusy``: the request is refused here, before any worker
-sees it (Dynamo's busy threshold)."""
+sees it (Dynamo's busy threshold).
+
+The cluster KV tier (``fetch_from``): once placed, the worker that computes the prompt fetches
+the blocks another worker holds beyond its own hit (any role, any tier) when moving them is
+cheaper than computing them:
+
+    move    = link_latency_s + blocks * kv_block_bytes / link_bytes_per_s
+    compute = blocks * block_size / prefill_tokens_per_s
+
+with the link's rate and the prefill rate as the workers measured them (their load reports:
+the slower end of the two links), else the configured figures; with neither, nothing is moved.
+A slow link recomputes, a fast one moves."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -65,6 +77,9 @@ class Candidate:
     num_requests: int = 0  # requests it runs or queues (approx_tree's load)
     sent_blocks: int = 0  # distinct prompt blocks recently placed on it (new_prefix="content")
     limits: RequestLimits = RequestLimits(max_model_len=1 << 30, max_n=1 << 30)  # as it registered them
+    prefill_tokens_per_s: float = 0.0  # as it measured them (0: not yet)
+    link_bytes_per_s: float = 0.0  # what its KV transfers measured of its link (0: not yet)
+    kv_block_bytes: int = 0  # one KV block, every layer and head
 
     @classmethod
     def reported(cls, info: WorkerInfo, load: Load) -> Candidate:
@@ -75,7 +90,8 @@ class Candidate:
                    matched_blocks=0, active_blocks=load.num_blocks - load.num_free_blocks,
                    prefill_tokens=load.num_prefill_tokens, free_blocks=load.num_free_blocks,
                    evictable_blocks=load.num_evictable_blocks, full=load.full, num_requests=load.num_requests,
-                   limits=info.limits)
+                   limits=info.limits, prefill_tokens_per_s=load.prefill_tokens_per_s,
+                   link_bytes_per_s=load.kv_link_bytes_per_s, kv_block_bytes=load.kv_block_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +154,12 @@ class PlacementConfig:
     # this share of an uncached block per block moved; 0: never (the default until measured on
     # more than one workload)
     pull_block_cost: float = 0.0
+    # the cluster KV tier (``fetch_from``): fetch a prefix another worker holds when moving it is cheaper
+    # than computing it, priced with what the workers measured, else these figures (0: unknown)
+    kv_fetch: bool = True
+    link_bytes_per_s: float = 0.0
+    link_latency_s: float = 0.0005
+    prefill_tokens_per_s: float = 0.0
 
 
 # Why a request prefills where it does.
@@ -159,12 +181,24 @@ class AllBusy(Exception):
 
 
 @dataclass(frozen=True)
+class KvFetch:
+    """Blocks of the prompt the worker computing it fetches from ``holder`` (the cluster KV tier)."""
+
+    holder: Candidate
+    first_block: int
+    num_blocks: int
+    move_s: float  # the price of moving them
+    compute_s: float  # the price of computing them
+
+
+@dataclass(frozen=True)
 class Decision:
     decode: Candidate
     prefill: Candidate | None  # None: prefill on the decode worker
     scores: dict[str, float] = field(default_factory=dict)
     reason: str = REMOTE
     branch: str = ""  # the policy's rule that chose the decode worker (Choice.branch)
+    fetch: KvFetch | None = None
 
     @property
     def cached_blocks(self) -> int:
@@ -198,6 +232,31 @@ def pull_from(candidates: list[Candidate], decode: Candidate, num_prompt_blocks:
     return holder if saved > cfg.pull_block_cost * num_prompt_blocks else None
 
 
+def fetch_from(candidates: list[Candidate], computer: Candidate, cfg: PlacementConfig, block_size: int
+               ) -> KvFetch | None:
+    """What ``computer`` (the worker placed to compute the prompt) fetches from the worker holding
+    the most of the prompt beyond its own hit, or None: no one holds more, or moving the blocks
+    costs more than computing them (or either price is unknown)."""
+    if not cfg.kv_fetch:
+        return None
+    others = [c for c in candidates if c.worker_id != computer.worker_id]
+    holder = max(others, key=lambda c: c.matched_blocks, default=None)
+    if holder is None or holder.matched_blocks <= computer.matched_blocks:
+        return None
+    num_blocks = holder.matched_blocks - computer.matched_blocks
+    measured = [r for r in (holder.link_bytes_per_s, computer.link_bytes_per_s) if r > 0]
+    bandwidth = min(measured) if measured else cfg.link_bytes_per_s
+    rate = computer.prefill_tokens_per_s or cfg.prefill_tokens_per_s
+    block_bytes = computer.kv_block_bytes or holder.kv_block_bytes
+    if bandwidth <= 0 or rate <= 0 or block_bytes <= 0:
+        return None
+    move_s = cfg.link_latency_s + num_blocks * block_bytes / bandwidth
+    compute_s = num_blocks * block_size / rate
+    if move_s >= compute_s:
+        return None
+    return KvFetch(holder, computer.matched_blocks, num_blocks, move_s, compute_s)
+
+
 def has_room(c: Candidate, num_prompt_blocks: int) -> bool:
     # the uncached blocks, those copied back from host memory or disk, and one to decode into
     return c.free_blocks > num_prompt_blocks - c.matched_blocks + min(c.host_blocks + c.disk_blocks, c.matched_blocks)
@@ -223,18 +282,24 @@ def choose(pool: list[Candidate], ask: Ask, policy: Policy) -> Choice:
 
 
 def place(candidates: list[Candidate], num_prompt_blocks: int, policy: Policy, *, model: str = "",
-          size: Size = Size(), block_hashes: Sequence[bytes] = (), turn: int = 0) -> Decision | None:
+          size: Size = Size(), block_hashes: Sequence[bytes] = (), turn: int = 0, block_size: int = 16
+          ) -> Decision | None:
     """``model``: only workers serving it (empty: any); ``block_hashes``: the prompt's, for
     the policies that hash them; ``turn``: a counter the caller advances per request (round
     robin). A request the decode worker would prefill itself is prefilled where its prefix
-    is instead when that pays (``pull_from``)."""
+    is instead when that pays (``pull_from``); otherwise the worker that prefills fetches
+    what another holds of the prompt when that pays (``fetch_from``)."""
     candidates = [c for c in candidates if not model or c.model == model]
     ask = Ask(num_prompt_blocks, block_hashes, turn)
     decision = _place(candidates, ask, policy, size)
-    if decision is None or decision.prefill is not None or size.n > 1:
-        return decision
-    holder = pull_from(candidates, decision.decode, num_prompt_blocks, policy.config, size)
-    return decision if holder is None else Decision(decision.decode, holder, decision.scores, PULL, decision.branch)
+    if decision is None:
+        return None
+    if decision.prefill is None and size.n == 1:
+        holder = pull_from(candidates, decision.decode, num_prompt_blocks, policy.config, size)
+        if holder is not None:
+            return Decision(decision.decode, holder, decision.scores, PULL, decision.branch)
+    fetch = fetch_from(candidates, decision.prefill or decision.decode, policy.config, block_size)
+    return decision if fetch is None else dataclasses.replace(decision, fetch=fetch)
 
 
 def _place(candidates: list[Candidate], ask: Ask, policy: Policy, size: Size) -> Decision | None:

@@ -17,7 +17,7 @@ from opentelemetry import trace
 
 from kervan.worker_info import WorkerRole
 from services.common.errors import Overloaded, Unavailable
-from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.proto import common_pb2, kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler import metrics
 from services.scheduler.live_view import EMPTY, View, WorkerWatch, listed
 from services.scheduler.placement import AllBusy, Candidate, Decision, PlacementConfig, Size, cost, place
@@ -97,12 +97,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             if decision.branch:
                 self.by_branch[decision.branch] += 1
             metrics.PLACEMENTS.labels(decision.reason).inc()
+            metrics.KV_FETCHES.inc(decision.fetch is not None)
             self.by_worker.update({c.worker_id for c in (decision.decode, decision.prefill) if c})
         trace.get_current_span().set_attributes({
             "kervan.request_id": request.request_id, "kervan.placement.reason": decision.reason,
             "kervan.placement.decode_worker": decision.decode.worker_id,
             "kervan.placement.prefill_worker": decision.prefill.worker_id if decision.prefill else "",
             "kervan.placement.cached_blocks": decision.cached_blocks,
+            "kervan.placement.fetched_blocks": decision.fetch.num_blocks if decision.fetch else 0,
             "kervan.placement.scores": [f"{w}={v:.2f}" for w, v in sorted(decision.scores.items())]})
         return scheduler_pb2.PlaceResponse(
             decode_address=decision.decode.address,
@@ -110,7 +112,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             cached_blocks=decision.cached_blocks, scores=decision.scores, prefill_reason=decision.reason,
             decode_worker_id=decision.decode.worker_id,
             prefill_worker_id=decision.prefill.worker_id if decision.prefill else "",
-            unknown_workers=match.unknown_workers)
+            unknown_workers=match.unknown_workers, kv_source=_kv_source(decision))
 
     def _decide(self, view: View, match: kv_registry_pb2.MatchResponse, request: scheduler_pb2.PlaceRequest,
                 hashes: list[bytes]) -> tuple[list[Candidate], Decision | None]:
@@ -125,7 +127,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         candidates = self._candidates(view, pool, hashes, match, request.model, size, len(pool) < len(reported))
         try:
             return candidates, place(candidates, len(hashes), self.policy, model=request.model, size=size,
-                                     block_hashes=hashes, turn=self.placements)
+                                     block_hashes=hashes, turn=self.placements, block_size=view.block_size)
         except AllBusy as busy:
             self.refused += not request.dry_run
             metrics.REFUSALS.inc(not request.dry_run)
@@ -190,7 +192,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             return self._candidate(t.reported, t.held, host.get(w, 0), disk.get(w, 0))
         priced_decode = walk_touched(bounds, build, n, cfg, model, size, False, limit[False])
         priced_prefill = walk_touched(bounds, build, n, cfg, model, prefill_size, True, limit[True])
-        return priced_decode + priced_prefill + plain
+        out = priced_decode + priced_prefill + plain
+        holding = [w for w in touched if w in by_id and w not in absent and held(w)]
+        if cfg.kv_fetch and holding:  # the best holder, for the cluster KV tier, though too busy to be chosen
+            best = max(holding, key=held)
+            if all(c.worker_id != best for c in out):
+                out.append(priced(by_id[best]))
+        return out
 
     def _avoiding(self, pool: list[Candidate], avoid: list[str]) -> list[Candidate]:
         """``pool`` without the suspects the caller asked to avoid, role by role (prefill,
@@ -302,3 +310,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                        active_blocks=reported.active_blocks + blocks,
                        prefill_tokens=reported.prefill_tokens + prefill_tokens,
                        free_blocks=reported.free_blocks - blocks, sent_blocks=sent)
+
+
+def _kv_source(decision: Decision) -> common_pb2.KvSource | None:
+    fetch = decision.fetch
+    if fetch is None:
+        return None
+    return common_pb2.KvSource(address=fetch.holder.address, first_block=fetch.first_block,
+                               num_blocks=fetch.num_blocks)

@@ -31,6 +31,7 @@ from typing import TypeVar
 from services.common.errors import Overloaded, Unavailable
 from services.common.load import Load
 from services.worker import metrics
+from services.worker.link_meter import LinkMeter
 from worker import Engine, EngineStats, InvalidRequest, RequestLimits, RequestOutput, SamplingParams
 from worker.parallel.group import GroupFailed
 
@@ -119,6 +120,7 @@ class AsyncEngine:
         self._failures = 0  # engine steps in a row that failed
         self._alive_at: float | None = None  # the engine thread's last sign of life (None: not running)
         self._dead: str | None = None  # why the engine thread ended, if it ended unasked
+        self.link = LinkMeter()  # what the worker's KV transfers measured of its links (its load reports it)
 
     def start(self) -> None:
         """Step on a thread of its own (tests, embedding); a worker process calls ``run``."""
@@ -140,7 +142,7 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, **options
                        ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine produces them; leaving early aborts it.
-        ``options`` go to ``Engine.add_request`` (``hold_kv``, ``imported``)."""
+        ``options`` go to ``Engine.add_request`` (``hold_kv``, ``imported``, ``fetched``)."""
         if request_id in self._active:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight")
         # fail fast, in the caller's task (it reads configuration only: safe off the engine thread)
@@ -218,7 +220,9 @@ class AsyncEngine:
                     num_free_blocks=stats.num_free_blocks, num_blocks=stats.num_blocks,
                     num_prefill_tokens=stats.num_prefill_tokens, num_evictable_blocks=stats.num_evictable_blocks,
                     num_requests=self.num_sequences, max_requests=self.max_requests, num_aborted=self.num_aborted,
-                    expert_tokens_per_rank=stats.expert_tokens_per_rank)
+                    expert_tokens_per_rank=stats.expert_tokens_per_rank,
+                    prefill_tokens_per_s=int(stats.prefill_tokens_per_s),
+                    kv_link_bytes_per_s=int(self.link.bytes_per_s), kv_block_bytes=stats.kv_block_bytes)
 
     def _post(self, command: _Command) -> None:
         self._inbox.put(command)

@@ -1,4 +1,5 @@
-"""The decode workers a prefill worker may push KV to, and its channels to them.
+"""The decode workers a prefill worker may push KV to, the workers any worker may fetch KV
+blocks from (the cluster KV tier: any role), and its channels to them.
 
 ``Prefill.decode_address`` comes from the caller: taken as is, it would have this
 worker open connections to any host the caller names, and keep a channel per
@@ -30,20 +31,24 @@ class DecodePeers:
                  security: MeshSecurity = PLAINTEXT, refresh_s: float = 1.0, max_channels: int = 64):
         self.registry = registry
         self.refresh_s = refresh_s
-        self._live: set[str] = set()
+        self._live: set[str] = set()  # decode-capable workers
+        self._registered: set[str] = set()  # every worker
         self._read_at = float("-inf")
         self._channels = ChannelPool(worker_pb2_grpc.WorkerServiceStub, security, CHANNEL_OPTIONS,
                                      max_channels=max_channels)
 
-    async def stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
+    async def stub(self, address: str, any_role: bool = False) -> worker_pb2_grpc.WorkerServiceStub:
+        """A channel to a registered decode worker (``any_role``: to any registered worker)."""
         if not address:
             raise InvalidRequest("decode_address is empty")
         if self.registry is not None:
-            if address not in self._live or time.monotonic() - self._read_at > self.refresh_s:
+            known = self._registered if any_role else self._live
+            if address not in known or time.monotonic() - self._read_at > self.refresh_s:
                 await self._refresh()
-            if address not in self._live:
+                known = self._registered if any_role else self._live
+            if address not in known:
                 # ABORTED, not INVALID_ARGUMENT: a worker that just left is the router's to place around
-                raise Aborted(f"decode_address {address!r} is not a registered decode worker")
+                raise Aborted(f"{address!r} is not a registered {'' if any_role else 'decode '}worker")
         return self._channels.stub(address)
 
     async def _refresh(self) -> None:
@@ -56,7 +61,8 @@ class DecodePeers:
             raise Unavailable(f"cannot check decode_address: kv-registry {err.code().name}") from None
         self._read_at = time.monotonic()
         self._live = {w.info.address for w in reply.workers if role_from_proto(w.info.role).can_decode}
-        for address in [a for a in self._channels.addresses() if a not in self._live]:
+        self._registered = {w.info.address for w in reply.workers}
+        for address in [a for a in self._channels.addresses() if a not in self._registered]:
             await self._channels.discard(address)
 
     @property

@@ -13,10 +13,12 @@ PREFIX_CACHE_QUERIES = Counter("kervan_prefix_cache_queries", "Prompt tokens loo
 PREFIX_CACHE_HITS = Counter("kervan_prefix_cache_hits", "Prompt tokens found in the prefix cache")
 QUEUE_TIME = Histogram("kervan_request_queue_time_seconds", "From a request's arrival at the engine to its first "
                        "step", buckets=LATENCY_BUCKETS)
-KV_TRANSFER_BYTES = Counter("kervan_kv_transfer_bytes", "Bytes of KV handed between workers, pushed or received",
-                            ["direction"])
+KV_TRANSFER_BYTES = Counter("kervan_kv_transfer_bytes", "Bytes of KV handed between workers: pushed or received "
+                            "(a hand-off), fetched or served (the cluster KV tier)", ["direction"])
 KV_PUSHES = Counter("kervan_kv_pushes", "KV pushes to decode workers, by path: shared_memory (same host) or stream "
                     "(the gRPC stream, any host)", ["path"])
+KV_FETCHES = Counter("kervan_kv_fetches", "Cluster KV tier: prefixes this worker fetched from another (fetched, "
+                     "empty: the holder had none, failed: computed instead) and sent to another (served)", ["outcome"])
 KV_SHM_FALLBACKS = Counter("kervan_kv_shm_fallbacks", "KV pushes that went by the gRPC stream because shared "
                            "memory had no room for them")
 ENGINE_STEP_TIME = Histogram("kervan_engine_step_seconds", "Wall time of one engine step (schedule, run the "
@@ -44,6 +46,9 @@ class EngineCollector(Collector):
                                 value=load.num_prefill_tokens)
         used = 1.0 - load.num_free_blocks / load.num_blocks if load.num_blocks else 0.0
         yield GaugeMetricFamily("kervan_kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", value=used)
+        yield CounterMetricFamily("kervan_prompt_tokens_computed", "Prompt tokens the model computed (not those "
+                                  "cached, copied back from a tier, handed off or fetched)",
+                                  value=stats.num_prompt_tokens_computed)
         yield CounterMetricFamily("kervan_num_preemptions", "Sequences preempted (their KV dropped)",
                                   value=stats.num_preemptions)
         yield CounterMetricFamily("kervan_requests_aborted", "Requests the worker aborted", value=load.num_aborted)

@@ -4,7 +4,9 @@ Roles: ``both`` serves everything; ``prefill`` serves Prefill (computing the
 prompt and first token, then pushing the prompt's KV to a decode worker under a
 lease: its blocks stay pinned until the push is acknowledged or the lease runs
 out); ``decode`` serves PushKv and Decode, and Execute for prompts the scheduler
-judged too short to prefill remotely."""
+judged too short to prefill remotely. Every role serves FetchKv (the blocks it holds, to the
+worker computing a prompt that starts with them: the cluster KV tier, ``kv_fetch.py``) and
+fetches the blocks a request's ``kv_source`` names before computing the rest."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from kervan.worker_info import WorkerRole
 from services.common.convert import finish_to_proto, load_to_proto, sampling_from_proto
 from services.common.errors import Aborted, FailedPrecondition, Overloaded, Unavailable, retry_after_s
 from services.proto import worker_pb2, worker_pb2_grpc
-from services.worker import kv_transfer, metrics
+from services.worker import kv_fetch, kv_transfer, metrics
 from services.worker.async_engine import AsyncEngine
 from services.worker.decode_peers import DecodePeers
 from worker import ImportedKV, InvalidRequest, RequestOutput
@@ -32,7 +34,8 @@ log = logging.getLogger(__name__)
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]", socket.gethostname()}
 # which mesh roles may call what (services/common/auth.py): KV comes only from workers
-CALLERS = {"PushKv": ("worker",), "GetLoad": ("router", "scheduler", "admin"), "*": ("router", "admin")}
+CALLERS = {"PushKv": ("worker",), "FetchKv": ("worker",), "GetLoad": ("router", "scheduler", "admin"),
+           "*": ("router", "admin")}
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -44,6 +47,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.kv_transport = kv_transport
         self.lease_s = lease_s  # the longest a push may take, and its KV wait for Decode
         self.staging = kv_transfer.KvStaging(staging_bytes, max_lease_s=lease_s)
+        self.fetch_staging = kv_transfer.KvStaging(staging_bytes, max_lease_s=lease_s)  # fetches in flight
         self.peers = peers or DecodePeers()
         self.max_concurrent_pushes = max_concurrent_pushes
         self.num_pushes = 0
@@ -55,7 +59,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Execute(self, request: worker_pb2.ExecuteRequest, context: grpc.aio.ServicerContext):
         self._require(self.role.can_decode, "decode or both")  # a decode worker prefills short prompts itself
         params = sampling_from_proto(request.sampling)
-        async for update in _updates(self.engine.generate(request.request_id, list(request.prompt.ids), params,
+        prompt = list(request.prompt.ids)
+        fetched = await self._fetch(request.kv_source, prompt, request.cache_salt)
+        async for update in _updates(self.engine.generate(request.request_id, prompt, params, fetched=fetched,
                                                           cache_salt=request.cache_salt.encode())):
             yield worker_pb2.ExecuteResponse(update=update)
 
@@ -66,8 +72,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if params.n != 1:
             raise InvalidRequest(f"{FORKED_SAMPLES}; it is not prefilled for another")
         out = None
+        fetched = await self._fetch(request.kv_source, prompt, request.cache_salt)
         async for update in self.engine.generate(rid, prompt, dataclasses.replace(params, max_tokens=1), hold_kv=True,
-                                                 cache_salt=request.cache_salt.encode()):
+                                                 fetched=fetched, cache_salt=request.cache_salt.encode()):
             out = update  # the last one: the prompt's first token
         assert out is not None  # generate yields at least once, or raises
         first = out.outputs[0]
@@ -121,6 +128,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     await asyncio.sleep(wait)
             pushed = True
             metrics.KV_PUSHES.labels("shared_memory" if export is not None else "stream").inc()
+            if export is None:  # what the link carried (shared memory measures no link)
+                self.engine.link.observe(receipt.num_bytes, time.perf_counter() - start)
             metrics.KV_TRANSFER_TIME.observe(time.perf_counter() - start)
             metrics.KV_TRANSFER_BYTES.labels("pushed").inc(receipt.num_bytes)
         finally:
@@ -136,6 +145,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.transport == worker_pb2.KV_TRANSPORT_GRPC_STREAM or self.kv_transport == "grpc":
             return False
         return self.kv_transport == "shm" or request.decode_address.rsplit(":", 1)[0] in LOCAL_HOSTS
+
+    async def _fetch(self, source, prompt: list[int], cache_salt: str):
+        """The blocks ``source`` names, from the worker holding them (None: none named, or the
+        fetch failed and the prompt is computed)."""
+        if not source.address or not source.num_blocks:
+            return None
+        try:
+            stub = await self.peers.stub(source.address, any_role=True)
+        except (Aborted, Unavailable) as err:
+            log.warning("not fetching KV from %s: %s", source.address, err)
+            return None
+        return await kv_fetch.fetch(stub, source, prompt, self.engine.engine.config.block_size, cache_salt.encode(),
+                                    self.fetch_staging, self.engine.link, timeout_s=self.lease_s / 2)
+
+    async def FetchKv(self, request: worker_pb2.FetchKvRequest, context):
+        async for message in kv_fetch.serve(self.engine, list(request.block_hashes)):
+            yield message
 
     async def PushKv(self, request_iterator, context) -> worker_pb2.PushKvResponse:
         self._require(self.role.can_decode, "decode or both")

@@ -91,6 +91,33 @@ def test_a_prefix_another_worker_holds_is_pulled_from_it_when_that_saves_more_th
     assert (d.prefill.worker_id, d.reason) == ("p2", "pull")
 
 
+def test_a_prefix_another_worker_holds_is_fetched_when_the_link_moves_it_faster_than_it_is_computed():
+    """The cluster KV tier: b holds 64 blocks of 4 KiB in its host tier, the request lands on a.
+    At 10 Gbit/s moving them takes 0.7 ms, computing 1,024 tokens at 100k tokens/s 10 ms: a
+    fetches them. At 100 Mbit/s moving takes 21 ms: a computes them."""
+    import dataclasses
+    a = dataclasses.replace(cand("a", "both"), prefill_tokens_per_s=100_000.0, kv_block_bytes=4096)
+    b = dataclasses.replace(cand("b", "decode", matched=64, host=64, active=500), kv_block_bytes=4096)
+    fast = PlacementConfig(overlap_weight=1.0, link_bytes_per_s=10e9 / 8)
+    d = place([a, b], 65, fast, block_size=16)
+    assert d.decode.worker_id == "a" and d.fetch is not None
+    assert (d.fetch.holder.worker_id, d.fetch.first_block, d.fetch.num_blocks) == ("b", 0, 64)
+    assert d.fetch.move_s < d.fetch.compute_s
+    slow = dataclasses.replace(fast, link_bytes_per_s=100e6 / 8)
+    assert place([a, b], 65, slow, block_size=16).fetch is None
+    # what a worker measured of its link outranks the configured figure; the slower end counts
+    measured = [dataclasses.replace(a, link_bytes_per_s=100e6 / 8), dataclasses.replace(b, link_bytes_per_s=1.25e9)]
+    assert place(measured, 65, fast, block_size=16).fetch is None
+    # unknown prices (no link figure, no prefill rate) move nothing; nor does kv_fetch off
+    assert place([a, b], 65, PlacementConfig(overlap_weight=1.0), block_size=16).fetch is None
+    assert place([dataclasses.replace(a, prefill_tokens_per_s=0.0), b], 65, fast, block_size=16).fetch is None
+    assert place([a, b], 65, dataclasses.replace(fast, kv_fetch=False), block_size=16).fetch is None
+    # only what the holder has beyond the computing worker's own hit moves
+    part = dataclasses.replace(a, matched_blocks=40)
+    d = place([part, b], 65, fast, block_size=16)
+    assert (d.fetch.first_block, d.fetch.num_blocks) == (40, 24)
+
+
 def test_new_prefix_content_sends_a_prompt_no_worker_caches_to_the_worker_holding_the_least():
     content = PlacementConfig(new_prefix="content")
     pool = [cand("a", evictable=40), cand("b", sent=64), cand("c", active=10)]

@@ -105,12 +105,13 @@ def test_every_placement_setting_has_a_scheduler_flag():
               "min_remote_prefill_blocks": 7, "max_prefill_queue_tokens": 99, "hash_prefix_blocks": 3,
               "cache_threshold": 0.75, "balance_abs_threshold": 5, "balance_rel_threshold": 1.5,
               "new_prefix": "content", "host_block_cost": 0.3, "disk_block_cost": 0.45,
-              "pull_block_cost": 0.05}
+              "pull_block_cost": 0.05, "link_bytes_per_s": 1.25e9, "link_latency_s": 0.002,
+              "prefill_tokens_per_s": 5000.0, "kv_fetch": False}
     assert set(values) == {f.name for f in dataclasses.fields(PlacementConfig)}
     assert all(getattr(PlacementConfig(), k) != v for k, v in values.items())  # none is the default
     argv = ["--registry", "127.0.0.1:1"]
     for name, value in values.items():
-        argv += [f"--{name.replace('_', '-')}", str(value)]
+        argv += ["--no-kv-fetch"] if name == "kv_fetch" else [f"--{name.replace('_', '-')}", str(value)]
     assert placement_config(parse_args(argv)) == PlacementConfig(**values)
 
 

@@ -9,18 +9,22 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kervan.block_hash import BlockHash
 from kervan.kv_events import KVEvent
 from kervan.sampling import InvalidRequest, RequestLimits, SamplingParams
 from kervan.tokenizer import Tokenizer
 from worker.config import ConfigError, EngineConfig, ModelConfig
 from worker.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from worker.engine.scheduler import StepScheduler
+from worker.kv.cluster_tier import FetchedKV, HeldRead, read_held
 from worker.kv.disk_tier import DiskTier, model_identity
 from worker.kv.host_tier import HostTier
 from worker.kv.kv_cache_manager import KVCacheManager
@@ -34,6 +38,8 @@ from worker.sequence import Sequence
 from worker.spec.proposer import make_proposer
 
 Prompt = list[int] | str
+log = logging.getLogger(__name__)
+PREFILL_RATE_MIN_TOKENS = 256  # a step's prompt tokens below which its rate is not the prefill's
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,8 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.groups: dict[str, list[Sequence]] = {}  # request id -> its sequences (n of them once forked)
         self._ids = itertools.count()
+        self.num_prompt_tokens_computed = 0
+        self.prefill_tokens_per_s = 0.0
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **options) -> Engine:
@@ -86,11 +94,13 @@ class Engine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: bytes = b"", *, hold_kv: bool = False,
-                    imported: ImportedKV | None = None) -> str:
+                    imported: ImportedKV | None = None, fetched: FetchedKV | None = None) -> str:
         """Queue a request. ``hold_kv``: keep its blocks after it finishes, for
         ``export_kv``, until ``release_kv`` (the prefill side of a KV handoff).
         ``imported``: the prompt's KV and first token were computed by another
-        worker; this engine continues from the second token (the decode side)."""
+        worker; this engine continues from the second token (the decode side).
+        ``fetched``: blocks of the prompt's prefix another worker held (the cluster KV
+        tier), used instead of computing them where they meet this engine's own hit."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.groups or request_id in self.scheduler.held:
@@ -99,6 +109,8 @@ class Engine:
         seq = Sequence(request_id, token_ids, params, self.config.block_size,
                       self.model_config.eos_token_ids, cache_salt)
         seq.hold_kv = hold_kv
+        if fetched is not None and self._fits(fetched.data):
+            seq.fetched_kv = fetched
         if imported is not None:
             self._check_import(imported, len(token_ids), params)
             seq.append_output(imported.first_token, imported.first_logprob if params.logprobs else None)
@@ -132,6 +144,28 @@ class Engine:
     def release_kv(self, request_id: str) -> bool:
         return self.scheduler.release(request_id)
 
+    def read_prefix(self, hashes: list[BlockHash]) -> HeldRead:
+        """The KV of the leading blocks of ``hashes`` held here (pool, host tier, then a disk
+        read): what this worker sends another that fetches them (``worker/kv/cluster_tier.py``)."""
+        return read_held(hashes, self.kv.pool, self.kv.host, self.kv.disk,
+                         lambda ids: self.runner.read_blocks(ids).cpu())
+
+    def disk_blocks(self, raw: list[bytearray]) -> torch.Tensor:
+        """Blocks a disk read returned (``read_prefix``'s future), as one tensor."""
+        assert self.kv.disk is not None
+        return self.kv.disk.blocks(raw)
+
+    def _fits(self, data: torch.Tensor) -> bool:
+        """Whether blocks another worker sent are this engine's layout and dtype (the same model,
+        block size and dtype): the ones that are not are left unused, and computed."""
+        expected = self.kv_block_shape(self.config.block_size)
+        if data.dim() == 5 and (*data.shape[:2], *data.shape[3:]) == (*expected[:2], *expected[3:]) \
+                and data.dtype == self.config.dtype:
+            return True
+        log.warning("fetched KV is %s %s, this worker's blocks are %s %s: computing the prefix instead",
+                    tuple(data.shape), data.dtype, expected, self.config.dtype)
+        return False
+
     def kv_block_shape(self, num_tokens: int) -> tuple[int, ...]:
         """Shape of the exported KV of ``num_tokens`` prompt tokens: every layer and KV head,
         whatever this worker's group (``worker/parallel/kv_shards.py``)."""
@@ -159,10 +193,13 @@ class Engine:
         started = time.time_ns()
         result = self.runner.execute(batch)
         ended = time.time_ns()
+        prompt_tokens = 0
         for scheduled in batch.sequences:  # each prompt chunk's place in the request's timeline
             seq = scheduled.sequence
             if scheduled.num_computed < seq.num_prompt_tokens:
                 seq.prefill_chunks.append((scheduled.num_computed, scheduled.num_new_tokens, started, ended))
+                prompt_tokens += min(scheduled.num_new_tokens, seq.num_prompt_tokens - scheduled.num_computed)
+        self._count_prefill(prompt_tokens, (ended - started) / 1e9)
         progressed = self.scheduler.update(batch, result.samples)
         if self.proposer is not None:
             self.proposer.observe(batch.sequences, result.hidden)
@@ -174,6 +211,15 @@ class Engine:
                 group.append(seq)
             touched[seq.request_id] = None
         return [self._output(rid) for rid in touched]
+
+    def _count_prefill(self, num_tokens: int, seconds: float) -> None:
+        """Prompt tokens computed, and the rate of steps that computed enough of them for it to
+        be the prefill's, not a step's fixed cost (an average weighted toward the recent)."""
+        self.num_prompt_tokens_computed += num_tokens
+        if num_tokens >= PREFILL_RATE_MIN_TOKENS and seconds > 0:
+            rate = num_tokens / seconds
+            self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
+                0.7 * self.prefill_tokens_per_s + 0.3 * rate
 
     def _propose(self) -> None:
         """Guesses for the sequences that decode next step, unless the batch is so large that
@@ -298,6 +344,10 @@ class Engine:
                                len(self.kv.tables.get(seq.seq_id, ())) for seq in running),
                            num_kv_slots_used=sum(seq.num_computed_tokens for seq in running),
                            expert_tokens_per_rank=self.runner.model.routed_tokens_per_rank(),
+                           num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+                           prefill_tokens_per_s=self.prefill_tokens_per_s,
+                           kv_block_bytes=math.prod(self.kv_block_shape(self.config.block_size))
+                           * self.config.dtype.itemsize,
                            kv_capacity_blocks=self.config.num_kv_blocks + sum(
                                0 if t is None else t.num_blocks for t in (self.kv.host, self.kv.disk)),
                            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,

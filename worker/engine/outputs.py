@@ -78,6 +78,11 @@ class EngineStats:
     # every block the worker may hold a hash for: the pool's, the host tier's and the disk tier's
     # (what it registers as its capacity; 0 in stats made elsewhere: the pool's alone)
     kv_capacity_blocks: int = 0
+    # prompt tokens the model computed since the start (not those cached, promoted, imported or fetched),
+    # and the rate its recent prefill steps computed them at (0 before the first)
+    num_prompt_tokens_computed: int = 0
+    prefill_tokens_per_s: float = 0.0
+    kv_block_bytes: int = 0  # one KV block, every layer and KV head
     # speculative decoding since the start (vLLM's spec_decode counters): sequences that ran guesses
     # in a step, their guesses, the guesses kept, and those kept at each position
     spec_num_drafts: int = 0

@@ -40,13 +40,15 @@ class ComputedBlocks(NamedTuple):
 class Prefix:
     """Where an admitted sequence's leading blocks come from, in order: the pool's cache
     (``cached``), then the host or disk tier (``promoted``: copied back, not computed), or all
-    of the prompt with the request (``imported``, the decode side of a KV handoff).
+    of the prompt with the request (``imported``, the decode side of a KV handoff), or blocks
+    another worker sent after the pool's hit (``fetched``, the cluster KV tier).
     ``num_tokens``: the tokens whose KV is there once they are placed (the first to compute)."""
 
     cached: ComputedBlocks
     num_tokens: int
     promoted: list[BlockHash] = field(default_factory=list)
     imported: torch.Tensor | None = None
+    fetched: torch.Tensor | None = None
 
     @property
     def num_reused_tokens(self) -> int:
@@ -95,6 +97,13 @@ class KVCacheManager:
         cached = self.get_computed_blocks(seq)
         if seq.imported_kv is not None:  # the prompt's KV arrived with the request: only the next token is computed
             return Prefix(cached, seq.num_prompt_tokens, imported=seq.imported_kv)
+        fetched = seq.fetched_kv
+        if fetched is not None:  # blocks from another worker, used where they meet the pool's hit
+            hit = len(cached.blocks)
+            end = min(fetched.first_block + fetched.data.shape[2], (seq.num_tokens - 1) // self.block_size)
+            if fetched.first_block <= hit < end:
+                part = fetched.data.narrow(2, hit - fetched.first_block, end - hit)
+                return Prefix(cached, end * self.block_size, fetched=part)
         if self.tiers is None:
             return Prefix(cached, cached.num_tokens)
         if self.tiers.awaiting_disk(seq, len(cached.blocks)):
@@ -111,6 +120,9 @@ class KVCacheManager:
             return None
         first = len(cached.blocks)
         blocks = self.get_block_ids(seq.seq_id)[first:]
+        seq.fetched_kv = None  # used now, or never: a recompute after preemption computes every block
+        if prefix.fetched is not None:
+            return [KVWrite(blocks[:prefix.fetched.shape[2]], prefix.fetched)]
         if prefix.imported is not None:
             seq.imported_kv = None
             return [KVWrite(blocks[:prefix.imported.shape[2] - first], prefix.imported[:, :, first:])]
