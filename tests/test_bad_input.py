@@ -153,6 +153,8 @@ WORKER_CATALOG = [  # malformed internal calls straight at the workers: (worker,
                                                     kv_handle="no-such-handle"), INVALID, "kv_handle"),
     ("decode-0", "Execute", worker_pb2.ExecuteRequest(request_id="x", prompt=common_pb2.TokenIds(ids=[VOCAB + 3])),
      INVALID, "vocabulary"),
+    ("prefill-0", "FetchKv", worker_pb2.FetchKvRequest(block_hashes=[b"short"]), INVALID, "32-byte"),
+    ("decode-0", "FetchKv", worker_pb2.FetchKvRequest(block_hashes=[bytes(32)] * 65537), INVALID, "at most"),
 ]
 
 

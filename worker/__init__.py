@@ -7,7 +7,7 @@ names are exported here too, for the offline API."""
 from kervan.sampling import InvalidRequest, RequestLimits, SamplingParams
 from worker.engine.engine import Engine, ImportedKV
 from worker.engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from worker.kv.cluster_tier import FetchedKV
+from worker.sequence import FetchedKV
 
 __all__ = ["CompletionOutput", "Engine", "EngineStats", "FetchedKV", "ImportedKV", "InvalidRequest", "RequestLimits",
            "RequestOutput", "SamplingParams"]

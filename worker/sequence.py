@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 
 import torch
 
 from kervan.block_hash import ROOT_HASH, BlockHash, hash_blocks
 from kervan.sampling import SamplingParams
-from worker.kv.cluster_tier import FetchedKV
 from worker.noise import exponential
+
+
+@dataclass(frozen=True)
+class FetchedKV:
+    """Blocks of a prompt's prefix another worker held and sent (the cluster KV tier,
+    ``worker/kv/cluster_tier.py``)."""
+
+    first_block: int  # the prompt's block the data starts at
+    data: torch.Tensor  # [layers, 2, blocks, kv_heads, block_size * head_dim]
 
 
 class SequenceStatus(enum.IntEnum):

@@ -44,7 +44,8 @@ class LoopbackHosts:
         """A free port not held (for a server that does not bind beside a reservation)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+            port: int = s.getsockname()[1]
+            return port
 
     def argv(self, name: str, argv: list[str]) -> list[str]:
         return argv

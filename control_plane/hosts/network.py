@@ -26,6 +26,7 @@ import os
 import random
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from control_plane.hosts.link import Link, LinkError, drop_filter, loss_filter, shape_commands
@@ -56,7 +57,7 @@ def unavailable_reason() -> str | None:
 class Host:
     name: str
     address: str
-    holder: subprocess.Popen
+    holder: subprocess.Popen[bytes]
     port: str  # its device on the switch
 
     def enter(self, argv: list[str]) -> list[str]:
@@ -69,7 +70,7 @@ class HostNetwork:
     link: Link
     hosts: list[Host] = field(default_factory=list)
     operator_address: str = ""
-    _switch: subprocess.Popen | None = None
+    _switch: subprocess.Popen[bytes] | None = None
     _operator_dev: str = ""
 
     @classmethod
@@ -136,8 +137,7 @@ class HostNetwork:
         reaches every other host."""
         for a in side_a:
             for b in side_b:
-                self._both_ends(a, lambda dev, inbound, b=b: drop_filter(
-                    dev, PRIO_PEER, f"ip {'src' if inbound else 'dst'} {b.address}/32"))
+                self._both_ends(a, _peer_filter(b.address))
 
     def block_port(self, host: Host, peer: Host, port: int) -> None:
         """``host`` can no longer reach ``peer``'s ``port`` (nor hear from it): one service out
@@ -155,7 +155,7 @@ class HostNetwork:
         self._run(host.holder, "tc", "filter", "del", "dev", "eth0", "parent", "1:")
         self._run(self._switch, "tc", "filter", "del", "dev", host.port, "parent", "1:")
 
-    def _both_ends(self, host: Host, make) -> None:
+    def _both_ends(self, host: Host, make: Callable[[str, bool], list[str]]) -> None:
         self._run(host.holder, *make("eth0", False))
         self._run(self._switch, *make(host.port, True))
 
@@ -180,10 +180,11 @@ class HostNetwork:
     def __enter__(self) -> HostNetwork:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _check_netem(self) -> None:
+        assert self._switch is not None
         probe = subprocess.run(["nsenter", "-t", str(self._switch.pid), "-n", "tc", "qdisc", "add", "dev", "lo",
                                 "root", "netem", "delay", "1ms"], capture_output=True, text=True)
         if probe.returncode != 0:
@@ -191,14 +192,19 @@ class HostNetwork:
                             f"({probe.stderr.strip()}): give the link a rate only")
 
     @staticmethod
-    def _run(holder: subprocess.Popen | None, *argv: str) -> None:
+    def _run(holder: subprocess.Popen[bytes] | None, *argv: str) -> None:
         full = list(argv) if holder is None else ["nsenter", "-t", str(holder.pid), "-n", "--", *argv]
         done = subprocess.run(full, capture_output=True, text=True, timeout=30)
         if done.returncode != 0:
             raise HostNetworkError(f"{' '.join(argv)}: {done.stderr.strip()}")
 
 
-def _holder(private_shm: bool) -> subprocess.Popen:
+def _peer_filter(address: str) -> Callable[[str, bool], list[str]]:
+    """Packets to ``address`` (on a host's own device) or from it (on its switch port) dropped."""
+    return lambda dev, inbound: drop_filter(dev, PRIO_PEER, f"ip {'src' if inbound else 'dst'} {address}/32")
+
+
+def _holder(private_shm: bool) -> subprocess.Popen[bytes]:
     """A process in new network and mount namespaces that lives until its stdin closes."""
     shm = "mount -t tmpfs -o mode=1777 kervan-shm /dev/shm && " if private_shm else ""
     proc = subprocess.Popen(["unshare", "--net", "--mount", "--propagation", "private", "--", "sh", "-c",
@@ -211,14 +217,15 @@ def _holder(private_shm: bool) -> subprocess.Popen:
         err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
         raise HostNetworkError(f"a host's namespaces could not be made: {err.strip() or line!r}")
     proc.stdout.close()
-    proc.stderr.close()
+    if proc.stderr is not None:
+        proc.stderr.close()
     return proc
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
     """A /24 of ``SUBNETS`` that no route of this namespace overlaps."""
     routes = subprocess.run(["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True).stdout
-    taken = []
+    taken: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
     for line in routes.splitlines():
         word = line.split()[0] if line.split() else ""
         if word.startswith("local") or word.startswith("broadcast"):
@@ -227,7 +234,7 @@ def _free_subnet() -> ipaddress.IPv4Network:
             taken.append(ipaddress.ip_network(word, strict=False))
         except ValueError:
             continue
-    subnets = list(SUBNETS.subnets(new_prefix=24))
+    subnets = [ipaddress.IPv4Network(n) for n in SUBNETS.subnets(new_prefix=24)]
     for _ in range(64):
         subnet = random.choice(subnets)
         if not any(subnet.overlaps(t) for t in taken if t.prefixlen > 0):

@@ -47,10 +47,7 @@ async def serve(engine: AsyncEngine, hashes: list[BlockHash]) -> AsyncIterator[w
         got, raw = await asyncio.wrap_future(read.disk)
         if got:
             from_disk = await engine.call(lambda e: e.disk_blocks(raw))
-            data = from_disk if data is None else torch.cat([data, from_disk], dim=2)
-    if data is None:
-        shape = engine.engine.kv_block_shape(0)
-        data = torch.empty(shape, dtype=engine.engine.config.dtype)
+            data = torch.cat([data, from_disk], dim=2) if data.shape[2] else from_disk
     head = worker_pb2.KvHeader(shape=list(data.shape), dtype=kv_transfer.DTYPE_NAMES[data.dtype],
                                num_bytes=data.numel() * data.element_size(), prompt_digest=hashes_digest(hashes))
     metrics.KV_FETCHES.labels("served").inc()

@@ -24,7 +24,7 @@ from kervan.tokenizer import Tokenizer
 from worker.config import ConfigError, EngineConfig, ModelConfig
 from worker.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from worker.engine.scheduler import StepScheduler
-from worker.kv.cluster_tier import FetchedKV, HeldRead, read_held
+from worker.kv.cluster_tier import HeldRead, read_held
 from worker.kv.disk_tier import DiskTier, model_identity
 from worker.kv.host_tier import HostTier
 from worker.kv.kv_cache_manager import KVCacheManager
@@ -34,7 +34,7 @@ from worker.parallel.group import GroupLeader
 from worker.platform import current_platform
 from worker.runner.model_runner import ModelRunner
 from worker.runner.sampler import skip_draw
-from worker.sequence import Sequence
+from worker.sequence import FetchedKV, Sequence
 from worker.spec.proposer import make_proposer
 
 Prompt = list[int] | str
@@ -148,7 +148,8 @@ class Engine:
         """The KV of the leading blocks of ``hashes`` held here (pool, host tier, then a disk
         read): what this worker sends another that fetches them (``worker/kv/cluster_tier.py``)."""
         return read_held(hashes, self.kv.pool, self.kv.host, self.kv.disk,
-                         lambda ids: self.runner.read_blocks(ids).cpu())
+                         lambda ids: self.runner.read_blocks(ids).cpu() if ids else
+                         torch.empty(self.kv_block_shape(0), dtype=self.config.dtype))
 
     def disk_blocks(self, raw: list[bytearray]) -> torch.Tensor:
         """Blocks a disk read returned (``read_prefix``'s future), as one tensor."""
