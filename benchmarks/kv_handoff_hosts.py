@@ -188,7 +188,8 @@ def main() -> None:
             results[link].append(out)
             print(f"round {r} {link}: " + ", ".join(f"{k} {v:.3f}" for k, v in out.items() if v is not None),
                   flush=True)
-    summary = {link: {k: spread([o[k] for o in outs]) for k in outs[0]} for link, outs in results.items()}
+    summary = {link: {k: spread([o[k] for o in outs]) for k in outs[0] if outs[0][k] is not None}
+               for link, outs in results.items()}
     shaped = [link for link in links if Link.parse(link).rate_bits]
     report = {"benchmark": "kv_handoff_hosts", "model": "random weights in SmolLM2-135M's shape",
               "machine": machine(args.dtype), "arguments": vars(args), "pass_mark": {
