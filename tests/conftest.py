@@ -178,8 +178,9 @@ LONG_FILES = ("tests/test_real_model.py", "tests/worker/test_worker_group.py", "
               "tests/test_mesh_security.py", "tests/test_plan.py", "tests/chaos/test_worker_faults.py",
               "tests/worker/test_kernel_build.py", "tests/chaos/test_control_plane_faults.py",
               "tests/test_launcher_supervision.py", "tests/test_worker_group_cluster.py",
-              "tests/chaos/test_network_faults.py", "tests/chaos/test_planner_ramp.py",
-              "tests/worker/test_deterministic.py", "tests/test_speculative_cluster.py")
+              "tests/chaos/test_network_faults.py", "tests/chaos/test_host_faults.py",
+              "tests/chaos/test_planner_ramp.py", "tests/worker/test_deterministic.py",
+              "tests/test_speculative_cluster.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import click
 
 from control_plane.plan.choice import Plan, plan
-from control_plane.plan.hardware import CATALOG, get_hardware, with_overrides
+from control_plane.plan.hardware import CATALOG, Hardware, get_hardware, with_overrides
 from control_plane.plan.model_dir import model_shape
 from control_plane.plan.model_shape import BYTES_PER_WEIGHT
 from control_plane.plan.profile import CONTEXTS, DECODE_BATCHES, PREFILL_TOKENS, Profile, measure
@@ -60,6 +61,12 @@ def render(p: Plan) -> str:
               help=f"this (measured now), this-core (one core of it), or one of: {', '.join(CATALOG)}")
 @click.option("--memory-gb", type=float, default=None, help="override the device's memory")
 @click.option("--bandwidth-gb-s", type=float, default=None, help="override the device's memory bandwidth")
+@click.option("--kv-link", default=None, metavar="RATE[,DELAY]",
+              help="prefill and decode workers on different hosts, joined by this link (1gbit, 10gbit,2ms): the KV "
+                   "hand-off crosses it (default: they share a node)")
+@click.option("--kv-stream", default=None, metavar="RATE",
+              help="the most one KV stream moves, whatever the link (what `benchmarks/kv_handoff_hosts.py` measures "
+                   "of a bare gRPC stream here; default: no ceiling)")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True), required=True, help="requests per second")
 @click.option("--input-len", default="fixed:1024", show_default=True, help="prompt tokens: N, uniform:LO:HI, ...")
 @click.option("--output-len", default="fixed:256", show_default=True, help="output tokens, as --input-len")
@@ -71,8 +78,8 @@ def render(p: Plan) -> str:
 @click.option("--profile", "profile_path", default=None, type=click.Path(exists=True, dir_okay=False),
               help="step times measured by `kervan profile` instead of the roofline (one process: TP1)")
 @click.option("--json", "json_path", default=None, help="also write the plan to this file")
-def plan_command(model, weights, dtype, hardware, memory_gb, bandwidth_gb_s, rate, input_len, output_len, ttft_ms,
-                 itl_ms, chunk, profile_path, json_path) -> None:
+def plan_command(model, weights, dtype, hardware, memory_gb, bandwidth_gb_s, kv_link, kv_stream, rate, input_len,
+                 output_len, ttft_ms, itl_ms, chunk, profile_path, json_path) -> None:
     """What serving MODEL at RATE needs on HARDWARE within the TTFT and ITL targets: memory per
     device, the tensor/pipeline layout, the decode batch, the prefill and decode pools, and why."""
     from control_plane.bench.workload import Lengths
@@ -82,6 +89,7 @@ def plan_command(model, weights, dtype, hardware, memory_gb, bandwidth_gb_s, rat
         ins, outs = Lengths.parse(input_len), Lengths.parse(output_len)
         hw = with_overrides(get_hardware(hardware), memory_bytes=memory_gb and memory_gb * 1e9,
                             bandwidth=bandwidth_gb_s and bandwidth_gb_s * 1e9)
+        hw = with_kv_network(hw, kv_link, kv_stream)
         profile = Profile.load(profile_path) if profile_path else None
         load = Load(rate, ins.mean, outs.mean, ins.upper, outs.upper, ins.cv2)
         result = plan(shape, weights or held, (dtype or (profile.dtype if profile else float_dtype)), hw, load,
@@ -91,6 +99,21 @@ def plan_command(model, weights, dtype, hardware, memory_gb, bandwidth_gb_s, rat
     click.echo(render(result))
     if json_path:
         Path(json_path).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+
+
+def with_kv_network(hw: Hardware, kv_link: str | None, kv_stream: str | None) -> Hardware:
+    """``hw`` with the network a KV hand-off crosses (``--kv-link``, ``--kv-stream``)."""
+    from control_plane.hosts.link import Link, LinkError
+    try:
+        link = Link.parse(kv_link) if kv_link else None
+        stream = Link.parse(kv_stream) if kv_stream else None
+    except LinkError as exc:
+        raise ValueError(str(exc)) from None
+    if link is not None and link.bytes_per_s is None:
+        raise ValueError("--kv-link needs a rate (1gbit, 10gbit, ...)")
+    return dataclasses.replace(hw, kv_link_bandwidth=link.bytes_per_s if link else None,
+                               kv_link_latency_s=link.delay_s if link else 0.0,
+                               kv_stream_bandwidth=stream.bytes_per_s if stream else None)
 
 
 def _csv(values) -> str:

@@ -1,6 +1,7 @@
 """The device a worker runs on, as a plan sees it: memory, memory bandwidth, peak matmul
-rate per dtype, the link between a worker group's devices, and what the engine reaches of
-the peaks. Named GPUs carry their public datasheet figures (dense, no sparsity); ``this``
+rate per dtype, the link between a worker group's devices, the network a KV hand-off
+crosses between hosts (``kv_link``, and what one KV stream moves at most, ``kv_stream``), and
+what the engine reaches of the peaks. Named GPUs carry their public datasheet figures (dense, no sparsity); ``this``
 measures the machine the command runs on.
 
 The efficiencies are what an engine reaches of a peak on serving shapes, not the peak:
@@ -32,9 +33,22 @@ class Hardware:
     compute_efficiency: float
     step_overhead_s: float  # a step's fixed cost outside its matmuls and attention
     link_latency_s: float = 10e-6  # one collective's fixed cost
+    # the KV hand-off between a prefill and a decode worker: across hosts, the network link's rate and
+    # latency (None: the two share a node, and the device link carries it), and at most what one KV
+    # stream moves (the transport's own ceiling: None, none)
+    kv_link_bandwidth: float | None = None
+    kv_link_latency_s: float = 0.0
+    kv_stream_bandwidth: float | None = None
     usable_memory: float = 0.9  # the share of memory the engine may take (vLLM's gpu_memory_utilization)
     runtime_bytes: float = 2 * GB  # the runtime's own memory per device (CUDA context, allocator, Python)
     source: str = ""
+
+    def handover_s(self, num_bytes: float) -> float:
+        """Time to move ``num_bytes`` of KV from a prefill worker to a decode worker."""
+        rate = self.kv_link_bandwidth or self.link_bandwidth
+        if self.kv_stream_bandwidth:
+            rate = min(rate, self.kv_stream_bandwidth)
+        return (self.kv_link_latency_s if self.kv_link_bandwidth else 0.0) + num_bytes / rate
 
     def flops(self, dtype: str) -> float:
         if dtype not in self.peak_flops:

@@ -58,15 +58,16 @@ def prefill_ttft_s(sizer: Sizer, layout: Layout, load: Load, workers: int, decod
     """A mean prompt's TTFT on a pool of ``workers``: the prompt alone, chunk by chunk; the
     queue as M/G/1 on the pool seen as one server n times as fast (Pollaczek-Khinchine's
     mean wait, the service time varying as the prompt length does); the KV hand-over over
-    the device link. The first token is the prefill's (the router streams it as the
-    prefill worker answers), so no decode step. Infinite when the pool cannot keep up.
+    the device link, or the network between hosts (``Hardware.handover_s``). The first token
+    is the prefill's (the router streams it as the prefill worker answers), so no decode step.
+    Infinite when the pool cannot keep up.
     ``decode_batch``: sequences each decode worker runs meanwhile (a served profile's
     prefill is slower beside them, on a machine whose cores the serving stack shares)."""
     chunk = sizer.prefill_chunk_s(layout, sizer.chunk, load.input_len / 2, decode_batch)
     rate = sizer.chunk / chunk["step_s"]  # prompt tokens/s of one busy worker
     alone = sum(sizer.prefill_chunk_s(layout, min(sizer.chunk, load.input_len - i), (i + load.input_len) / 2,
                                       decode_batch)["step_s"] for i in range(0, math.ceil(load.input_len), sizer.chunk))
-    handover = load.input_len * sizer.shape.kv_bytes_per_token(sizer.dtype) / sizer.hw.link_bandwidth
+    handover = sizer.hw.handover_s(load.input_len * sizer.shape.kv_bytes_per_token(sizer.dtype))
     wait = mg1_wait_s(load.rate, load.input_len / rate, workers, load.input_cv2)
     return {"ttft_s": alone + wait + handover, "rate": rate, "alone_s": alone, "handover_s": handover,
             "wait_s": wait}
