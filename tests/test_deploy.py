@@ -176,7 +176,7 @@ class _FakeEngine:
         return SimpleNamespace(num_preemptions=0, num_host_blocks=0, num_host_demoted=0, num_host_promoted=0,
                                num_disk_blocks=0, num_disk_stored=0, num_disk_loaded=0, num_disk_corrupt=0,
                                num_disk_write_dropped=0, spec_num_drafts=0, spec_num_draft_tokens=0,
-                               spec_num_accepted_tokens=0, spec_accepted_per_position=())
+                               spec_num_accepted_tokens=0, spec_accepted_per_position=(), num_prompt_tokens_computed=0)
 
     def load(self):
         from types import SimpleNamespace

@@ -213,7 +213,7 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, request_te
 
     engine = engine_args(opts)  # what it leaves in opts is the planner's
     model = Path(model_path(model_dir))
-    tls = tls or num_hosts > 1  # beyond loopback every service speaks mutual TLS
+    tls = tls or num_hosts > 0  # beyond loopback every service speaks mutual TLS
     try:
         spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, engine=engine,
                            http_port=http_port, metrics=metrics or planner, tls=tls, num_routers=num_routers,

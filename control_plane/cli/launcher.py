@@ -89,7 +89,7 @@ class ClusterSpec:
     link: Link = field(default_factory=Link)
 
     def __post_init__(self) -> None:
-        if self.hosts > 1 and not self.tls:  # every service refuses to listen beyond loopback in plaintext
+        if self.hosts and not self.tls:  # every service refuses to listen beyond loopback in plaintext
             raise ValueError("services on simulated hosts talk over a network: start them with tls, as production")
         if self.engine.world_size == 1:
             return

@@ -79,6 +79,9 @@ def test_sigkill_of_the_launcher_leaves_no_host_behind(llama, tmp_path):
                 break
         else:
             pytest.fail("kervan up --hosts 3 did not start:\n" + "".join(lines))
+        router = next(line for line in lines if "router on " in line).split("router on ")[1].split(":")[0]
+        subnet = router.rsplit(".", 1)[0] + "."  # this cluster's hosts' /24 (other tests may run their own)
+        assert subnet in _addresses_here()  # the launcher's own end of the switch
         services = [pid for pid in _processes_naming(str(model)) if pid != launcher.pid]
         spaces = {os.readlink(f"/proc/{pid}/ns/net") for pid in services}
         assert len(spaces) == 3 and os.readlink("/proc/self/ns/net") not in spaces  # control, prefill, decode hosts
@@ -88,11 +91,15 @@ def test_sigkill_of_the_launcher_leaves_no_host_behind(llama, tmp_path):
         while time.monotonic() < deadline and (_processes_naming(str(model)) or _processes_in(spaces)):
             time.sleep(0.2)
         assert not _processes_naming(str(model)) and not _processes_in(spaces)
-        assert "kvop" not in subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+        assert subnet not in _addresses_here()
     finally:
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGINT)
             launcher.wait(30)
+
+
+def _addresses_here() -> str:
+    return subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
 
 
 def _processes_naming(text: str) -> list[int]:

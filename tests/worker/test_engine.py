@@ -238,7 +238,8 @@ def test_stats_and_cached_blocks_are_the_engines_public_view(llama):
     engine = make_engine(llama[1])
     assert engine.stats() == EngineStats(num_running=0, num_waiting=0, num_free_blocks=128, num_blocks=128,
                                          num_prefill_tokens=0, num_evictable_blocks=0, num_preemptions=0,
-                                         num_kv_slots_allocated=0, num_kv_slots_used=0, kv_capacity_blocks=128)
+                                         num_kv_slots_allocated=0, num_kv_slots_used=0, kv_capacity_blocks=128,
+                                         kv_block_bytes=2 * 2 * 2 * 4 * 16 * 4)  # layers, K/V, heads, block, dim, fp32
     prompt = make_prompts([10], seed=12)[0]
     engine.add_request(prompt, GREEDY, request_id="s")
     assert engine.stats().num_waiting == 1 and engine.stats().num_prefill_tokens == 10
