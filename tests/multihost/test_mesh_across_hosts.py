@@ -124,3 +124,14 @@ def _processes_in(spaces: set[str]) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def test_a_link_delay_needs_netem_and_a_kernel_without_it_says_so():
+    from control_plane.hosts.link import LinkError
+    try:
+        with HostNetwork.create(1, Link.parse("1gbit,2ms")) as net:
+            shaped = subprocess.run(net.hosts[0].enter(["tc", "qdisc", "show", "dev", "eth0"]), capture_output=True,
+                                    text=True).stdout
+            assert "netem" in shaped and "delay 2ms" in shaped
+    except LinkError as exc:
+        assert "netem" in str(exc) and "rate only" in str(exc)
