@@ -6,6 +6,7 @@ when the flag is not given; the rule lives in ``services/common/config.py``."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -43,6 +44,23 @@ KERVAN_GROUP_TIMEOUT_S = "KERVAN_GROUP_TIMEOUT_S"
 
 def group_timeout_s() -> float:
     return float(os.environ.get(KERVAN_GROUP_TIMEOUT_S, "30"))
+
+
+# a worker group whose ranks 1..N-1 run on other hosts: a JSON list, per peer rank, of the argv prefix that
+# starts a process on its host (the simulated hosts' ``nsenter``); the ranks then talk over gloo on
+# ``GLOO_SOCKET_IFNAME`` (the hosts' interface), never through shared memory
+KERVAN_GROUP_PEER_HOSTS = "KERVAN_GROUP_PEER_HOSTS"
+
+
+def group_peer_hosts() -> list[list[str]] | None:
+    text = os.environ.get(KERVAN_GROUP_PEER_HOSTS)
+    if not text:
+        return None
+    prefixes = json.loads(text)
+    if not isinstance(prefixes, list) or not all(isinstance(p, list) and all(isinstance(a, str) for a in p)
+                                                 for p in prefixes):
+        raise ValueError(f"{KERVAN_GROUP_PEER_HOSTS} must be a JSON list of argv lists, got {text!r}")
+    return prefixes
 
 
 # "auto" (pack linear weights where the platform says it pays: oneDNN's micro-kernel layout where it packs

@@ -253,7 +253,8 @@ class Cluster:
         self._start(name, "services.worker", "--role", str(role), "--model", str(self.spec.model_dir),
                     "--registry", self.addresses["kv-registry"], *to_flags(self.spec.worker_engine(name, role)),
                     *self.spec.worker_args, *args, port=port, tls_flags=tls,
-                    env={"OMP_NUM_THREADS": str(threads)}, cores=cores)
+                    env={"OMP_NUM_THREADS": str(threads),
+                         **self.service_hosts.group_env(name, self.spec.engine.world_size)}, cores=cores)
         return name
 
     def add_worker(self, role: WorkerRole | str, *args: str, timeout: float = 180.0) -> str:

@@ -5,15 +5,18 @@ the service's life (``port_reservations.py``). ``SimulatedHosts``: the control s
 registry, lease watch, schedulers, routers) on host ``h0`` and the workers spread over the
 others in turn (all on ``h0`` when it is the only one), each started inside its host. A
 simulated host's ports belong to this cluster alone, so a port there is just the next number,
-kept for the service's restarts."""
+kept for the service's restarts. A worker group there has its peer ranks on the next worker
+hosts (``group_env``), talking gloo over the links."""
 
 from __future__ import annotations
 
+import json
 import socket
 from typing import Protocol
 
 from control_plane.cli.port_reservations import PortReservations
 from control_plane.hosts.network import Host, HostNetwork
+from kervan.envs import KERVAN_GROUP_PEER_HOSTS
 
 FIRST_PORT = 20000
 
@@ -26,6 +29,8 @@ class ServiceHosts(Protocol):
     def unreserved_port(self, name: str) -> int: ...
 
     def argv(self, name: str, argv: list[str]) -> list[str]: ...
+
+    def group_env(self, name: str, world_size: int) -> dict[str, str]: ...
 
     def close(self) -> None: ...
 
@@ -49,6 +54,9 @@ class LoopbackHosts:
 
     def argv(self, name: str, argv: list[str]) -> list[str]:
         return argv
+
+    def group_env(self, name: str, world_size: int) -> dict[str, str]:
+        return {}  # a group's ranks share this host: shared memory between them
 
     def close(self) -> None:
         self.reservations.release_all()
@@ -86,6 +94,16 @@ class SimulatedHosts:
 
     def argv(self, name: str, argv: list[str]) -> list[str]:
         return self.host_of(name).enter(argv)
+
+    def group_env(self, name: str, world_size: int) -> dict[str, str]:
+        """A worker group's ranks 1..N-1 on the worker hosts after its rank 0's, in turn (with one
+        worker host, all on it): the group's collectives then cross the links."""
+        workers = self.network.hosts[1:]
+        if world_size == 1 or len(workers) < 2:
+            return {}
+        first = workers.index(self.host_of(name))
+        peers = [workers[(first + rank) % len(workers)] for rank in range(1, world_size)]
+        return {KERVAN_GROUP_PEER_HOSTS: json.dumps([h.enter([]) for h in peers]), "GLOO_SOCKET_IFNAME": "eth0"}
 
     def close(self) -> None:
         self.network.close()

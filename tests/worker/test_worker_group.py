@@ -73,6 +73,24 @@ def test_a_step_message_too_large_for_shared_memory_goes_over_gloo(llama):
         group.close()
 
 
+@pytest.mark.parametrize("layout", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_a_group_whose_peers_are_started_elsewhere_runs_on_gloo_alone(llama, monkeypatch, layout):
+    """``KERVAN_GROUP_PEER_HOSTS`` (peers on other hosts: here an empty prefix, this host): no shared
+    memory, every collective and hand-over on gloo. A pipeline of two micro-batches a step hands
+    micro-batch 1 on before it takes the logits of 0: with gloo's blocking send that deadlocked
+    (the hand-overs are sent without waiting now, one in flight per taker)."""
+    prompts = make_prompts([20, 24, 28, 32], seed=67)
+    expected = outputs(make_engine(llama[1]), prompts, GREEDY)
+    monkeypatch.setenv("KERVAN_GROUP_PEER_HOSTS", "[[]]")
+    monkeypatch.setenv("KERVAN_GROUP_TIMEOUT_S", "20")
+    group = make_engine(llama[1], **{layout: 2})
+    try:
+        assert group.group.shm is None
+        assert outputs(group, prompts, GREEDY) == expected
+    finally:
+        group.close()
+
+
 def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

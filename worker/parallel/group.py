@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from kervan.envs import group_timeout_s
+from kervan.envs import group_peer_hosts, group_timeout_s
 from worker.parallel.kv_shards import encode_write
 from worker.parallel.shm_comm import SLOT_BYTES, ShmComm
 from worker.parallel.state import ParallelState, set_parallel_state
@@ -144,13 +144,16 @@ class GroupLeader:
         store_path = str(store_dir / "store")
         peers: list[subprocess.Popen] = []
         shm = None
-        if not config.device.startswith("cuda"):
+        hosts = group_peer_hosts()  # peers on other hosts: gloo over their network, no shared memory
+        if hosts is not None and len(hosts) != world - 1:
+            raise ValueError(f"a group of {world} ranks needs {world - 1} peer hosts, got {len(hosts)}")
+        if not config.device.startswith("cuda") and hosts is None:
             shm = shm_comm(shm_name(), 0, config, create=True, alive=lambda: all(p.poll() is None for p in peers))
         argv = [sys.executable, "-m", "worker.parallel.peer", "--model", str(model_dir), "--world", str(world),
                 "--store", store_path, "--config", config_json(config), "--shm", shm.shm.name if shm else ""]
         try:
-            peers += [subprocess.Popen([*argv, "--rank", str(rank)], stdin=subprocess.DEVNULL)
-                      for rank in range(1, world)]
+            peers += [subprocess.Popen([*(hosts[rank - 1] if hosts else []), *argv, "--rank", str(rank)],
+                                       stdin=subprocess.DEVNULL) for rank in range(1, world)]
             control = init_rank(0, config, store_path, shm, peers)
         except BaseException:
             for peer in peers:

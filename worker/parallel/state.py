@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -107,6 +108,7 @@ def split_points(n: int, parts: int) -> list[int]:
 _STATE = ParallelState()
 _SHM = None  # a ShmComm (shm_comm.py) when the group's ranks share a CPU host
 TRAFFIC: Counter[str] = Counter()  # collective -> bytes this rank sent to other ranks
+_SENDING: dict[int, tuple[Any, torch.Tensor]] = {}  # gloo: taker rank -> its hand-over in flight, and the tensor
 
 
 def get_parallel_state() -> ParallelState:
@@ -189,7 +191,17 @@ def send_to(dst: int, x: torch.Tensor) -> None:
         _SHM.send_to(dst, x)
         return
     import torch.distributed as dist
-    dist.send(x.contiguous(), dst)
+    x = x.contiguous()
+    if dist.get_backend() != "gloo":
+        dist.send(x, dst)
+        return
+    # gloo's send returns only once the taker receives; the pipeline's protocol hands on micro-batch
+    # i + 1 before taking the logits of i (pipeline.py), which a blocking send deadlocks. One hand-over
+    # in flight per taker, as shared memory's one slot: the previous one must have been taken first.
+    previous = _SENDING.pop(dst, None)
+    if previous is not None:
+        previous[0].wait()
+    _SENDING[dst] = (dist.isend(x, dst), x)
 
 
 def recv_from(src: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
