@@ -304,7 +304,7 @@ TABLES = {"engine_throughput": engine_throughput, "step_profile": step_profile, 
           "registry_lookup": mesh_tables.registry_lookup, "plan_check": mesh_tables.plan_check,
           "planner_ramp": mesh_tables.planner_ramp, "fleet": mesh_tables.fleet,
           "kv_tiers": lambda: measured("kv_tiers"), "long_reasoning": lambda: measured("long_reasoning"),
-          "kv_handoff_hosts": lambda: measured("kv_handoff_hosts"),
+          "kv_handoff_hosts": lambda: measured("kv_handoff_hosts"), "group_hosts": lambda: measured("group_hosts"),
           "kv_pull": lambda: measured("kv_pull"), "http_front": lambda: measured("http_front", ("ttft_ms",
                                                                                           "overhead_vs_grpc_ms"))}
 
