@@ -35,6 +35,11 @@ its Lua scripts) with a load report and 10,000 blocks: random depths of 32 share
 
     python -m benchmarks.fleet --json-out benchmarks/results/fleet-amx.json   # ~12 min, ~3 GB of Redis
     python -m benchmarks.fleet --workers 100 --blocks-per-worker 1000 --seconds 5   # a smoke run
+
+``--hosts --link RATE`` lays it over simulated hosts (``control_plane/hosts/``): Redis, the
+kv-registry and the scheduler on one, the fleet's traffic process on another, and this process
+(the router's side: the populating, the events, the placements) outside both, so every call
+crosses a link rather than loopback. Step 4 (loopback shards) is skipped then.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -58,8 +65,10 @@ import redis.asyncio as redis
 
 from benchmarks.fleet_traffic import NICE, Publisher, fleet_load
 from benchmarks.machine import machine, write_report
-from benchmarks.place_path import start, stats
-from control_plane.cli.redis_server import running_redis
+from benchmarks.place_path import ROOT, start, stats
+from control_plane.cli.redis_server import redis_argv, running_redis, wait_listening
+from control_plane.hosts.link import Link
+from control_plane.hosts.network import Host, HostNetwork
 from control_plane.planner.metrics import Scrape, quantile
 from kervan.block_hash import HASH_NAME
 from kervan.kv_events import BlockStored
@@ -73,6 +82,23 @@ CHAINS, CHAIN_BLOCKS = 32, 128
 # instead (as before the watch), and pricing every worker (as before the shortlist)
 VARIANTS = {"watch": [], "listing": ["--no-watch"], "price_all": ["--no-shortlist"]}
 DECISION = "kervan_placement_decision_seconds"
+
+
+@contextmanager
+def redis_on(host: Host | None, data_dir: Path) -> Iterator[str]:
+    """The benchmark's Redis: on loopback, or on a simulated host (its own port space)."""
+    if host is None:
+        with running_redis(data_dir) as url:
+            yield url
+        return
+    proc = subprocess.Popen(host.enter(redis_argv(6379, data_dir, bind=host.address)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_listening(6379, proc, host=host.address)
+        yield f"redis://{host.address}:6379/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -235,15 +261,18 @@ class Traffic:
     inside too: no sender outlives the run). ``sent`` is then what it sent and the share of
     a core it used."""
 
-    def __init__(self, registry_addr: str, workers_file: Path, event_rate: float, seed: int):
-        self.args = ["nice", "-n", str(NICE), sys.executable, "-m", "benchmarks.fleet_traffic",
+    def __init__(self, registry_addr: str, workers_file: Path, event_rate: float, seed: int,
+                 host: Host | None = None):
+        self.args = [*(host.enter([]) if host else []), "nice", "-n", str(NICE), sys.executable, "-m",
+                     "benchmarks.fleet_traffic",
                      "--registry", registry_addr, "--workers", str(workers_file), "--event-rate", str(event_rate),
                      "--seed", str(seed)]
         self.sent: dict = {}
 
     async def __aenter__(self) -> Traffic:
-        self.proc = await asyncio.create_subprocess_exec(*self.args, stdout=asyncio.subprocess.PIPE,
-                                                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.proc = await asyncio.create_subprocess_exec(*self.args, stdout=asyncio.subprocess.PIPE, cwd=ROOT,
+                                                         env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                              "PYTHONPATH": str(ROOT)})
         self.started = time.monotonic()
         await asyncio.sleep(1.0)  # the traffic going before anything is measured
         return self
@@ -260,11 +289,20 @@ class Traffic:
 
 
 async def main_async(args) -> dict:
+    if not args.hosts:
+        return await fleet(args, None, None)
+    with HostNetwork.create(2, Link.parse(args.link)) as net:
+        return await fleet(args, *net.hosts)
+
+
+async def fleet(args, control: Host | None, traffic_host: Host | None) -> dict:
     rng = random.Random(args.seed)
     chains = [[rng.randbytes(32) for _ in range(CHAIN_BLOCKS)] for _ in range(CHAINS)]
     report: dict = {"benchmark": "fleet", "machine": machine(), "workers": args.workers,
                     "blocks_per_worker": args.blocks_per_worker, "prompt_blocks": CHAIN_BLOCKS}
-    with tempfile.TemporaryDirectory() as tmp, running_redis(Path(tmp)) as url:
+    if control is not None:
+        report["hosts"] = {"link": args.link, "control": control.address, "traffic": traffic_host.address}
+    with tempfile.TemporaryDirectory() as tmp, redis_on(control, Path(tmp)) as url:
         r = redis.Redis.from_url(url)
         redis_pid = int((await r.info("server"))["process_id"])
         index = PrefixIndex(r, ttl_s=3600, max_blocks_per_worker=4 * args.blocks_per_worker)
@@ -283,7 +321,7 @@ async def main_async(args) -> dict:
         gc.freeze()  # the hashes built above are not garbage
         workers_file = Path(tmp) / "workers.json"
         workers_file.write_text(json.dumps(workers))
-        registry, registry_addr, _ = start("services.kv_registry", "--redis", url, "--ttl", "3600")
+        registry, registry_addr, _ = start("services.kv_registry", "--redis", url, "--ttl", "3600", host=control)
         procs = [registry]
         try:
             async with grpc.aio.insecure_channel(registry_addr) as reg:
@@ -299,14 +337,14 @@ async def main_async(args) -> dict:
                 for p in range(args.passes):
                     for variant, flags in VARIANTS.items():
                         scheduler, sched_addr, metrics_addr = start("services.scheduler", "--registry", registry_addr,
-                                                                    "--metrics-port", "0", *flags)
+                                                                    "--metrics-port", "0", *flags, host=control)
                         procs.append(scheduler)
                         try:
                             await placements(sched_addr, metrics_addr, queries[:50], 4)  # warm-up
                             run: dict = {"pass": p}
                             run["quiet"] = await serial_and_concurrent(sched_addr, metrics_addr, queries,
                                                                        args.placements // 2)
-                            async with Traffic(registry_addr, workers_file, event_rate, p) as traffic:
+                            async with Traffic(registry_addr, workers_file, event_rate, p, traffic_host) as traffic:
                                 run["with_traffic"] = await serial_and_concurrent(sched_addr, metrics_addr, queries,
                                                                                   args.placements // 2)
                             run["with_traffic"]["background"] = traffic.sent
@@ -317,7 +355,8 @@ async def main_async(args) -> dict:
                         runs.setdefault(variant, []).append(run)
                         print(f"{variant} pass {p}: {runs[variant][-1]}", file=sys.stderr, flush=True)
                 report["placement"] = {"event_rate_asked": round(event_rate, 1), "runs": runs}
-            report["cluster_lookup_ms"] = await cluster_lookup(r, chains, Path(tmp), args.lookups)
+            report["cluster_lookup_ms"] = await cluster_lookup(r, chains, Path(tmp), args.lookups) \
+                if control is None else None
             print(f"cluster: {report['cluster_lookup_ms']}", file=sys.stderr, flush=True)
         finally:
             for proc in procs:
@@ -338,6 +377,9 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--lookups", type=int, default=1000, help="bitmap reads per layout (step 4)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hosts", action="store_true", help="the control services on one simulated host, the traffic "
+                    "on another, this process outside both (root)")
+    ap.add_argument("--link", default="unshaped", help="with --hosts: every host's link, RATE (1gbit, 10gbit)")
     ap.add_argument("--json-out", default=None, help="also write the report here (with the commit)")
     args = ap.parse_args()
     import uvloop

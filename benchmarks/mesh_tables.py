@@ -196,8 +196,10 @@ def fleet() -> str:
     out = []
     for label, report in cells.reports("fleet"):
         r = report["redis"]
+        where = (f"; across simulated hosts (control services on one, the traffic on another, every link "
+                 f"{report['hosts']['link']})" if "hosts" in report else "")
         out.append(f"{label}: {report['workers']:,} workers, {r['blocks_registered']:,} blocks registered "
-                   f"({r['distinct_blocks']:,} Redis keys)\n")
+                   f"({r['distinct_blocks']:,} Redis keys){where}\n")
         out.append("| Redis used memory | bytes per registered block | loaded at (blocks/s) "
                    "| an owner bitmap (bytes, sampled) |\n|---|---|---|---|")
         out.append(f"| {r['used_memory_mb']:,} MB | {r['bytes_per_block']} | {r['blocks_per_s_loading']:,} "
@@ -230,6 +232,8 @@ def fleet() -> str:
                                    f"| {'–' if share is None else f'{share:.1%}'} | {x['placements_per_s']:,.0f} "
                                    f"| {behind} |")
         c = report["cluster_lookup_ms"]
+        if c is None:  # across hosts: the loopback shards are not run
+            continue
         out.append("\n| a prompt's 128 owner bitmaps read from | p50 ms | p99 ms |\n|---|---|---|")
         out += [f"| {name.replace('_', ' ')} | {v['p50']:.3f} | {v['p99']:.3f} |" for name, v in c.items()]
     return "\n".join(out) + "\n"

@@ -42,6 +42,7 @@ import redis.asyncio as redis
 
 from benchmarks.machine import machine, write_report
 from control_plane.cli.redis_server import running_redis
+from control_plane.hosts.network import Host
 from kervan.block_hash import HASH_NAME
 from kervan.kv_events import BlockRemoved, BlockStored
 from kervan.sampling import RequestLimits
@@ -54,12 +55,18 @@ from services.proto import kv_registry_pb2, kv_registry_pb2_grpc, scheduler_pb2,
 CONCURRENCY = 16
 WRITERS = 8
 
+ROOT = Path(__file__).resolve().parents[1]  # entering a host's mounts leaves the working directory
 
-def start(module: str, *args: str) -> tuple[subprocess.Popen, str, str | None]:
-    """A service process on loopback; (it, its gRPC address, its metrics address when it
-    serves metrics, else None)."""
-    proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+def start(module: str, *args: str, host: Host | None = None) -> tuple[subprocess.Popen, str, str | None]:
+    """A service process on loopback, or on a simulated ``host`` (plaintext: the hosts' network
+    is this benchmark's alone); (it, its gRPC address, its metrics address when it serves
+    metrics, else None)."""
+    argv = [sys.executable, "-m", module, "--port", "0", *args]
+    if host is not None:
+        argv = host.enter([*argv, "--host", host.address, "--allow-plaintext"])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     metrics = None
     for _ in range(10):  # "<service> metrics on http://HOST:PORT/metrics", then "<service> ready on HOST:PORT"
         line = proc.stdout.readline()
