@@ -196,10 +196,11 @@ def fleet() -> str:
     out = []
     for label, report in cells.reports("fleet"):
         r = report["redis"]
-        where = (f"; across simulated hosts (control services on one, the traffic on another, every link "
-                 f"{report['hosts']['link']})" if "hosts" in report else "")
         out.append(f"{label}: {report['workers']:,} workers, {r['blocks_registered']:,} blocks registered "
-                   f"({r['distinct_blocks']:,} Redis keys){where}\n")
+                   f"({r['distinct_blocks']:,} Redis keys)\n")
+        if "hosts" in report:
+            out.append(f"Across simulated hosts, every link {report['hosts']['link']}: the control services on one, "
+                       f"the traffic on another.\n")
         out.append("| Redis used memory | bytes per registered block | loaded at (blocks/s) "
                    "| an owner bitmap (bytes, sampled) |\n|---|---|---|---|")
         out.append(f"| {r['used_memory_mb']:,} MB | {r['bytes_per_block']} | {r['blocks_per_s_loading']:,} "
