@@ -29,6 +29,9 @@ from services.scheduler.placement import Candidate, PlacementConfig, Size, cost,
 class Best(NamedTuple):
     worker: Candidate | None  # None: no plain worker of the role can take the request with room
     lacked_room: bool  # a plain worker could have taken it but has no room for the prompt
+    # with no ``worker``: one that could have taken it but is at its request limit (placement tells "the pool is
+    # full" from "there is no pool" by it)
+    full: Candidate | None = None
 
 
 def plain_order(reported: list[Candidate]) -> dict[bool, list[Candidate]]:
@@ -44,11 +47,14 @@ def best_plain(order: dict[bool, list[Candidate]], skip: set[str], num_prompt_bl
     decode) with the lowest (cost, active blocks, id) among those that may take the
     request and have room for it. ``skip``: ids not plain here (touched, excluded, avoided)."""
     base = (cfg.overlap_weight + 1) * num_prompt_blocks
-    best, best_cost, lacked_room = None, float("inf"), False
+    best, best_cost, lacked_room, full = None, float("inf"), False, None
     for c in order[prefill]:
         if base + c.active_blocks >= best_cost:
             break
-        if c.worker_id in skip or c.full or (model and c.model != model) or not size.fits(c):
+        if c.worker_id in skip or (model and c.model != model) or not size.fits(c):
+            continue
+        if c.full:
+            full = full or c
             continue
         if not has_room(c, num_prompt_blocks):
             lacked_room = True
@@ -56,7 +62,7 @@ def best_plain(order: dict[bool, list[Candidate]], skip: set[str], num_prompt_bl
         price = cost(c, num_prompt_blocks, cfg)
         if price < best_cost:
             best, best_cost = c, price
-    return Best(best, lacked_room)
+    return Best(best, lacked_room, None if best else full)
 
 
 class Touched(NamedTuple):

@@ -2,7 +2,8 @@
 prices, never which it picks: on random meshes of every role mix, with prefix matches,
 recent placements, full workers, exclusions, tight KV room and size limits, the scheduler
 with the shortlist and without it choose the same decode and prefill workers for the same
-reason, or fail the same way."""
+reason, with the same fetch of another worker's blocks (the cluster KV tier), or fail the
+same way."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def mesh(rng: random.Random, num_workers: int, tight: bool) -> kv_registry_pb2.L
         load = Load(num_free_blocks=free, num_blocks=blocks,
                     num_evictable_blocks=rng.randint(free // 2 if tight else 0, free),
                     num_prefill_tokens=rng.choice([0, 0, 500, 5000]), num_requests=rng.randint(0, 8),
-                    max_requests=rng.choice([0, 8]))
+                    max_requests=rng.choice([0, 8]), prefill_tokens_per_s=rng.choice([0, 2000, 50_000]),
+                    kv_link_bytes_per_s=rng.choice([0, 10**7, 10**9]), kv_block_bytes=rng.choice([0, 4096, 1 << 20]))
         # many idle workers: ties the walk must break as the kv policy does
         if rng.random() < 0.3:
             load = Load(num_free_blocks=blocks, num_blocks=blocks, max_requests=8)
@@ -53,7 +55,9 @@ def decide(servicer: SchedulerServicer, view, hashes, match, model, size, exclud
         return type(err).__name__, len(candidates)
     if d is None:
         return None, len(candidates)
-    return (d.decode.worker_id, d.prefill.worker_id if d.prefill else None, d.reason, d.cached_blocks), len(candidates)
+    fetch = (d.fetch.first_block, d.fetch.num_blocks) if d.fetch else None  # a holder tied with another may differ
+    return (d.decode.worker_id, d.prefill.worker_id if d.prefill else None, d.reason, d.cached_blocks, fetch), \
+        len(candidates)
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -63,7 +67,7 @@ def test_the_shortlist_chooses_what_pricing_every_worker_chooses(seed):
     workers = mesh(rng, rng.choice([3, 20, 200]), tight)
     view = listed(workers)
     config = PlacementConfig(overlap_weight=rng.choice([1.0, 2.0]), eviction_weight=rng.choice([0.0, 1.0]),
-                             pull_block_cost=rng.choice([0.0, 0.5]))
+                             pull_block_cost=rng.choice([0.0, 0.5]), link_bytes_per_s=rng.choice([0.0, 1.25e8]))
     clock = [0.0]
     recent = RecentPlacements(clock=lambda: clock[0])
     fast = SchedulerServicer(None, config, recent=recent)
