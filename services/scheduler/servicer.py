@@ -170,7 +170,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         prefill = best_plain(order, skip, len(hashes), cfg, model, prefill_size, prefill=True)
         if decode.worker is None or prefill.lacked_room and prefill.worker is None:  # errors, refusals, no room
             return [priced(c) if c.worker_id in touched else c for c in pool]
-        plain = [best.worker or best.full for best in (decode, prefill) if best.worker or best.full]
+        plain = [c for best in (decode, prefill) if (c := best.worker or best.full) is not None]
         if cfg.pull_block_cost > 0:  # the prefix's best holder may be any of them
             return [priced(by_id[w]) for w in sorted(touched) if w in by_id and w not in absent] + plain
         bounds, scale, n, get = [], cfg.overlap_weight + 1, len(hashes), matched.get

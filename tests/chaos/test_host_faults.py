@@ -19,7 +19,7 @@ from kervan.engine_args import EngineArgs
 from services.proto import kv_registry_pb2, kv_registry_pb2_grpc
 from tests.chaos.checker import check, record, stream, streams_decoding_on_one_of, wait_baseline
 from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts
-from tests.multihost.conftest import REASON
+from tests.multihost.hosts import REASON
 
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 

@@ -4,14 +4,9 @@ with the reason, where such hosts cannot be made (not root, no ``ip``/``tc``/``u
 
 from __future__ import annotations
 
-import urllib.request
-
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from control_plane.hosts.network import unavailable_reason
-
-REASON = unavailable_reason()
+from tests.multihost.hosts import REASON
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,10 +15,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/multihost/" in str(item.fspath):
             item.add_marker(pytest.mark.skip(reason=REASON))
-
-
-def scrape(address: str) -> dict[tuple[str, tuple], float]:
-    """A service's metrics: (sample name, sorted labels) -> value."""
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}

@@ -20,7 +20,7 @@ from control_plane.hosts.network import HostNetwork
 from kervan.engine_args import EngineArgs
 from tests.chaos.checker import check, stream
 from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prompts
-from tests.multihost.conftest import scrape
+from tests.multihost.hosts import scrape
 
 MAX_TOKENS = 12
 

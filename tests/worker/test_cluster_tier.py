@@ -70,3 +70,42 @@ def test_fetched_blocks_that_do_not_meet_the_pools_hit_or_do_not_fit_are_compute
     computed(mine, doc[:64] + [1])
     out, work = computed(mine, prompt, fetched=FetchedKV(2, data[:, :, 2:]))
     assert (work, out.num_cached_tokens) == (2, 128)
+
+
+def test_a_holder_sends_what_its_disk_tier_holds_read_on_the_disk_thread(llama, tmp_path):
+    """Blocks pushed down past the host tier to disk: ``read_prefix`` gives the leading ones still
+    in memory at once and reads the rest on the disk tier's thread (the future); together they
+    are what a fresh engine computes."""
+    doc = make_prompts([96], seed=65)[0]
+    block = 2 * 2 * 2 * BLOCK * 16 * 4  # layers, K/V, KV heads, block size, head dim, float32
+    holder = make_engine(llama[1], block_size=BLOCK, num_kv_blocks=8, kv_host_bytes=2 * block,
+                         kv_disk_bytes=64 * block, kv_disk_dir=str(tmp_path / "disk"))
+    try:
+        holder.generate([doc + [3]], GREEDY)
+        holder.generate([make_prompts([100], seed=66)[0]], GREEDY)  # doc leaves the pool, then the host tier
+        hashes = hash_blocks(doc, BLOCK)
+        read = holder.read_prefix(hashes)
+        assert read.disk is not None
+        got, raw = read.disk.result(timeout=30)
+        assert got and read.data.shape[2] + len(got) == len(hashes)  # memory's lead, then disk's
+        data = torch.cat([read.data, holder.disk_blocks(raw)], dim=2)
+    finally:
+        holder.close()
+    fresh = make_engine(llama[1], block_size=BLOCK, num_kv_blocks=64)
+    fresh.add_request(doc + [3], SamplingParams(max_tokens=1), request_id="r", hold_kv=True)
+    while fresh.has_unfinished_requests():
+        fresh.step()
+    torch.testing.assert_close(data, fresh.export_kv("r")[:, :, :len(hashes)], rtol=1e-5, atol=1e-5)
+
+
+def test_the_link_meter_counts_transfers_long_enough_to_time_the_link():
+    """What a worker reports of its link (``Load.kv_link_bytes_per_s``): transfers under 1 MiB time
+    the round trip, not the link, and are left out; the rest, weighted toward the recent."""
+    from services.worker.link_meter import MIN_MEASURED_BYTES, LinkMeter
+    meter = LinkMeter()
+    meter.observe(MIN_MEASURED_BYTES - 1, 1e-6)
+    assert meter.bytes_per_s == 0
+    meter.observe(100 << 20, 1.0)
+    assert meter.bytes_per_s == 100 << 20
+    meter.observe(200 << 20, 1.0)
+    assert meter.bytes_per_s == 0.7 * (100 << 20) + 0.3 * (200 << 20)
