@@ -35,3 +35,14 @@ def spread(x: dict, fmt: str = "{:,.1f}") -> str:
 def maybe(x: dict | None, fmt: str = "{:,.1f}") -> str:
     """``spread``, or a dash where nothing was measured."""
     return "–" if not x or x.get("median") is None or "min" not in x else spread(x, fmt)
+
+
+def cpu_kind(machine: dict) -> str:
+    """The kind of CPU a report ran on, as the README's tables name it: AVX2, AVX-512 + BF16,
+    AVX-512 + AMX (an ISA capped with ``ATEN_CPU_CAPABILITY`` reads as the kind it ran as)."""
+    if machine.get("isa") == "avx2":
+        capped = " (capped)" if machine.get("native_bf16") or machine.get("amx") else ""
+        return f"AVX2{capped}, {machine['cpu']}"
+    if machine.get("amx"):
+        return f"AVX-512 + AMX, {machine['cpu']}"
+    return f"AVX-512 + BF16, {machine['cpu']}" if machine.get("native_bf16") else f"AVX-512, {machine['cpu']}"

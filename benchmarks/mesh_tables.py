@@ -4,6 +4,7 @@ prefix placement, the mesh against engines, the ``Place`` path and the registry'
 from __future__ import annotations
 
 from benchmarks import cells
+from benchmarks.plan_score import SCORED, point_verdicts, score
 from benchmarks.stats import spread
 
 
@@ -155,8 +156,9 @@ def plan_check() -> str:
     recommended measured (the rounds' median, their range in brackets), and their ratio."""
     rows = ["| report | model | profile | load (of the 1:1 rate) | req/s | output tok/s predicted / measured "
             "| TTFT mean ms predicted / measured | ITL median ms predicted / measured "
-            "| decode engine step in the cluster, mean ms | measured / predicted: tok/s, TTFT, ITL |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| decode engine step in the cluster, mean ms | measured / predicted: tok/s, TTFT, ITL "
+            "| scored (TTFT, ITL) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, report in cells.reports("plan_check"):
         for name, model in report["models"].items():
             for p in model["points"]:
@@ -168,7 +170,27 @@ def plan_check() -> str:
                             f"| {pred['output_tokens_per_s']:,.0f} / {got['output_tokens_per_s']:,.0f} "
                             f"| {pred['ttft_ms']:,.0f} / {got['ttft_ms']:,.0f}{_range(p, 'ttft_ms', '.0f')} "
                             f"| {pred['itl_ms']:.1f} / {got['itl_ms']:.1f}{_range(p, 'itl_ms', '.1f')} "
-                            f"| {_ms(p.get('decode_engine_step_ms_mean'))} | {ratios} |")
+                            f"| {_ms(p.get('decode_engine_step_ms_mean'))} | {ratios} "
+                            f"| {', '.join(point_verdicts(p).values())} |")
+    return "\n".join(rows) + "\n"
+
+
+def plan_check_score() -> str:
+    """Per report, the rule of ``benchmarks/plan_score.py`` (fixed 2026-12-07) applied to every
+    report, older ones included: TTFT, ITL and the knee; throughput is the load, not scored."""
+    rows = ["| report | CPU | scored | within 20% | miss | undecided (rounds spread > 20%) "
+            "| load points within by the median alone | knees: predicted / measured req/s |",
+            "|---|---|---|---|---|---|---|---|"]
+    for label, report in cells.reports("plan_check"):
+        counts = score(report)
+        knees = "; ".join(f"{name} {k['predicted_rate']:.2f} / " + (f"{k['measured_rate']:.2f}" if k["measured_rate"]
+                                                                     else "outside the probes")
+                          for name, m in report["models"].items() if (k := m.get("knee"))) or "not measured"
+        scored = counts["within"] + counts["miss"] + counts["undecided"]
+        points = sum(len(m["points"]) for m in report["models"].values()) * len(SCORED)
+        rows.append(f"| {label} | {cells.cpu_kind(report['machine'])} | {scored} "
+                    f"| **{counts['within']}** | {counts['miss']} | {counts['undecided']} "
+                    f"| {counts['median_within']} of {points} | {knees} |")
     return "\n".join(rows) + "\n"
 
 

@@ -2,7 +2,7 @@
 hidden, 8 layers, GQA 8/4) with a real-sized vocabulary, so that the LM head
 costs what it costs in a real model (with 32,000 ids: 58M parameters, about the
 size of the models vLLM's CPU numbers here were measured on), a 125M-parameter
-Llama and a Mixtral (``SHAPES``). Written once into
+Llama, a Mixtral, and Llama-3.2-1B's shape at its own 128,256-id vocabulary (``SHAPES``). Written once into
 the cache as an ordinary Hugging Face directory, without a tokenizer (benchmarks
 send token ids)."""
 
@@ -34,12 +34,21 @@ SHAPES = {
     "moe": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 768,
             "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 12, "num_key_value_heads": 4,
             "head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2},
+    # Llama-3.2-1B's published shape (16 layers, hidden 2,048, GQA 32:8, tied embeddings; 1.24B parameters
+    # with its 128,256 ids): a model of real size, random weights (no hub here)
+    "llama1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True,
+                "max_position_embeddings": 131072, "rope_scaling": {
+                    "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}},
 }
 
 
 def _weights(cfg: dict) -> dict:
     """Random tensors for ``cfg``: a Llama's, with each MLP made experts for a Mixtral."""
     out = random_weights(cfg, SEED)
+    if cfg.get("tie_word_embeddings"):  # the LM head is the embedding
+        del out["lm_head.weight"]
     experts = cfg.get("num_local_experts")
     if not experts:
         return out

@@ -20,7 +20,15 @@ pinned to one core with one thread, as the cluster pins them):
    mean TTFT (the plan's queue is M/G/1's mean wait), median ITL (a decode step), and the
    decode worker's mean engine step from its ``kervan_engine_step_seconds`` (the part of ITL
    the profile measures: the rest is the serving loop around the engine);
-4. per point, measured over predicted.
+4. per point, measured over predicted;
+5. the capacity knee (unless ``--no-knee``): the rate at which the plan's mean TTFT on one
+   prefill worker reaches ``--ttft-ms``, and the rate at which the cluster's does, from one
+   fresh cluster at each of ``plan_score.KNEE_STEPS`` times the predicted knee (stopping at the
+   first probe over the target), linear between the two probes around the crossing.
+
+Scoring (``benchmarks/plan_score.py``, fixed before a run): TTFT, ITL and the knee, within 20%;
+a point whose rounds spread wider than that is undecided; throughput, which the load fixes,
+is reported and not scored.
 
     python -m benchmarks.plan_check --json-out benchmarks/results/plan_check-amx.json   # ~35 min
     python -m benchmarks.plan_check --models embedded --loads 0.5 --requests 60
@@ -42,6 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.machine import add_dtype_argument, machine, write_report
 from benchmarks.models import ensure_random_model
+from benchmarks.plan_score import KNEE_STEPS, SCORED, TOLERANCE, knee_from, point_verdicts, score
 from benchmarks.stats import spread
 from control_plane.bench import workload
 from control_plane.bench.backends import KervanBackend
@@ -51,9 +60,10 @@ from control_plane.cli.launcher import Cluster, ClusterSpec, new_log_dir
 from control_plane.plan.choice import Plan, plan
 from control_plane.plan.hardware import measure_this
 from control_plane.plan.model_dir import model_shape
+from control_plane.plan.pools import prefill_ttft_s
 from control_plane.plan.profile import Profile
 from control_plane.plan.served import ALL_PROMPTS_REMOTE, measure_served
-from control_plane.plan.sizing import Load, Slo
+from control_plane.plan.sizing import Layout, Load, Sizer, Slo
 from control_plane.tools.pull import resolve_model
 from kervan.engine_args import EngineArgs
 from worker.default_model import ensure_default_model
@@ -81,10 +91,38 @@ def profile_served(path: Path, dtype: str) -> Profile:
     return measure_served(path, dtype, say=lambda line: print(line, file=sys.stderr, flush=True))
 
 
-def planned(shape, weights, dtype, hw, profile, rate, args) -> Plan:
+def load_at(rate: float, args) -> Load:
     ins, outs = workload.Lengths.parse(args.input_len), workload.Lengths.parse(args.output_len)
-    return plan(shape, weights, dtype, hw, Load(rate, ins.mean, outs.mean, ins.upper, outs.upper, ins.cv2),
-                Slo(args.ttft_ms / 1e3, args.itl_ms / 1e3), chunk=args.chunk, profile=profile)
+    return Load(rate, ins.mean, outs.mean, ins.upper, outs.upper, ins.cv2)
+
+
+def planned(shape, weights, dtype, hw, profile, rate, args) -> Plan:
+    return plan(shape, weights, dtype, hw, load_at(rate, args), Slo(args.ttft_ms / 1e3, args.itl_ms / 1e3),
+                chunk=args.chunk, profile=profile)
+
+
+def predicted_knee(shape, weights, dtype, hw, profile, args) -> float:
+    """The rate (to 2%) at which the plan's mean TTFT on one prefill worker reaches the target."""
+    sizer = Sizer(shape, weights, dtype, hw, args.chunk, profile)
+    lo, hi = 0.01, 1000.0
+    while hi / lo > 1.02:
+        mid = (lo * hi) ** 0.5
+        beside = planned(shape, weights, dtype, hw, profile, mid, args).decode["operating_batch"]
+        ttft = prefill_ttft_s(sizer, Layout(1, 1), load_at(mid, args), 1, beside)["ttft_s"]
+        lo, hi = (mid, hi) if ttft <= args.ttft_ms / 1e3 else (lo, mid)
+    return lo
+
+
+def measure_knee(path: Path, predicted: float, args) -> dict:
+    """One fresh cluster per probe, from below the predicted knee up, until TTFT passes the target."""
+    probes = []
+    for step in KNEE_STEPS:
+        got = measure_round(path, round(predicted * step, 3), args, seed=9000 + int(step * 100))
+        probes.append({"step": step, "rate": round(predicted * step, 3), **got["measured"]})
+        print(json.dumps({"knee_probe": probes[-1]}), file=sys.stderr, flush=True)
+        if got["measured"]["ttft_ms"] > args.ttft_ms:
+            break
+    return {"predicted_rate": predicted, "measured_rate": knee_from(probes, args.ttft_ms), "probes": probes}
 
 
 def split_meets(p: Plan, args) -> bool:
@@ -167,15 +205,19 @@ def check_model(name: str, args) -> dict:
         measured = {k: ranges[k]["median"] for k in predicted}
         engine_step = spread([r["decode_engine_step_ms_mean"] for r in rounds])["median"]
         points.append({"load_share": share, "rate": rate, "plan_pools": p.pools, "meets_slo": split_meets(p, args),
+                       "scored": list(SCORED), "tolerance": TOLERANCE,
                        "predicted": predicted, "measured": measured, "measured_range": ranges,
                        "measured_over_predicted": {k: round(measured[k] / predicted[k], 3) for k in predicted
                                                    if measured[k] is not None and predicted[k]},
                        "decode_engine_step_ms_mean": engine_step,
                        "rounds": rounds, "reasons": p.reasons})
+        points[-1]["verdicts"] = point_verdicts(points[-1])
         print(json.dumps({"model": name, **{k: v for k, v in points[-1].items() if k not in ("rounds", "reasons")}}),
               file=sys.stderr, flush=True)
+    knee = None if args.no_knee else measure_knee(
+        path, predicted_knee(shape, weights, profile.dtype, hw, profile, args), args)
     return {"model": str(path), "weights": weights, "dtype": profile.dtype, "profile_kind": args.profile,
-            "one_to_one_rate": capacity,
+            "one_to_one_rate": capacity, "knee": knee,
             "profile": json.loads(profile.to_json()), "points": points}
 
 
@@ -199,11 +241,13 @@ def main() -> None:
     ap.add_argument("--profile", choices=("served", "engine"), default="served",
                     help="the plan's step times: `kervan profile --served` (through a 1P+1D cluster on this "
                          "machine) or the engine alone on one core")
+    ap.add_argument("--no-knee", action="store_true", help="leave the capacity knee out")
     ap.add_argument("--json-out", default=None, help="also write the report here (with the commit)")
     add_dtype_argument(ap)
     args = ap.parse_args()
     report = {"benchmark": "plan_check", "machine": machine(args.dtype), "hardware": "this-core",
               "models": {name: check_model(name, args) for name in args.models.split(",")}}
+    report["score"] = {"tolerance": TOLERANCE, "scored": [*SCORED, "knee"], **score(report)}
     write_report(report, args.json_out, args)
 
 

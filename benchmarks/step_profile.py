@@ -7,6 +7,8 @@ at decode batches of 1, 8, 32 and 64 and on a prefill step, each op class's time
 - the compute bound: the step's matmul FLOPs over the rate of a 2048^3 matmul in the
   model's dtype (AMX where present).
 
+``--rounds`` (3) repeats the whole measure, bounds included, on new prompts: each point is
+the rounds' median, its bound share's range beside it, and every round is in the report.
 A decode step of a small model is bound by memory, a prefill step by compute; the report
 gives each step's time over its larger bound (``bound_share``: 1.0 would be the hardware's
 limit). ``python_ms`` is the step's wall time outside any profiled op: the engine's
@@ -30,6 +32,7 @@ from statistics import median
 import torch
 
 from benchmarks.machine import machine, write_report
+from benchmarks.stats import spread
 from control_plane.plan.hardware import matmul_rate, read_bandwidth
 from control_plane.tools.pull import resolve_model
 from worker import Engine, SamplingParams
@@ -114,9 +117,9 @@ def profile_steps(engine: Engine, steps: int) -> tuple[float, dict, float | None
 
 
 def decode_point(engine: Engine, batch: int, context: int, costs: dict, bandwidth: float, peak: float,
-                 steps: int) -> dict:
+                 steps: int, seed: int = 0) -> dict:
     vocab = engine.runner.model.cfg.vocab_size
-    gen = torch.Generator().manual_seed(batch)
+    gen = torch.Generator().manual_seed(batch + 1000 * seed)  # new prompts each round: no prefix hits
     for _ in range(batch):
         prompt = torch.randint(3, vocab, (context,), generator=gen).tolist()
         engine.add_request(prompt, SamplingParams(max_tokens=4 * steps, temperature=0, ignore_eos=True))
@@ -134,9 +137,9 @@ def decode_point(engine: Engine, batch: int, context: int, costs: dict, bandwidt
 
 
 def prefill_point(engine: Engine, prompts: int, length: int, costs: dict, bandwidth: float, peak: float,
-                  rounds: int) -> dict:
+                  rounds: int, seed: int = 0) -> dict:
     vocab = engine.runner.model.cfg.vocab_size
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(7 + 1000 * seed)
     walls, per_class = [], defaultdict(list)
     for r in range(rounds + 1):
         for _ in range(prompts):
@@ -185,22 +188,45 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="prompt tokens of each decoding sequence")
     ap.add_argument("--steps", type=int, default=10, help="decode steps timed (and again profiled) per batch")
     ap.add_argument("--prefill", default="4x512", help="PROMPTSxLENGTH of the prefill step")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds, each with its own bounds; the report's "
+                                                           "points are their medians (ranges beside)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     model_dir = resolve_model(args.model) if args.model else ensure_default_model()
     engine = Engine.from_pretrained(model_dir, dtype=args.dtype, kv_cache_memory_bytes=2 << 30)
     dtype = engine.config.dtype
-    bandwidth, peak = read_bandwidth(), matmul_rate(dtype, n=2048, repeats=5)
-    print(f"memory {bandwidth / 1e9:.1f} GB/s, {dtype} matmul {peak / 1e12:.2f} TFLOP/s", flush=True)
     costs = model_costs(engine)
-    points = [decode_point(engine, int(b), args.context, costs, bandwidth, peak, args.steps)
-              for b in args.batches.split(",")]
     prompts, length = map(int, args.prefill.lower().split("x"))
-    points.append(prefill_point(engine, prompts, length, costs, bandwidth, peak, rounds=3))
+    rounds = []
+    for r in range(args.rounds):  # each round measures its own bounds, then every step against them
+        bandwidth, peak = read_bandwidth(), matmul_rate(dtype, n=2048, repeats=5)
+        print(f"round {r}: memory {bandwidth / 1e9:.1f} GB/s, {dtype} matmul {peak / 1e12:.2f} TFLOP/s", flush=True)
+        points = [decode_point(engine, int(b), args.context, costs, bandwidth, peak, args.steps, seed=r)
+                  for b in args.batches.split(",")]
+        points.append(prefill_point(engine, prompts, length, costs, bandwidth, peak, rounds=3, seed=r))
+        rounds.append({"memory_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+                       "matmul_peak_tflop_s": round(peak / 1e12, 3), "points": points})
     report = {"benchmark": "step_profile", "model": args.model or "embedded", "machine": machine(args.dtype),
-              "memory_bandwidth_gb_s": round(bandwidth / 1e9, 2), "matmul_peak_tflop_s": round(peak / 1e12, 3),
-              "costs": costs, "arguments": vars(args), "points": points}
+              "memory_bandwidth_gb_s": spread([r["memory_bandwidth_gb_s"] for r in rounds]),
+              "matmul_peak_tflop_s": spread([r["matmul_peak_tflop_s"] for r in rounds]),
+              "costs": costs, "arguments": vars(args),
+              "points": [merged([r["points"][i] for r in rounds]) for i in range(len(rounds[0]["points"]))],
+              "rounds": rounds}
     write_report(report, args.json_out)
+
+
+def merged(points: list[dict]) -> dict:
+    """One step over the rounds: each time and bound the rounds' median, the bound share's
+    range beside it (each round's share divides by that round's own bounds)."""
+    out = dict(points[0])
+    for key in ("wall_ms", "python_ms", "memory_bound_ms", "compute_bound_ms", "bound_share"):
+        out[key] = round(median(p[key] for p in points), 3)
+    classes = {k for p in points for k in p["ops_ms"]}
+    out["ops_ms"] = {k: round(median(p["ops_ms"].get(k, 0.0) for p in points), 2) for k in classes}
+    out["bound_share_range"] = [min(p["bound_share"] for p in points), max(p["bound_share"] for p in points)]
+    out["wall_ms_range"] = [min(p["wall_ms"] for p in points), max(p["wall_ms"] for p in points)]
+    out["rounds"] = len(points)
+    return out
 
 
 if __name__ == "__main__":

@@ -69,10 +69,16 @@ def step_profile() -> str:
             rest = sum(v for k, v in ops.items() if k not in ("linear", "attention", "norm", "activation", "rotary"))
             rows.append(f"| {label} | {point['step']} | {point['wall_ms']:.1f} "
                         f"| {point['memory_bound_ms']:.1f} / {point['compute_bound_ms']:.1f} "
-                        f"| **{point['bound_share']:.2f}** | {ops.get('linear', 0.0):.1f} "
+                        f"| **{point['bound_share']:.2f}**{_share_range(point)} | {ops.get('linear', 0.0):.1f} "
                         f"| {ops.get('attention', 0.0):.1f} | {elementwise:.1f} | {rest:.1f} "
                         f"| {point['python_ms']:.1f}{_outside(point)} |")
     return "\n".join(rows) + "\n"
+
+
+def _share_range(point: dict) -> str:
+    """`` (0.61–0.66, 3 rounds)`` where the report ran rounds."""
+    low_high = point.get("bound_share_range")
+    return f" ({low_high[0]:.2f}–{low_high[1]:.2f}, {point['rounds']} rounds)" if low_high else ""
 
 
 def _outside(point: dict) -> str:
@@ -176,10 +182,74 @@ def llama_cpp_parity() -> str:
         m = report["machine"]
         where = f"{m['cpu']} ({m['isa']}{', AMX' if m.get('amx') and m['isa'] == 'avx512' else ''}), {m['dtype']}"
         for key, name in PARITY_SYSTEMS.items():
+            if key not in report["systems"]:  # a run without that system (--no-modules)
+                continue
             x, vs = report["systems"][key], report.get(f"{key}_vs_llama_cpp", {})
             row = [cells.maybe(x.get(metric), fmt) + " | " + (cells.ratio(vs[metric]) if metric in vs else "–")
                    for metric, fmt in metrics]
             rows.append(f"| {label} | {where} | {name} | " + " | ".join(row) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def peers() -> str:
+    """The headline: Kervan beside vLLM and llama.cpp on the same machine, from the reports
+    whose peers ran at their documented best with every setting recorded (engine_throughput
+    with ``vllm_settings``, llama_cpp_parity with ``llama_bench_repetitions``); per CPU kind
+    and model, each measure's median with its range, and the per-round ratios."""
+    rows = ["| CPU kind | model | measure | Kervan | vLLM (tuned) | llama.cpp | Kervan / vLLM | Kervan / llama.cpp "
+            "| report |", "|---|---|---|---|---|---|---|---|---|"]
+    for label, report in cells.reports("engine_throughput"):
+        for d in report["dtypes"].values():
+            if "vllm_settings" not in d:
+                continue
+            w, runs = report["workload"], d["runs"]
+            measure = (f"{w['num_requests']} requests, prompts {_span(w['prompt_len'])} → {_span(w['output_len'])} "
+                       f"tokens, output tok/s ({d['dtype']}; vLLM max_num_batched_tokens "
+                       f"{d['vllm_settings']['max_num_batched_tokens']})")
+            rows.append(f"| {cells.cpu_kind(report['machine'])} | {_model(report['model'])} | {measure} "
+                        f"| {cells.middle([r['kervan']['output_tokens_per_s'] for r in runs])} "
+                        f"| {cells.middle([r['vllm']['output_tokens_per_s'] for r in runs])} | – "
+                        f"| {cells.ratio(d['kervan_vs_vllm'])} | – | {label} |")
+    for label, report in cells.reports("llama_cpp_parity"):
+        if "llama_bench_repetitions" not in report:
+            continue
+        k, ll, vs = report["systems"]["kervan"], report["systems"]["llama_cpp"], report["kervan_vs_llama_cpp"]
+        for metric, name, fmt in PEER_METRICS:
+            if metric in vs:
+                rows.append(f"| {cells.cpu_kind(report['machine'])} | {_model(report['model'])} "
+                            f"| {name} ({report['machine']['dtype']}, the GGUF's blocks) "
+                            f"| {cells.spread(k[metric], fmt)} | – | {cells.spread(ll[metric], fmt)} | – "
+                            f"| {cells.ratio(vs[metric])} | {label} |")
+    return "\n".join(rows) + "\n"
+
+
+PEER_METRICS = (("batch_1_ms", "batch 1, ms a token", "{:,.2f}"), ("pp_tok_s", "a 512-token prompt, tok/s", "{:,.0f}"),
+                ("batch_8_tok_s", "batch 8 decode, tok/s", "{:,.0f}"), ("batch_32_tok_s", "batch 32 decode, tok/s",
+                                                                           "{:,.0f}"))
+
+
+def _span(lengths: list[int]) -> str:
+    return str(lengths[0]) if lengths[0] == lengths[1] else f"{lengths[0]}–{lengths[1]}"
+
+
+def _model(path: str) -> str:
+    name = Path(path).name
+    return {"kervan-bench-v128256-llama1b": "Llama-3.2-1B shape (random weights)",
+            "llama1b-q4_0.gguf": "Llama-3.2-1B shape (random weights), Q4_0 GGUF",
+            "smollm2-dense": "SmolLM2-135M (the GGUF expanded)",
+            "SmolLM2-135M-Instruct.Q4_1.gguf": "SmolLM2-135M, the shipped Q4_1 GGUF"}.get(name, name)
+
+
+def plan_published() -> str:
+    """Per published measurement: what the plan predicts on the GPU preset beside it."""
+    rows = ["| published measurement | source | predicted ms | published ms | predicted / published | within 20% |",
+            "|---|---|---|---|---|---|"]
+    for _, report in cells.reports("plan_published"):
+        for p in report["points"]:
+            for key, published in p["published_ms"].items():
+                rows.append(f"| {p['name']}: {key.replace('_', ' ')} | {p['source']} | {p['predicted_ms'][key]:,.1f} "
+                            f"| {published:,.1f} | **{p['predicted_over_published'][key]:.2f}** "
+                            f"| {'yes' if p['within'][key] else 'no'} |")
     return "\n".join(rows) + "\n"
 
 
@@ -212,14 +282,26 @@ def speculative() -> str:
     tables = []
     for label, report in cells.reports("speculative"):
         methods = [m for m in report["results"][0]["tokens_per_s"] if m != "none"]
+        k = report.get("k", {})  # reports since 2026-12-07: each proposer's k, from the sweep
         rows = [f"| {label}: workload | temperature | batch | through | no speculation tok/s | "
-                + " | ".join(f"{m} (vs none; guesses kept)" for m in methods) + " |",
-                "|---|---|---|---|---|" + "---|" * len(methods)]
+                + " | ".join(f"{m}{f' k={k[m]}' if k.get(m) else ''} (vs none; guesses kept)" for m in methods)
+                + " |", "|---|---|---|---|---|" + "---|" * len(methods)]
         for r in report["results"]:
-            row_cells = [f"{cells.ratio(r[m]['ratio'])}; {_kept(r[m])}" for m in methods]
+            pooled = r.get("through") == "mesh" and "k" not in report  # one figure for every mesh row: withdrawn
+            row_cells = [f"{cells.ratio(r[m]['ratio'])}; "
+                         + ("kept: one figure pooled over every mesh row, withdrawn" if pooled else _kept(r[m]))
+                         for m in methods]
             rows.append(f"| {r['workload']} | {r['temperature']:g} | {r['batch']} | {r.get('through', 'engine')} "
                         f"| {cells.spread(r['tokens_per_s']['none'])} | " + " | ".join(row_cells) + " |")
         tables.append("\n".join(rows) + "\n")
+        if report.get("k_sweep"):  # how each k was chosen
+            ks = sorted({int(x) for sweep in report["k_sweep"].values() for x in sweep})
+            sweep_rows = [f"| {label}: k sweep (batch 1, greedy, vs none) | " + " | ".join(f"k={x}" for x in ks)
+                          + " | chosen |", "|---|" + "---|" * (len(ks) + 1)]
+            for m, sweep in report["k_sweep"].items():
+                sweep_rows.append(f"| {m} | " + " | ".join(cells.ratio(sweep[str(x)]) if str(x) in sweep else "–"
+                                                            for x in ks) + f" | {report['k'][m]} |")
+            tables.append("\n".join(sweep_rows) + "\n")
     return "\n".join(tables)
 
 
@@ -297,11 +379,12 @@ def measured(benchmark: str, keys: tuple[str, ...] = ("summary",)) -> str:
 
 TABLES = {"engine_throughput": engine_throughput, "step_profile": step_profile, "linear_kernels": linear_kernels,
           "quantization": quantization, "quant-kernels": quant_kernels, "quant_activations": quant_activations,
-          "llama_cpp_parity": llama_cpp_parity,
+          "llama_cpp_parity": llama_cpp_parity, "peers": peers, "plan_published": plan_published,
           "speculative": speculative, "parallel": parallel, "linear_packing": linear_packing,
           "interference": mesh_tables.interference, "prefix_placement": mesh_tables.prefix_placement,
           "mesh_throughput": mesh_tables.mesh_throughput, "place_path": mesh_tables.place_path,
           "registry_lookup": mesh_tables.registry_lookup, "plan_check": mesh_tables.plan_check,
+          "plan_check_score": mesh_tables.plan_check_score,
           "planner_ramp": mesh_tables.planner_ramp, "fleet": mesh_tables.fleet,
           "kv_tiers": lambda: measured("kv_tiers"), "long_reasoning": lambda: measured("long_reasoning"),
           "kv_handoff_hosts": lambda: measured("kv_handoff_hosts"), "group_hosts": lambda: measured("group_hosts"),

@@ -13,12 +13,17 @@ from worker.kernels import has_native_kernels
 def test_step_profile_reports_each_step_against_its_bounds(tmp_path):
     out = tmp_path / "profile.json"
     subprocess.run([sys.executable, "-m", "benchmarks.step_profile", "--batches", "1,3", "--context", "24",
-                    "--steps", "2", "--prefill", "2x40", "--json-out", str(out)], check=True, capture_output=True,
-                   timeout=300)
+                    "--steps", "2", "--prefill", "2x40", "--rounds", "2", "--json-out", str(out)], check=True,
+                   capture_output=True, timeout=300)
     report = json.loads(out.read_text())
-    assert report["memory_bandwidth_gb_s"] > 0 and report["matmul_peak_tflop_s"] > 0
-    assert [p["step"] for p in report["points"]] == ["decode batch 1", "decode batch 3", "prefill 2 x 40"]
-    for point in report["points"]:
+    assert report["memory_bandwidth_gb_s"]["min"] > 0 and report["matmul_peak_tflop_s"]["min"] > 0
+    assert len(report["rounds"]) == 2 and all(r["memory_bandwidth_gb_s"] > 0 for r in report["rounds"])
+    steps = ["decode batch 1", "decode batch 3", "prefill 2 x 40"]
+    assert [p["step"] for p in report["points"]] == steps
+    for merged in report["points"]:  # each the rounds' median, the bound share's range beside it
+        low, high = merged["bound_share_range"]
+        assert merged["rounds"] == 2 and low <= merged["bound_share"] <= high
+    for point in [p for r in report["rounds"] for p in r["points"]]:  # each against its own round's bounds
         assert point["wall_ms"] > 0 and point["memory_bound_ms"] > 0 and point["compute_bound_ms"] > 0
         assert {"linear", "attention"} <= set(point["ops_ms"]), point["ops_ms"]
         bound = max(point["memory_bound_ms"], point["compute_bound_ms"])

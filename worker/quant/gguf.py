@@ -17,6 +17,7 @@ model and every slice of it see the layout of the safetensors checkpoint."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -108,8 +109,26 @@ def repack(raw: np.ndarray, kind: str, in_features: int) -> QuantizedWeight:
                            CodeFormat.UINT4, 32, in_features, method="gguf-q4_1")
 
 
+def check_rope_freqs(path: Path, factors: np.ndarray, cfg: ModelConfig) -> None:
+    """llama.cpp stores Llama 3's rope scaling as a factor per frequency (``rope_freqs``: each
+    base frequency is divided by its factor); Kervan computes the same from ``config.json``'s
+    ``rope_scaling``, so the tensor is read only to check the two agree."""
+    from worker.layers.rotary import inverse_frequencies  # the layer the model uses
+
+    scaled = inverse_frequencies(cfg.rope)
+    base = inverse_frequencies(replace(cfg.rope, scaling_type="default"))
+    got = torch.from_numpy(np.array(factors)).view(torch.float32)
+    if got.shape != base.shape or not torch.allclose(got, base / scaled, rtol=1e-3):
+        raise ConfigError(f"{path.name}: its rope_freqs (Llama 3 rope scaling) disagree with config.json's rope "
+                          f"scaling ({cfg.rope.scaling_type}, factor {cfg.rope.factor}): serve it with the config "
+                          "it was converted from")
+
+
 def iter_gguf_tensors(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, GgufTensor]]:
     for t in read_index(path):
+        if t.name == "rope_freqs.weight" and t.kind == "F32":
+            check_rope_freqs(path, t.data, cfg)
+            continue
         if t.kind not in BLOCK_BYTES and t.kind not in FLOAT_TYPES:
             raise ConfigError(f"{path.name}: tensor {t.name} is {t.kind}; Kervan reads GGUF's "
                               f"{', '.join([*BLOCK_BYTES, *FLOAT_TYPES])}")
