@@ -117,8 +117,9 @@ def measure_knee(path: Path, predicted: float, args) -> dict:
     """One fresh cluster per probe, from below the predicted knee up, until TTFT passes the target."""
     probes = []
     for step in KNEE_STEPS:
-        got = measure_round(path, round(predicted * step, 3), args, seed=9000 + int(step * 100))
-        probes.append({"step": step, "rate": round(predicted * step, 3), **got["measured"]})
+        rate = round(predicted * step, 3)
+        got = measure_round(path, rate, args, seed=9000 + int(step * 100))
+        probes.append({"step": step, "rate": rate, **got["measured"]})
         print(json.dumps({"knee_probe": probes[-1]}), file=sys.stderr, flush=True)
         if got["measured"]["ttft_ms"] > args.ttft_ms:
             break

@@ -33,8 +33,7 @@ TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"  # Debian's libt
 def documented_preload(python: str) -> str:
     """TCMalloc and the Intel OpenMP that vLLM's CPU wheel installs beside its Python, as its
     docs put them in LD_PRELOAD (each only where the file is there)."""
-    iomp = Path(python).resolve().parent.parent / "lib" / "libiomp5.so"
-    iomp = iomp if iomp.is_file() else Path(python).parent.parent / "lib" / "libiomp5.so"
+    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # the venv's lib/ (not resolved: its python links out)
     return ":".join(str(p) for p in (Path(TCMALLOC), iomp) if p.is_file())
 
 
