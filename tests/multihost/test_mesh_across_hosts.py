@@ -56,7 +56,9 @@ def test_greedy_requests_through_a_prefill_host_and_a_decode_host_equal_the_engi
 
 
 def test_a_host_cannot_open_another_hosts_shared_memory():
-    code = "from multiprocessing import shared_memory as s; m = s.SharedMemory('kervan-kv-probe', create=True, size=64)"
+    # Left behind on purpose: the resource tracker would unlink it after the creator exits, racing the listing.
+    code = ("from multiprocessing import resource_tracker as t, shared_memory as s; "
+            "m = s.SharedMemory('kervan-kv-probe', create=True, size=64); t.unregister(m._name, 'shared_memory')")
     with HostNetwork.create(2) as net:
         a, b = net.hosts
         subprocess.run(a.enter([sys.executable, "-c", code + "; m.close()"]), check=True, timeout=30)
