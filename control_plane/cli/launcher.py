@@ -146,6 +146,9 @@ class Cluster:
     # where each service runs; on loopback every service's port is held for the cluster's life: no other
     # user takes one while its service restarts
     service_hosts: ServiceHosts = field(default_factory=LoopbackHosts)
+    serving: set[str] = field(default_factory=set)  # services that answered their health check
+    # told, while the start waits, which services serve and which are still starting (kervan up's line)
+    on_progress: Callable[[list[str], list[str]], None] | None = None
 
     @property
     def router_address(self) -> str:
@@ -225,7 +228,7 @@ class Cluster:
                     self.addresses[f"{name}-http"] = f"{self.service_hosts.address(name)}:{port}"
                     http = ["--http-port", str(port)]
                 self._start(name, "services.router", "--scheduler", ",".join(self.addresses[s] for s in schedulers),
-                            "--model", str(self.spec.model_dir),
+                            "--registry", self.addresses["kv-registry"], "--model", str(self.spec.model_dir),
                             *http, *keys, *self.spec.router_args,
                             port=self.spec.router_port if name == "router" else 0)
             self._wait_serving(routers, timeout)
@@ -402,9 +405,12 @@ class Cluster:
                 stub = health_pb2_grpc.HealthStub(channel)
                 while True:
                     self._check_alive()
+                    if self.on_progress is not None:
+                        self.on_progress(sorted(self.serving), [n for n in names if n not in self.serving])
                     try:
                         status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
                         if status == health_pb2.HealthCheckResponse.SERVING:
+                            self.serving.add(name)
                             break
                     except grpc.RpcError:
                         pass

@@ -25,9 +25,12 @@ from kervan.worker_info import WorkerRole
 @click.option("--min-prefill", type=click.IntRange(min=0), default=1, show_default=True)
 @click.option("--min-decode", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--log", "log_path", default=None, help="append each interval's decision here (JSON lines)")
+@click.option("--metrics-port", type=int, default=None,
+              help="serve the planner's own Prometheus metrics (its decisions) at http://HOST:PORT/metrics")
+@click.option("--host", default="127.0.0.1", show_default=True, help="the address --metrics-port binds")
 @planner_options
 def main(model, router_metrics, prefill_metrics, decode_metrics, namespace, prefill_deployment, decode_deployment,
-         min_prefill, min_decode, log_path, **opts) -> None:
+         min_prefill, min_decode, log_path, metrics_port, host, **opts) -> None:
     """Scale a Kubernetes deployment's prefill and decode pools to the TTFT and ITL targets."""
     from pathlib import Path
 
@@ -40,6 +43,9 @@ def main(model, router_metrics, prefill_metrics, decode_metrics, namespace, pref
     scaler = KubernetesScaler(namespace, {WorkerRole.PREFILL: prefill_deployment, WorkerRole.DECODE: decode_deployment})
     targets = {"router": [router_metrics], WorkerRole.PREFILL: [prefill_metrics], WorkerRole.DECODE: [decode_metrics]}
     planner = SlaPlanner(policy, scaler, lambda: targets, Path(log_path) if log_path else None, say=click.echo)
+    if metrics_port is not None:
+        from control_plane.planner import decision_metrics
+        click.echo(f"planner metrics on http://{decision_metrics.serve(metrics_port, host)}/metrics")
     click.echo(f"planner: every {config.interval_s:g}s, TTFT {config.slo.ttft_s * 1e3:g} ms, ITL "
                f"{config.slo.itl_s * 1e3:g} ms, prefill {config.min_prefill}..{config.max_prefill}, decode "
                f"{config.min_decode}..{config.max_decode}")

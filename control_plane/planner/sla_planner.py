@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from control_plane.planner import decision_metrics
 from control_plane.planner.metrics import POOLS, Scrape, Targets, observe, scrape
 from control_plane.planner.policy import Policy
 from control_plane.planner.scaler import Scaler
@@ -45,6 +46,8 @@ class SlaPlanner:
             record = {"stopped": self.stopped, "traceback": traceback.format_exc()}
             self.say(f"planner stopped ({self.stopped}); the pools stay as they are")
         record["time"] = round(now, 3)
+        outcome = "stopped" if "stopped" in record else "skipped" if "skipped" in record else "decided"
+        decision_metrics.INTERVALS.labels(outcome).inc()
         self.records.append(record)
         if self.log_path is not None:
             with open(self.log_path, "a") as log:
@@ -67,6 +70,7 @@ class SlaPlanner:
                   "needed": decision.needed, "target": decision.target, "corrections": decision.corrections,
                   "reasons": decision.reasons, "unscraped": [t for s in scrapes.values() for t in s.missing]}
         for pool, n in decision.target.items():
+            decision_metrics.TARGET_WORKERS.labels(str(pool)).set(n)
             if n == current[pool]:
                 continue
             try:
@@ -74,6 +78,7 @@ class SlaPlanner:
             except Exception as exc:  # the orchestrator said no: try again next interval
                 record.setdefault("scale_errors", []).append(f"{pool} -> {n}: {type(exc).__name__}: {exc}")
                 continue
+            decision_metrics.SCALINGS.labels(str(pool), "up" if n > current[pool] else "down").inc()
             self.say(f"planner: {pool} {current[pool]} -> {n} ({'; '.join(decision.reasons[:2])})")
         return record
 

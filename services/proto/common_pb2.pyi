@@ -65,7 +65,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefill_tokens", "num_evictable_blocks", "num_requests", "max_requests", "num_aborted", "expert_tokens_per_rank", "prefill_tokens_per_s", "kv_link_bytes_per_s", "kv_block_bytes")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_prefill_tokens", "num_evictable_blocks", "num_requests", "max_requests", "num_aborted", "expert_tokens_per_rank", "prefill_tokens_per_s", "kv_link_bytes_per_s", "kv_block_bytes", "num_host_blocks", "num_disk_blocks")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,8 @@ class WorkerLoad(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     KV_LINK_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -92,7 +94,9 @@ class WorkerLoad(_message.Message):
     prefill_tokens_per_s: int
     kv_link_bytes_per_s: int
     kv_block_bytes: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., max_requests: _Optional[int] = ..., num_aborted: _Optional[int] = ..., expert_tokens_per_rank: _Optional[_Iterable[int]] = ..., prefill_tokens_per_s: _Optional[int] = ..., kv_link_bytes_per_s: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ...) -> None: ...
+    num_host_blocks: int
+    num_disk_blocks: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., max_requests: _Optional[int] = ..., num_aborted: _Optional[int] = ..., expert_tokens_per_rank: _Optional[_Iterable[int]] = ..., prefill_tokens_per_s: _Optional[int] = ..., kv_link_bytes_per_s: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_disk_blocks: _Optional[int] = ...) -> None: ...
 
 class KvSource(_message.Message):
     __slots__ = ("address", "first_block", "num_blocks")

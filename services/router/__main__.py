@@ -20,11 +20,12 @@ from services.common.config import parse_service_args, service_parser
 from services.common.metrics import serve_metrics
 from services.common.security import MeshSecurity
 from services.common.server import KEEPALIVE, Service, run_service, serve_until_signal, start_server
-from services.proto import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.proto import kv_registry_pb2_grpc, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.router.admission import Admission
 from services.router.core import ModelLimits
 from services.router.http_front import OpenAIFront
 from services.router.http_guard import HttpLimits
+from services.router.mesh_view import MeshView
 from services.router.openai_protocol import MAX_PROMPTS, MAX_SAMPLES, RequestBounds
 from services.router.routes import Placement, ScheduledRoutes, StaticRoutes, worker_channels
 from services.router.runner import MigrationPolicy
@@ -39,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--scheduler", default=None,
                     help="HOST:PORT of the scheduler (KV-aware placement); several, comma-separated: replicas, "
                          "balanced, a call to one that is down retried on another")
+    ap.add_argument("--registry", default=None,
+                    help="HOST:PORT of the kv-registry: the mesh page (GET /mesh) lists its live workers")
     ap.add_argument("--worker", default=None, help="HOST:PORT of an aggregated worker (no scheduler)")
     ap.add_argument("--prefill", default=None, help="HOST:PORT of a prefill worker (with --decode)")
     ap.add_argument("--decode", default=None, help="HOST:PORT of a decode worker (with --prefill)")
@@ -125,12 +128,17 @@ async def serve(args: argparse.Namespace) -> None:
         args.host, args.port, max_message_bytes=args.max_request_bytes, security=public, api_keys=api_keys,
         public=True)
     front = None
+    registry_channel = security.channel(args.registry, KEEPALIVE, role="kv-registry") if args.registry else None
+    registry_stub = kv_registry_pb2_grpc.KvRegistryServiceStub(registry_channel) if registry_channel else None
+    scheduler_stub = routes.scheduler if isinstance(routes, ScheduledRoutes) else None
     if args.http_port is not None:
         front = OpenAIFront(servicer.core, model_limits(model_dir).name, Tokenizer.from_dir(model_dir),
                             ChatTemplate.from_dir(model_dir), api_keys, args.max_request_bytes,
                             RequestBounds(args.max_prompts_per_request, args.max_samples_per_request),
                             HttpLimits(args.http_header_timeout_s, args.http_body_timeout_s, args.http_max_connections,
-                                       args.http_max_connections_per_client))
+                                       args.http_max_connections_per_client),
+                            MeshView(model_limits(model_dir).name, servicer.core.runner.journal,
+                                     registry_stub, scheduler_stub))
         http_port = await front.start(args.host, args.http_port, tls_cert=args.public_tls_cert or args.tls_cert,
                                       tls_key=args.public_tls_key or args.tls_key)
         scheme = "https" if security.tls else "http"
@@ -146,6 +154,8 @@ async def serve(args: argparse.Namespace) -> None:
         await channels.close()
         if scheduler_channel is not None:
             await scheduler_channel.close()
+        if registry_channel is not None:
+            await registry_channel.close()
 
     await serve_until_signal(handle, close, on_drain=drain)
 

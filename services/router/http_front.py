@@ -4,7 +4,9 @@ in the router's own event loop.
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: JSON, or server-sent
   events with ``"stream": true`` (one ``data:`` line per chunk, ``data: [DONE]`` at
   the end, a last chunk with the usage when ``stream_options.include_usage``);
-- ``GET /v1/models``: the served model; ``GET /health``: 200 while the router serves.
+- ``GET /v1/models``: the served model; ``GET /health``: 200 while the router serves;
+- ``GET /`` and ``GET /mesh``: a chat page and the live mesh's page (``web_pages.py``), and
+  ``GET /mesh/state``, the mesh page's JSON (``mesh_view.py``).
 
 Each prompt is a ``RouterCore.generate`` in the router's own process (``core.py``, what its
 gRPC ``Generate`` calls too), so the HTTP front has the gRPC path's validation, admission,
@@ -61,6 +63,7 @@ from services.router.http_guard import (
     raise_open_files_limit,
     within_open_files,
 )
+from services.router.mesh_view import MeshView
 from services.router.openai_protocol import (
     DEFAULT_BOUNDS,
     Choice,
@@ -72,6 +75,7 @@ from services.router.openai_protocol import (
     parse_completion,
     usage,
 )
+from services.router.web_pages import chat_page, mesh_page
 
 log = logging.getLogger(__name__)
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
@@ -106,8 +110,9 @@ class OpenAIFront:
     def __init__(self, core: RouterCore, model_name: str, tokenizer: Tokenizer | None,
                  chat_template: ChatTemplate, api_keys: ApiKeys | None = None,
                  max_body_bytes: int = 4 << 20, bounds: RequestBounds = DEFAULT_BOUNDS,
-                 http_limits: HttpLimits = DEFAULT_LIMITS):
+                 http_limits: HttpLimits = DEFAULT_LIMITS, mesh_view: MeshView | None = None):
         self.core = core
+        self.mesh_view = mesh_view or MeshView(model_name, core.runner.journal)
         self.max_body_bytes = max_body_bytes
         self.bounds = bounds
         self.http_limits = http_limits
@@ -119,6 +124,9 @@ class OpenAIFront:
         self.created = int(time.time())
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
+            Route("/", chat_page, methods=["GET"]),
+            Route("/mesh", mesh_page, methods=["GET"]),
+            Route("/mesh/state", self.mesh_state, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -163,6 +171,11 @@ class OpenAIFront:
             return refused
         return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
                                                          "created": self.created, "owned_by": "kervan"}]})
+
+    async def mesh_state(self, request: Request) -> JSONResponse:
+        if (refused := self._refusal(request)) is not None:
+            return refused
+        return JSONResponse(await self.mesh_view.state(len(self.core.in_flight)))
 
     async def completions(self, request: Request):
         return await self._serve(request, "text_completion",

@@ -28,6 +28,7 @@ class Placement:
     worker_address: str = ""
     prefill_address: str = ""
     kv_source: common_pb2.KvSource | None = None  # blocks the computing worker fetches (the cluster KV tier)
+    reason: str = ""  # the scheduler's prefill reason (why remotely, or not)
 
 
 Channels = ChannelPool[worker_pb2_grpc.WorkerServiceStub]
@@ -93,7 +94,7 @@ class ScheduledRoutes:
         source = placed.kv_source if placed.HasField("kv_source") else None
         if not placed.prefill_address:
             return Placement(worker=self.channels.stub(placed.decode_address), worker_address=placed.decode_address,
-                             kv_source=source)
+                             kv_source=source, reason=placed.prefill_reason)
         return Placement(prefill=self.channels.stub(placed.prefill_address),
                          decode=self.channels.stub(placed.decode_address), decode_address=placed.decode_address,
-                         prefill_address=placed.prefill_address, kv_source=source)
+                         prefill_address=placed.prefill_address, kv_source=source, reason=placed.prefill_reason)

@@ -46,6 +46,7 @@ from services.common.convert import sampling_to_proto
 from services.common.errors import Overloaded, Unavailable, retry_after_s
 from services.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.router import metrics
+from services.router.mesh_journal import MeshJournal
 from services.router.routes import ScheduledRoutes, StaticRoutes
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class WorkerLost(Exception):
     def __init__(self, address: str, why: str):
         super().__init__(f"worker {address or '?'} lost: {why}")
         self.address = address
+        self.why = why
 
 
 class WorkerBusy(Exception):
@@ -138,6 +140,7 @@ class RequestRunner:
         self.model = model
         self.policy = policy
         self.suspects = Suspects(policy.suspect_s)
+        self.journal = MeshJournal()
         self._background: set[asyncio.Task] = set()
 
     async def run(self, rid: str, prompt: list[int], params: SamplingParams, deadline,
@@ -198,6 +201,7 @@ class RequestRunner:
             raise Unavailable(f"{lost} after {len(state.delivered)} tokens; {why}") from None
         state.attempt += 1
         metrics.MIGRATIONS.inc()
+        self.journal.migrated(rid, lost.address, lost.why, len(state.delivered))
         trace.get_current_span().add_event("kervan.migration", {"kervan.attempt": state.attempt,
                                                                 "kervan.lost_worker": lost.address,
                                                                 "kervan.delivered_tokens": len(state.delivered)})
@@ -208,6 +212,7 @@ class RequestRunner:
                        salt: str) -> AsyncIterator[worker_pb2.TokenUpdate]:
         place = await self.routes.route(rid, prompt, params.max_tokens, params.n, deadline.remaining(), self.model,
                                         sorted(exclude), self.suspects.current(), salt)
+        self.journal.placed(rid, place.worker_address, place.prefill_address, place.decode_address, place.reason)
         sampling = sampling_to_proto(params)
         ids = common_pb2.TokenIds(ids=prompt)
         if place.worker is not None:

@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY
 from kervan import engine_args
 from kervan.worker_info import WorkerRole
 from services.common import replicas
+from services.common.advertise import advertised
 from services.common.config import parse_service_args, service_parser
 from services.common.metrics import serve_metrics
 from services.common.security import MeshSecurity
@@ -53,7 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "to another worker (keep it under the orchestrator's kill grace)")
     ap.add_argument("--registry", default=None, help="HOST:PORT of the kv-registry to join (optional)")
     ap.add_argument("--advertise-address", default=None,
-                    help="HOST:PORT others reach this worker at, when not the one it binds (a proxy, a Service)")
+                    help="HOST:PORT others reach this worker at, when not the one it binds (a proxy, a Service); "
+                         "HOST 'auto': this machine's address on the route to the registry (replicas of a compose "
+                         "service)")
     engine_args.add_arguments(ap)
     ap.add_argument("--max-step-failures", type=int, default=3,
                     help="engine steps failing in a row after which the worker leaves the mesh and exits (70)")
@@ -79,7 +82,9 @@ async def serve(args: argparse.Namespace, async_engine: AsyncEngine, model_dir: 
         args.host, args.port, security=security)
     membership = membership_task = None
     if registry is not None:
-        membership = Membership(registry, async_engine, args.advertise_address or f"{args.host}:{handle.port}",
+        address = advertised(args.advertise_address, args.registry) if args.advertise_address \
+            else f"{args.host}:{handle.port}"
+        membership = Membership(registry, async_engine, address,
                                 args.role, model_dir.name, on_unhealthy=lambda why: os._exit(70))
         await membership.register()  # fail at start, not later, if the mesh refuses this worker
         membership_task = asyncio.get_running_loop().create_task(membership.run())

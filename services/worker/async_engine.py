@@ -222,7 +222,8 @@ class AsyncEngine:
                     num_requests=self.num_sequences, max_requests=self.max_requests, num_aborted=self.num_aborted,
                     expert_tokens_per_rank=stats.expert_tokens_per_rank,
                     prefill_tokens_per_s=int(stats.prefill_tokens_per_s),
-                    kv_link_bytes_per_s=int(self.link.bytes_per_s), kv_block_bytes=stats.kv_block_bytes)
+                    kv_link_bytes_per_s=int(self.link.bytes_per_s), kv_block_bytes=stats.kv_block_bytes,
+                    num_host_blocks=stats.num_host_blocks, num_disk_blocks=stats.num_disk_blocks)
 
     def _post(self, command: _Command) -> None:
         self._inbox.put(command)

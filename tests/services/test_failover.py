@@ -54,6 +54,11 @@ async def test_greedy_is_migrated_twice_and_equals_the_fault_free_run(mesh, llam
     counts = check([out], [fault_free(llama, prompt)])
     assert len(killed) == 2 and counts["migrated"] == 1
     assert sorted({a for a, _, _ in out.deltas}) == [0, 1, 2]  # two moves, the stream contiguous across both
+    journal = mesh.router_servicer.core.runner.journal  # what the mesh page lists (GET /mesh)
+    second, first = list(journal.migrations)[:2]
+    assert second.request_id == first.request_id and first.delivered >= 5 and second.delivered >= 40
+    assert [e.request_id for e in list(journal.placements)[:3]] == [f"{first.request_id}~m2",
+                                                                    f"{first.request_id}~m1", first.request_id]
 
 
 async def test_unseeded_sampling_is_migrated_and_seeded_or_n_samples_end_unavailable(mesh):
