@@ -5,7 +5,8 @@ health-gated as written, a request answered through the router, then the decode 
 to two, both replicas listed live by the mesh (each advertising its own address) and answering.
 
 Where this cannot run it skips, saying why: not root, no podman, no Compose v2, or the image not
-built (``deploy/offline-image.sh`` takes minutes, so the test uses the image, never builds it).
+built from this checkout's sources (``deploy/offline-image.sh`` takes minutes, so the test uses
+the image, never builds it, and compares the Python sources inside it with the checkout's).
 Two things of this machine are worked around, not hidden: podman runs health checks from
 systemd timers, and there is no systemd here, so the test runs each container's health check
 itself every two seconds, as the timer would; and the kernel refuses podman's default rlimits and
@@ -34,6 +35,10 @@ COMPOSE = Path(__file__).parent.parent / "deploy" / "compose"
 IMAGE = "localhost/kervan:latest"
 
 
+PACKAGES = ("kervan", "worker", "services", "control_plane")
+DIGEST = "find {} -name '*.py' -type f | LC_ALL=C sort | xargs sha256sum | sha256sum"
+
+
 def podman_or_skip() -> None:
     if os.geteuid() != 0:
         pytest.skip("the compose cluster under podman runs as root here")
@@ -41,6 +46,16 @@ def podman_or_skip() -> None:
         pytest.skip("no podman here (Debian: apt-get install podman runc)")
     if subprocess.run(["podman", "image", "exists", IMAGE], capture_output=True, timeout=60).returncode != 0:
         pytest.skip(f"no {IMAGE}: build it with deploy/offline-image.sh (minutes; the test never builds it)")
+
+
+def image_is_of_this_checkout(env: dict) -> bool:
+    """The Python sources baked into the image are this checkout's (their digest, the same way)."""
+    digest = DIGEST.format(" ".join(PACKAGES))
+    inside = subprocess.run(["podman", "run", "--rm", "--entrypoint", "sh", "-w", "/opt/kervan/src", IMAGE, "-c",
+                             digest], capture_output=True, text=True, env=env, timeout=120)
+    here = subprocess.run(["sh", "-c", digest], cwd=Path(__file__).parent.parent, capture_output=True, text=True,
+                          timeout=120)
+    return inside.returncode == 0 and inside.stdout == here.stdout
 
 
 def containers_conf(path: Path) -> Path:
@@ -93,6 +108,8 @@ def test_the_compose_cluster_answers_through_the_router_and_scales_decode_to_two
     except ToolMissing as exc:
         pytest.skip(str(exc))
     env = {**os.environ, "CONTAINERS_CONF": str(containers_conf(tmp_path / "containers.conf"))}
+    if not image_is_of_this_checkout(env):
+        pytest.skip(f"{IMAGE} holds other sources than this checkout: rebuild it with deploy/offline-image.sh")
     socket = tmp_path / "podman.sock"
     service = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{socket}"], env=env,
                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "podman-service.log", "w"))
