@@ -15,6 +15,7 @@ from kervan.engine_args import EngineArgs, to_flags
 from kervan.worker_info import WorkerRole
 from tests.cache_helpers import fresh_cache
 from tests.dashboard_names import dashboard_queries, exposed_names, query_metric_names
+from tests.test_cluster import sample, scrape
 from worker.platform import current_platform, dtype_name
 
 
@@ -193,6 +194,11 @@ def test_kervan_up_serves_kervan_generate_text_token_ids_stop_strings_and_json_u
         exposed = exposed_names(metrics_urls)
         used = set().union(*map(query_metric_names, dashboard_queries()))
         assert used <= exposed, sorted(used - exposed)
+        # the planner's own: its decisions as it logged them (bounds 1..1: every target 1, no resize)
+        planner = scrape(re.search(r"planner metrics: http://(\S+)/metrics", printed).group(1))
+        assert sample(planner, "kervan_planner_intervals_total", outcome="decided") >= 1
+        assert sample(planner, "kervan_planner_target_workers", pool="decode") == 1
+        assert sample(planner, "kervan_planner_scalings_total", pool="decode", direction="up") == 0
     finally:
         up.send_signal(signal.SIGINT)  # Ctrl-C
         rest = up.communicate(timeout=60)[1]

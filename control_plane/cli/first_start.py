@@ -58,7 +58,6 @@ class KernelBuild:
         if self.thread.is_alive():
             with phases.phase("kernels", f"building the native CPU kernels for {self.isa} (once per machine)"):
                 self.thread.join()
-        self.thread.join()
         if self.error is not None:
             click.echo(f"the kernels did not build ({self.error}); serving falls back to PyTorch", err=True)
 

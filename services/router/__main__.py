@@ -127,11 +127,12 @@ async def serve(args: argparse.Namespace) -> None:
         [Service(SERVICE_NAME, lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s))],
         args.host, args.port, max_message_bytes=args.max_request_bytes, security=public, api_keys=api_keys,
         public=True)
-    front = None
-    registry_channel = security.channel(args.registry, KEEPALIVE, role="kv-registry") if args.registry else None
-    registry_stub = kv_registry_pb2_grpc.KvRegistryServiceStub(registry_channel) if registry_channel else None
-    scheduler_stub = routes.scheduler if isinstance(routes, ScheduledRoutes) else None
+    front = registry_channel = None
     if args.http_port is not None:
+        # only the mesh page reads the registry: no channel to it without the HTTP front
+        registry_channel = security.channel(args.registry, KEEPALIVE, role="kv-registry") if args.registry else None
+        registry_stub = kv_registry_pb2_grpc.KvRegistryServiceStub(registry_channel) if registry_channel else None
+        scheduler_stub = routes.scheduler if isinstance(routes, ScheduledRoutes) else None
         front = OpenAIFront(servicer.core, model_limits(model_dir).name, Tokenizer.from_dir(model_dir),
                             ChatTemplate.from_dir(model_dir), api_keys, args.max_request_bytes,
                             RequestBounds(args.max_prompts_per_request, args.max_samples_per_request),

@@ -35,8 +35,10 @@ def web_cluster(default_model_dir, tmp_path_factory):
                                   # answer is compared with the API's to the last of 256 tokens
                                   engine=EngineArgs(dtype="float32", num_kv_blocks=128, deterministic=True)),
                       tmp_path_factory.mktemp("web-cluster-logs"))
+    progress: list[tuple[list[str], list[str]]] = []  # what kervan up's start line is told
+    cluster.on_progress = lambda serving, starting: progress.append((serving, starting))
     cluster.start(timeout=240)
-    yield cluster, f"http://{cluster.addresses['router-http']}"
+    yield cluster, f"http://{cluster.addresses['router-http']}", progress
     cluster.stop()
 
 
@@ -57,8 +59,15 @@ def chat(base: str, messages: list[dict]) -> str:
         return json.loads(r.read())["choices"][0]["message"]["content"]
 
 
+def test_the_launcher_tells_its_start_line_what_serves_and_what_still_starts(web_cluster):
+    cluster, _, progress = web_cluster
+    assert progress[0] == ([], ["kv-registry"])
+    assert any(starting == ["router"] for _, starting in progress)
+    assert sorted(cluster.serving) == ["decode-0", "decode-1", "kv-registry", "prefill-0", "router", "scheduler"]
+
+
 def test_the_pages_need_no_key_and_what_they_show_does(web_cluster):
-    _, base = web_cluster
+    _, base, _ = web_cluster
     for path, marker in (("/", b"v1/chat/completions"), ("/mesh", b"mesh/state")):
         status, headers, page = get(base + path)
         assert status == 200 and marker in page and headers["content-type"].startswith("text/html")
@@ -73,7 +82,7 @@ def test_the_pages_need_no_key_and_what_they_show_does(web_cluster):
 
 
 def test_a_request_is_listed_with_its_placement(web_cluster):
-    cluster, base = web_cluster
+    cluster, base, _ = web_cluster
     before = json.loads(get(f"{base}/mesh/state", KEY)[2])
     chat(base, [{"role": "user", "content": "Count the camels. " * 12}])  # long enough to prefill remotely
     after = json.loads(get(f"{base}/mesh/state", KEY)[2])
@@ -103,7 +112,7 @@ def test_the_chat_page_streams_an_answer_and_the_mesh_page_loses_a_killed_worker
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    cluster, base = web_cluster
+    cluster, base, _ = web_cluster
     try:
         expected = chat(base, [{"role": "user", "content": QUESTION}])
         page.get(base + "/")
