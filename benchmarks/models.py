@@ -2,9 +2,9 @@
 hidden, 8 layers, GQA 8/4) with a real-sized vocabulary, so that the LM head
 costs what it costs in a real model (with 32,000 ids: 58M parameters, about the
 size of the models vLLM's CPU numbers here were measured on), a 125M-parameter
-Llama, a Mixtral, and Llama-3.2-1B's shape at its own 128,256-id vocabulary (``SHAPES``). Written once into
-the cache as an ordinary Hugging Face directory, without a tokenizer (benchmarks
-send token ids)."""
+Llama, a Mixtral, Llama-3.2-1B's shape at its own 128,256-id vocabulary, and
+Qwen1.5-MoE-A2.7B's layers (``SHAPES``). Written once into the cache as an
+ordinary Hugging Face directory, without a tokenizer (benchmarks send token ids)."""
 
 from __future__ import annotations
 
@@ -41,19 +41,35 @@ SHAPES = {
                 "max_position_embeddings": 131072, "rope_scaling": {
                     "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                     "original_max_position_embeddings": 8192}},
+    # Qwen1.5-MoE-A2.7B's published shape (hidden 2,048, 16 heads of 128, 60 experts of 1,408 with 4 routed a
+    # token, a gated shared expert of 5,632, its 151,936 ids, untied) with 2 of its 24 layers, so that the model
+    # in float32 twice over (Kervan and vLLM side by side) fits 24 GiB: 1.76B parameters, 1.04B in experts
+    "qwen-moe": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 2048,
+                 "intermediate_size": 5632, "num_hidden_layers": 2, "num_attention_heads": 16,
+                 "num_key_value_heads": 16, "head_dim": 128, "num_experts": 60, "num_experts_per_tok": 4,
+                 "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "norm_topk_prob": False,
+                 "decoder_sparse_step": 1, "qkv_bias": True, "rope_theta": 1000000.0, "rope_scaling": None,
+                 "rms_norm_eps": 1e-6, "max_position_embeddings": 8192, "tie_word_embeddings": False},
 }
 
 
+# a MoE's checkpoint names: (MLP prefix, experts' count key, their width's key, gate/up/down names)
+MOE_NAMES = {"MixtralForCausalLM": ("block_sparse_moe", "num_local_experts", "intermediate_size", ("w1", "w3", "w2")),
+             "Qwen2MoeForCausalLM": ("mlp", "num_experts", "moe_intermediate_size",
+                                     ("gate_proj", "up_proj", "down_proj"))}
+
+
 def _weights(cfg: dict) -> dict:
-    """Random tensors for ``cfg``: a Llama's, with each MLP made experts for a Mixtral."""
+    """Random tensors for ``cfg``: a Llama's, with each MLP made experts for a MoE."""
     out = random_weights(cfg, SEED)
     if cfg.get("tie_word_embeddings"):  # the LM head is the embedding
         del out["lm_head.weight"]
-    experts = cfg.get("num_local_experts")
-    if not experts:
+    names = MOE_NAMES.get(cfg.get("architectures", [""])[0])
+    if names is None:
         return out
+    mlp, count_key, width_key, (gate, up, down) = names
+    experts, inter, h = cfg[count_key], cfg[width_key], cfg["hidden_size"]
     g = torch.Generator().manual_seed(SEED + 1)
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
 
     def normal(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
@@ -61,11 +77,21 @@ def _weights(cfg: dict) -> dict:
     for i in range(cfg["num_hidden_layers"]):
         for name in ("gate_proj", "up_proj", "down_proj"):
             del out[f"model.layers.{i}.mlp.{name}.weight"]
-        p = f"model.layers.{i}.block_sparse_moe."
+        p = f"model.layers.{i}.{mlp}."
+        if shared := cfg.get("shared_expert_intermediate_size"):  # Qwen2-MoE's gated shared expert
+            out.update({p + "shared_expert.gate_proj.weight": normal(shared, h),
+                        p + "shared_expert.up_proj.weight": normal(shared, h),
+                        p + "shared_expert.down_proj.weight": normal(h, shared),
+                        p + "shared_expert_gate.weight": normal(1, h)})
+        if cfg.get("qkv_bias"):
+            a = f"model.layers.{i}.self_attn."
+            q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+            out.update({a + "q_proj.bias": normal(q), a + "k_proj.bias": normal(kv), a + "v_proj.bias": normal(kv)})
         out[p + "gate.weight"] = normal(experts, h)
         for e in range(experts):
-            out.update({f"{p}experts.{e}.w1.weight": normal(inter, h), f"{p}experts.{e}.w3.weight": normal(inter, h),
-                        f"{p}experts.{e}.w2.weight": normal(h, inter)})
+            out.update({f"{p}experts.{e}.{gate}.weight": normal(inter, h),
+                        f"{p}experts.{e}.{up}.weight": normal(inter, h),
+                        f"{p}experts.{e}.{down}.weight": normal(h, inter)})
     return out
 
 

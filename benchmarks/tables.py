@@ -236,6 +236,7 @@ def _model(path: str) -> str:
     name = Path(path).name
     return {"kervan-bench-v128256-llama1b": "Llama-3.2-1B shape (random weights)",
             "llama1b-q4_0.gguf": "Llama-3.2-1B shape (random weights), Q4_0 GGUF",
+            "kervan-bench-v151936-qwen-moe": "Qwen1.5-MoE-A2.7B shape, 2 of 24 layers (random weights)",
             "smollm2-dense": "SmolLM2-135M (the GGUF expanded)",
             "SmolLM2-135M-Instruct.Q4_1.gguf": "SmolLM2-135M, the shipped Q4_1 GGUF"}.get(name, name)
 

@@ -35,6 +35,9 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
 }
+# Qwen2's q, k and v projections carry a bias, and so do Qwen2-MoE's: their published config.json files
+# (Qwen1.5-MoE-A2.7B's among them) name no qkv_bias, and transformers reads that as True
+QKV_BIAS_BY_DEFAULT = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 
 
 class ConfigError(ValueError):
@@ -139,7 +142,7 @@ class ModelConfig:
             max_position=cfg.get("max_position_embeddings", DEFAULT_MAX_POSITION),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope=_parse_rope(cfg, head_dim),
-            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch == "Qwen2ForCausalLM"))),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in QKV_BIAS_BY_DEFAULT))),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             moe=moe,
             moe_layers=moe_layers,

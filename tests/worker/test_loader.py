@@ -53,6 +53,21 @@ def test_a_config_without_architectures_is_read_by_its_model_type(llama, llama_c
         load_model(llama_copy, torch.float32, 64)
 
 
+def test_a_qwen2_moe_config_naming_no_qkv_bias_loads_its_biases(hf_models, tmp_path):
+    """Qwen1.5-MoE-A2.7B's published config.json names no qkv_bias, and its q, k and v carry biases
+    all the same (transformers' default): they are loaded, not refused as unknown tensors."""
+    _, path = hf_models("qwen2_moe")
+    copy = tmp_path / "published"
+    shutil.copytree(path, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    assert cfg.pop("qkv_bias") is True
+    (copy / "config.json").write_text(json.dumps(cfg))
+    prompt = make_prompts([9])[0]
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert (make_engine(copy).generate([prompt], greedy)[0].token_ids
+            == make_engine(path).generate([prompt], greedy)[0].token_ids)
+
+
 def test_unknown_architecture_is_named(llama_copy):
     cfg = json.loads((llama_copy / "config.json").read_text())
     cfg["architectures"] = ["MambaForCausalLM"]
