@@ -5,9 +5,11 @@ SmolLM2-135M's shapes (hidden 576, q/k/v 960, gate/up 3,072, down 1,536) for 30 
 120 distinct weights (212 MB in bf16, more than the caches keep between steps), called
 in a decode step's order at the row counts a step has (1: one decode; 8-64: a decode batch;
 256-2,048: prompt chunks). Paths: ``plain`` (``F.linear``), ``onednn`` (oneDNN-packed,
-``mkldnn::_linear_pointwise``) and ``brgemm`` (``worker/kernels/linear.cpp``, where oneDNN's
-micro-kernel packs the dtype here). Rounds alternate the paths; each figure is the median
-over rounds of the time for all 120 calls, with its min and max.
+``mkldnn::_linear_pointwise``: its blocking chosen by the row count, the engine's path before
+batch invariance), and the batch-invariant ones the engine takes now: ``brgemm``
+(``worker/kernels/linear.cpp``, where oneDNN's micro-kernel packs the dtype here) and
+``invariant`` (``worker/kernels/invariant_linear.cpp``). Rounds alternate the paths; each
+figure is the median over rounds of the time for all 120 calls, with its min and max.
 
     python -m benchmarks.linear_kernels --json-out benchmarks/results/linear_kernels-amx.json
 """
@@ -21,35 +23,35 @@ from statistics import median
 import torch
 
 from benchmarks.machine import machine, write_report
-from worker.layers.packing import BATCH_HINT, brgemm_packs, packed_linear
+from worker.layers.packing import BATCH_HINT, PackedLinear, PackKind, brgemm_packs, packed_linear
 from worker.platform import DTYPES, dtype_name
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down: (out, in)
 ROWS = (1, 8, 32, 64, 256, 2048)
 
 
-Call = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int]  # weight, packed, small, in_features
+Call = tuple[torch.Tensor | None, PackedLinear | None, int]  # weight, packed, in_features
 
 
 def weights(dtype: torch.dtype, layers: int) -> dict[str, list[Call]]:
     """Per path, each call of a step in the step's order."""
     gen = torch.Generator().manual_seed(0)
     plain = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype) for _ in range(layers) for n, k in LAYER_SHAPES]
-    paths = {"plain": [(w, None, None, w.shape[1]) for w in plain],
-             "onednn": [(None, torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT), None, w.shape[1])
-                        for w in plain]}
-    if brgemm_packs(dtype):  # every row count through it, past BRGEMM_MAX_ROWS too: the measurement behind it
-        paths["brgemm"] = [(None, None, torch.ops.kervan.pack_linear(w), w.shape[1]) for w in plain]
+
+    def packed(kind: PackKind, pack) -> list[Call]:
+        return [(None, PackedLinear(kind, pack(w), w.shape[0]), w.shape[1]) for w in plain]
+    paths = {"plain": [(w, None, w.shape[1]) for w in plain],
+             "onednn": packed(PackKind.ONEDNN, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)),
+             "invariant": packed(PackKind.INVARIANT, torch.ops.kervan.pack_invariant)}
+    if brgemm_packs(dtype):
+        paths["brgemm"] = packed(PackKind.BRGEMM, torch.ops.kervan.pack_linear)
     return paths
 
 
 def step_seconds(calls: list[Call], inputs: dict[int, torch.Tensor]) -> float:
     start = time.perf_counter()
-    for weight, packed, small, k in calls:
-        if small is not None:
-            torch.ops.kervan.brgemm_linear(inputs[k], small, None)
-        else:
-            packed_linear(inputs[k], weight, packed, None)
+    for weight, packed, k in calls:
+        packed_linear(inputs[k], weight, packed, None)
     return time.perf_counter() - start
 
 

@@ -44,7 +44,7 @@ OP_CLASSES = {  # op name -> class; anything else is "other" (allocations, views
     "attention", "kervan::write_kv": "kv_write", "kervan::add_rms_norm": "norm", "kervan::rms_norm": "norm",
     "kervan::silu_and_mul": "activation", "kervan::rotary": "rotary", "kervan::argmax_rows": "sampling",
     "aten::argmax": "sampling", "aten::embedding": "embedding",
-    "kervan::quant_matmul": "linear", "kervan::quant_matmul_i8": "linear", "kervan::gemv_linear": "linear",
+    "kervan::quant_matmul": "linear", "kervan::quant_matmul_i8": "linear", "kervan::invariant_linear": "linear",
 }
 
 
@@ -61,15 +61,12 @@ def model_costs(engine: Engine) -> dict:
             matmul_params += q.out_features * q.in_features
             weight_bytes += q.int8.nbytes if q.int8 is not None else q.nbytes
         else:
-            matmul_params += _weight(m).numel()
-            weight_bytes += _weight(m).numel() * element
+            out_features = m.packed.out_features if m.packed is not None else m.weight.shape[0]
+            matmul_params += out_features * m.input_size
+            weight_bytes += out_features * m.input_size * element
     return {"weight_bytes": weight_bytes, "matmul_flops_per_token": 2 * matmul_params,
             "kv_bytes_per_token": cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element,
             "attention_flops_per_context_token": cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim}
-
-
-def _weight(module) -> torch.Tensor:
-    return module.weight if module.weight is not None else module.packed_weight
 
 
 class _TimedStack:

@@ -90,9 +90,10 @@ class EngineArgs:
                                          flags=("--pipeline-parallel", "--pipeline-parallel-size"))
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs "
                                  "captured at start (worker/runner/graphs.py)")
-    deterministic: bool = option(False, "batch-invariant kernels: a request's greedy tokens and logprobs are "
+    deterministic: bool = option(False, "refuse to start unless a request's greedy tokens and logprobs are "
                                  "bit-identical whatever else it is batched with, however its prompt is chunked, "
-                                 "wherever its prefix KV came from; every worker of a mesh must run it (CPU only)")
+                                 "wherever its prefix KV came from (the CPU's default with the native kernels; "
+                                 "no batch-invariant GPU kernels yet)")
     quantization: str | None = option(None, "weight-only low precision for a float checkpoint: int8, int4 "
                                       "(groups of 64; int4-g32, int4-g128), fp8, fp8-block, nvfp4; a GGUF model "
                                       "is served in its own blocks without it", metavar="METHOD")

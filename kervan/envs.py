@@ -75,15 +75,17 @@ def weight_packing() -> str:
     return value
 
 
-# the kernel of quantized matmuls' decode-step calls: "auto" (each weight shape's faster on this CPU, timed
-# at load), "float" (x as it comes, codes decoded in registers) or "int8" (x quantized to int8 per call)
+# the kernel of quantized matmuls with integer codes, for every call: "float" (x as it comes, codes decoded
+# in registers), "int8" (x quantized to int8 by blocks of 32, llama.cpp's path), "int8x2" (x to two int8
+# terms, its own and its remainder's) or "auto" (worker/quant/kernel_choice.py's DEFAULT_KERNEL)
 KERVAN_QUANT_ACTIVATIONS = "KERVAN_QUANT_ACTIVATIONS"
+QUANT_ACTIVATIONS = ("auto", "float", "int8", "int8x2")
 
 
 def quant_activations() -> str:
     value = os.environ.get(KERVAN_QUANT_ACTIVATIONS, "auto")
-    if value not in ("auto", "float", "int8"):
-        raise ValueError(f"{KERVAN_QUANT_ACTIVATIONS}={value!r}; expected auto, float or int8")
+    if value not in QUANT_ACTIVATIONS:
+        raise ValueError(f"{KERVAN_QUANT_ACTIVATIONS}={value!r}; expected one of {', '.join(QUANT_ACTIVATIONS)}")
     return value
 
 # decode steps through the native decode stack ("auto": wherever it applies, worker/models/decode_stack.py)

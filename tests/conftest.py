@@ -110,10 +110,11 @@ def make_engine(model_dir, **options):
     return Engine.from_pretrained(model_dir, **options)
 
 
-# The chaos suite and the OpenAI front run in the machine's own dtype (bf16 where it is native) with
-# --deterministic: a greedy request's tokens are then exact across migrations and cache hits by
-# construction, not by a float32 forced for its fewer near-ties. EXACT_REFERENCE is the in-process
-# engine that computes the same bits (the mesh's block size: the attention kernel is per block size).
+# The chaos suite and the OpenAI front run in the machine's own dtype (bf16 where it is native): a greedy
+# request's tokens are exact across migrations and cache hits by the engine's batch invariance, not by a
+# float32 forced for its fewer near-ties; --deterministic makes every worker refuse to start where that
+# could not hold. EXACT_REFERENCE is the in-process engine that computes the same bits (the mesh's block
+# size: the attention kernel is per block size).
 EXACT_MESH = dict(dtype="auto", deterministic=True)
 EXACT_REFERENCE = dict(EXACT_MESH, block_size=16)
 
@@ -179,7 +180,7 @@ LONG_FILES = ("tests/test_real_model.py", "tests/worker/test_worker_group.py", "
               "tests/worker/test_kernel_build.py", "tests/chaos/test_control_plane_faults.py",
               "tests/test_launcher_supervision.py", "tests/test_worker_group_cluster.py",
               "tests/chaos/test_network_faults.py", "tests/chaos/test_host_faults.py",
-              "tests/chaos/test_planner_ramp.py", "tests/worker/test_deterministic.py",
+              "tests/chaos/test_planner_ramp.py", "tests/worker/test_batch_invariance.py",
               "tests/test_speculative_cluster.py")
 
 

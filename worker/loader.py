@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from worker.config import ConfigError, ModelConfig
-from worker.layers.packing import pack_weights
+from worker.layers.packing import pack_weights, packs_invariant
 from worker.models.decoder import DecoderModel, load_weights
 from worker.quant.checkpoint import IGNORED_SUFFIXES, SCALE_SUFFIXES, Fp8Tensor, fp8_block
 from worker.quant.gguf import gguf_file, iter_gguf_tensors
@@ -115,7 +115,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int,
         quantize_model(model, quantization)
     _place_quantized(model, device)
     dense = [m for m in model.dense_linears() if m.quant is None]
-    pack_weights(dense, dtype, torch.device(device).type, wide=model.lm_head)
+    pack_weights(dense, dtype, torch.device(device).type)
+    if packs_invariant(torch.device(device).type):
+        for moe in model.moes:
+            moe.pack()
     return model.eval()
 
 

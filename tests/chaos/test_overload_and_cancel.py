@@ -18,11 +18,9 @@ OUTPUT = 160  # long enough that the admitted requests still run while the whole
 
 
 def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tmp_path, monkeypatch):
-    # each worker admits 4 running + 4 waiting: 16 in all; 64 arrive at once. oneDNN's packed
-    # linears keep a JIT kernel per batch shape: the workers' memory rises with the shapes they
-    # meet and levels off (+26 MB over four waves, then +0.4 MB a wave, measured in process);
-    # without packing what is left to grow is Kervan's own
-    monkeypatch.setenv("KERVAN_WEIGHT_PACKING", "off")
+    # each worker admits 4 running + 4 waiting: 16 in all; 64 arrive at once. The linears' kernels
+    # are Kervan's own (oneDNN's packed linears kept a JIT kernel per batch shape, memory that rose
+    # with the shapes met): what could grow is Kervan's own state
     cluster = Cluster(ClusterSpec(llama[1], num_prefill=0, num_decode=0, num_both=2,
                                   engine=EngineArgs(**EXACT_MESH, num_kv_blocks=256),
                                   worker_args=("--max-num-seqs", "4", "--max-waiting", "4")),

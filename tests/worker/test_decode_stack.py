@@ -13,7 +13,7 @@ import torch
 from tests.conftest import make_engine, make_prompts, other_dtype
 from worker import SamplingParams
 from worker.kernels import has_native_kernels
-from worker.models.decode_stack import BRGEMM, INT8, ONEDNN, PLAIN, QUANT, DecodeStack
+from worker.models.decode_stack import BRGEMM, INT8, INVARIANT, ONEDNN, QUANT, DecodeStack
 
 pytestmark = [pytest.mark.skipif(not has_native_kernels(), reason="the native CPU kernels are not built here"),
               pytest.mark.isa]  # the linears' kernels differ by ISA level: CI runs this file again capped to AVX2
@@ -71,13 +71,13 @@ def kinds(engine) -> set[int]:
     ({"dtype": "bfloat16", "quantization": "int4-g32"}, "float"),
     ({"dtype": "float32", "quantization": "int8"}, "int8"),
 ], ids=["float32", "other-dtype", "int4-int8-activations", "int4-float-kernel", "int8-weights"])
-@pytest.mark.parametrize("batch", [3, 9])  # float32: 3 rows take the gemv layout, 9 oneDNN's
+@pytest.mark.parametrize("batch", [3, 9])
 def test_a_decode_step_through_the_stack_is_bit_for_bit_the_modules(hf_models, kind, options, activations, batch,
                                                                     monkeypatch):
     _, path = hf_models(kind)
     engine = decoding_engine(path, batch, monkeypatch, activations, **options)
     expected = {"int8": {INT8}, "float": {QUANT}}.get(activations if "quantization" in options else "",
-                                                      {BRGEMM, ONEDNN, PLAIN})
+                                                      {BRGEMM, INVARIANT})
     assert kinds(engine) <= expected
     step = next_step_inputs(engine)
     assert not step.prefills and len(step.token_ids) == batch
@@ -98,11 +98,10 @@ def test_a_whole_generation_is_the_same_with_the_stack_off(llama, monkeypatch):
     assert [o.token_ids for o in on.generate(prompts, params)] == [o.token_ids for o in off.generate(prompts, params)]
 
 
-def test_steps_with_prompt_rows_or_more_rows_than_a_kernel_serves_take_the_modules(llama, monkeypatch):
+def test_steps_with_prompt_rows_take_the_modules_and_decode_steps_of_any_size_the_stack(llama, monkeypatch):
     _, path = llama
     engine = decoding_engine(path, 2, monkeypatch, "float", quantization="int4-g32")
     stack = engine.runner.model.decode_stack
-    assert stack.max_rows == 16  # the float kernel's rows (DIRECT_MAX_ROWS); above, dequantized tiles
     served, run = [], DecodeStack.run
     monkeypatch.setattr(DecodeStack, "run", lambda self, step: served.append(len(step.token_ids)) or run(self, step))
     engine.step()  # two decode rows
@@ -110,9 +109,19 @@ def test_steps_with_prompt_rows_or_more_rows_than_a_kernel_serves_take_the_modul
     engine.step()  # the prompt's rows with them: the modules
     assert served == [2]
     step = next_step_inputs(engine)
-    assert stack.serves(step)
-    assert not stack.serves(replace(step, token_ids=step.token_ids * 9))  # 18 rows
-    assert not stack.serves(replace(step, logit_rows=step.logit_rows * 9))  # 18 samples: the head's kernel
+    assert stack.serves(step) and stack.serves(replace(step, token_ids=step.token_ids * 40))
+
+
+def test_onednns_layout_is_a_kernel_the_stack_takes_too(llama, monkeypatch):
+    """``KERVAN_WEIGHT_PACKING=onednn`` (a benchmark's baseline): the stack calls oneDNN's linear
+    as the modules do."""
+    _, path = llama
+    monkeypatch.setenv("KERVAN_WEIGHT_PACKING", "onednn")
+    engine = decoding_engine(path, 3, monkeypatch, dtype="float32")
+    assert kinds(engine) == {ONEDNN}
+    step = next_step_inputs(engine)
+    with_stack, with_modules = both_paths(engine, step)
+    assert torch.equal(with_stack, with_modules)
 
 
 def test_the_rows_that_sample_are_the_logits_it_returns(llama, monkeypatch):
@@ -129,10 +138,6 @@ def test_the_rows_that_sample_are_the_logits_it_returns(llama, monkeypatch):
             assert with_stack.shape == (len(rows), 128) and torch.equal(with_stack, with_modules)
 
 
-@pytest.mark.parametrize("kind,options,why", [
-    ("mixtral", {}, "MoE layers"),
-    ("llama", {"deterministic": True}, "deterministic mode's row plans"),
-])
-def test_no_stack_where_it_does_not_apply(hf_models, kind, options, why):
-    _, path = hf_models(kind)
-    assert make_engine(path, **options).runner.model.decode_stack is None, why
+def test_no_stack_for_moe_layers(hf_models):
+    _, path = hf_models("mixtral")
+    assert make_engine(path).runner.model.decode_stack is None

@@ -1,5 +1,6 @@
 """The int8-activation kernel (``quant_int8.cpp``), its weight layout (``int8_layout.py``)
-and the per-shape choice between it and the float kernel (``kernel_choice.py``)."""
+and the choice between it and the float kernel (``kernel_choice.py``): one kernel a weight, for
+every call, whatever its row count."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from worker.kernels import has_native_kernels
 from worker.quant.int4 import quantize_int4
 from worker.quant.int8 import quantize_int8
 from worker.quant.int8_layout import code_offset
-from worker.quant.matmul import decode_only, quant_linear
+from worker.quant.matmul import quant_linear
 from worker.quant.method import get_method
 from worker.quant.weight import CodeFormat, QuantizedWeight
 
@@ -58,10 +59,9 @@ def test_the_kernel_is_x_rounded_to_int8_times_the_weight(name, dtype):
     w = weights()[name]
     packed = with_int8(w)
     bias = torch.randn(98, generator=torch.Generator().manual_seed(1)).to(dtype)
-    for rows in (1, 2, 3, 4, 5, 8, 13, 16, 33, 64):
+    for rows in (1, 2, 3, 4, 5, 8, 13, 16, 33, 64, 300):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
-        with decode_only():
-            got = quant_linear(x, packed, bias)
+        got = quant_linear(x, packed, bias)
         assert got.shape == (rows, 98) and got.dtype == dtype
         want = q8_reference(x, w) + bias.double()
         # float32: only the order of float32 sums differs; bf16: the output's one rounding
@@ -71,21 +71,17 @@ def test_the_kernel_is_x_rounded_to_int8_times_the_weight(name, dtype):
 
 @native
 @pytest.mark.parametrize("name", ["int4-g32", "int8"])
-def test_rows_never_mix(name):
-    """A row's result is the same bits alone and among the others of a call: batch-invariant.
-    Calls of more than 16 rows take the dequantized tiles, but inside ``decode_only`` (a step
-    without prompt rows) up to 64."""
-    from worker.quant.matmul import DIRECT_MAX_ROWS, INT8_DECODE_MAX_ROWS, decode_only, tiled_linear
-    packed = with_int8(weights()[name])
-    x = torch.randn(INT8_DECODE_MAX_ROWS + 1, packed.in_features, generator=torch.Generator().manual_seed(3))
-    with decode_only():
-        together = quant_linear(x[:INT8_DECODE_MAX_ROWS], packed)
-        assert torch.equal(quant_linear(x, packed), tiled_linear(x, packed, None))
-    for r in (0, 5, 15, INT8_DECODE_MAX_ROWS - 1):
+@pytest.mark.parametrize("kernel", ["int8", "int8x2", "float"])
+def test_rows_never_mix(name, kernel):
+    """A row's result is the same bits alone and among the others of a call, at any row
+    count (a decode step's, a prompt chunk's): batch-invariant, with either kernel."""
+    w = weights()[name]
+    packed = w if kernel == "float" else with_int8(w, terms=2 if kernel == "int8x2" else 1)
+    x = torch.randn(300, packed.in_features, generator=torch.Generator().manual_seed(3))
+    together = quant_linear(x, packed)
+    for r in (0, 5, 15, 64, 299):
         assert torch.equal(quant_linear(x[r:r + 1], packed)[0], together[r])
-    assert torch.equal(quant_linear(x[:DIRECT_MAX_ROWS], packed), together[:DIRECT_MAX_ROWS])
-    rows = x[:DIRECT_MAX_ROWS + 1]
-    assert torch.equal(quant_linear(rows, packed), tiled_linear(rows, packed, None))
+        assert torch.equal(quant_linear(x[r:r + 37], packed)[0], together[r])
 
 
 @native
@@ -143,30 +139,26 @@ def test_a_sliced_weight_drops_its_packed_codes():
 
 
 @native
-@pytest.mark.parametrize("setting", ["float", "int8", "deterministic", "auto"])
+@pytest.mark.parametrize("setting", ["float", "int8", "int8x2", "auto"])
 def test_the_choice_is_set_on_every_quantized_weight(hf_models, monkeypatch, setting):
-    """Forced, deterministic (no timing: the same at every start) or timed; unless forced,
-    the LM head's integer kernel takes two int8 terms; a tied head and its embedding stay
-    one matrix."""
+    """Forced or the default, never timed (every process of a mesh makes the same one); the
+    LM head's integer kernel takes two int8 terms; a tied head and its embedding stay one
+    matrix."""
     from worker.loader import load_model
-    from worker.quant.kernel_choice import choose_kernels
+    from worker.quant.kernel_choice import DEFAULT_KERNEL, choose_kernels
     from worker.quant.model import quantized_bytes, quantized_weights
     _, path = hf_models("qwen2")  # tied embeddings
     model = load_model(path, torch.float32, 64, quantization="int4-g32")
     before = quantized_bytes(model)["quantized"]
-    if setting in ("float", "int8"):
-        monkeypatch.setenv("KERVAN_QUANT_ACTIVATIONS", setting)
-    choices = choose_kernels(model, torch.float32, deterministic=setting == "deterministic")
+    monkeypatch.setenv("KERVAN_QUANT_ACTIVATIONS", setting)
+    choices = choose_kernels(model)
     assert len(choices) == len({(tuple(w.shape), w.method) for w in quantized_weights(model)})
     head = (*model.lm_head.quant.shape, model.lm_head.quant.method)
     layers = [c for c in choices if (c.out_features, c.in_features, c.method) != head]
     [head_choice] = [c for c in choices if (c.out_features, c.in_features, c.method) == head]
-    if setting == "auto":
-        assert all(c.reason == "timed" and c.float_us > 0 and c.int8_us > 0 for c in choices)
-        assert head_choice.kernel in ("float", "int8x2") and {c.kernel for c in layers} <= {"float", "int8"}
-    else:
-        assert {c.kernel for c in layers} == {"float" if setting == "float" else "int8"}
-        assert head_choice.kernel == {"float": "float", "int8": "int8", "deterministic": "int8x2"}[setting]
+    assert {c.reason for c in choices} == {"default" if setting == "auto" else "forced"}
+    assert {c.kernel for c in layers} == {DEFAULT_KERNEL if setting == "auto" else setting}
+    assert head_choice.kernel == ("float" if setting == "float" else "int8x2")
     terms = model.lm_head.quant.int8.terms if model.lm_head.quant.int8 is not None else 0
     assert terms == {"float": 0, "int8": 1, "int8x2": 2}[head_choice.kernel]
     for w in quantized_weights(model):
@@ -191,34 +183,7 @@ def test_a_quantized_engine_with_int8_activations_answers_and_exports_its_choice
         [out] = engine.generate([[5, 9, 13, 2, 7]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
         assert len(out.outputs[0].token_ids) == 6
         [family] = KernelChoiceCollector(engine.runner.kernel_choices).collect()
-        assert family.samples and {s.labels["kernel"] for s in family.samples} == {"int8"}
+        assert family.samples and {s.labels["kernel"] for s in family.samples} == {"int8", "int8x2"}  # the head
         assert {s.labels["reason"] for s in family.samples} == {"forced"}
     finally:
         engine.close()
-
-
-@native
-def test_only_steps_without_prompt_rows_round_more_than_16_rows(hf_models, monkeypatch):
-    """The runner's decode-only steps let 20 rows take the int8 kernel; a step with a prompt
-    chunk keeps prompts' x unrounded past 16 rows (deterministic mode: one rule always)."""
-    import worker.layers.linear as linear
-    from worker import Engine, SamplingParams
-    from worker.quant import matmul
-    _, path = hf_models("llama")
-    monkeypatch.setenv("KERVAN_QUANT_ACTIVATIONS", "int8")
-    monkeypatch.setenv("KERVAN_DECODE_STACK", "off")  # the modules' calls, seen from Python (the stack's: one call)
-    seen: list[tuple[int, int]] = []
-
-    def recorded(x, w, bias=None):
-        seen.append((x.shape[0], matmul._int8_max_rows.get()))
-        return matmul.quant_linear(x, w, bias)
-    monkeypatch.setattr(linear, "quant_linear", recorded)
-    engine = Engine.from_pretrained(path, dtype="float32", quantization="int4-g32", num_kv_blocks=64)
-    try:
-        prompts = [[5 + i, 9, 13, 2] for i in range(20)]
-        outs = engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-        assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
-    finally:
-        engine.close()
-    assert (80, matmul.DIRECT_MAX_ROWS) in seen  # the prompts: 20 x 4 rows in one step
-    assert (20, matmul.INT8_DECODE_MAX_ROWS) in seen  # their decodes

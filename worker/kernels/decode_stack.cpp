@@ -10,9 +10,8 @@
 //   q | k | v   = qkv(x);  rotary(q, k);  write_kv(k, v);  a = paged_decode(q)
 //   x, residual = add_rms_norm(o_proj(a), residual)
 //   x           = down(silu_and_mul(gate_up(x)))
-// and after the last, the final norm. Each linear is one of the kernels the Python path
-// would call for these rows (``worker/models/decode_stack.py`` builds the stack and says
-// which rows it serves). ``step`` runs the whole decode step: the embedding's lookup (plain,
+// and after the last, the final norm. Each linear is the kernel the Python path calls for
+// that layer (``worker/models/decode_stack.py`` builds the stack and says which steps it serves). ``step`` runs the whole decode step: the embedding's lookup (plain,
 // or quantized rows dequantized), the layers, and the LM head on the rows that sample.
 // the narrow headers, not <ATen/ATen.h> (every op's declaration): a first start compiles faster
 #include <ATen/core/Tensor.h>
@@ -39,7 +38,7 @@ c10::TypedOperatorHandle<Signature> handle(const char* name) {
 }
 
 // which kernel a linear takes, and its arguments after x
-enum Kind : int64_t { kInt8 = 0, kQuant = 1, kBrgemm = 2, kOneDnn = 3, kPlain = 4 };
+enum Kind : int64_t { kInt8 = 0, kQuant = 1, kBrgemm = 2, kOneDnn = 3, kPlain = 4, kInvariant = 5 };
 
 struct Linear {
   int64_t kind;
@@ -47,14 +46,8 @@ struct Linear {
   std::vector<int64_t> ints;
   double real;
   OptTensor bias;
-  OptTensor gemv;  // float32 calls of up to gemv_rows rows take gemv.cpp's layout instead
-  int64_t gemv_rows;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (gemv.has_value() && x.size(0) <= gemv_rows) {
-      static const auto op = handle<at::Tensor(at::Tensor, at::Tensor, OptTensor)>("kervan::gemv_linear");
-      return op.call(x, *gemv, bias);
-    }
     switch (kind) {
       case kInt8: {  // data; out_features, group, four_bit, signed_codes, half_params, terms
         static const auto op = handle<at::Tensor(at::Tensor, at::Tensor, int64_t, int64_t, bool, bool, bool, int64_t,
@@ -69,6 +62,11 @@ struct Linear {
       case kBrgemm: {
         static const auto op = handle<at::Tensor(at::Tensor, at::Tensor, OptTensor)>("kervan::brgemm_linear");
         return op.call(x, *tensors[0], bias);
+      }
+      case kInvariant: {  // packed; out_features
+        static const auto op =
+            handle<at::Tensor(at::Tensor, at::Tensor, int64_t, OptTensor)>("kervan::invariant_linear");
+        return op.call(x, *tensors[0], ints[0], bias);
       }
       case kOneDnn: {  // oneDNN's packed layout, as packing.packed_linear calls it (boxed: ATen's own schema)
         static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -123,13 +121,13 @@ struct DecodeStack : torch::CustomClassHolder {
         sin(std::move(sin)), final_norm(std::move(final_norm)) {}
 
   int64_t add_linear(int64_t kind, std::vector<OptTensor> tensors, std::vector<int64_t> ints, double real,
-                     OptTensor bias, OptTensor gemv, int64_t gemv_rows) {
-    TORCH_CHECK(kind >= kInt8 && kind <= kPlain, "unknown linear kind ", kind);
+                     OptTensor bias) {
+    TORCH_CHECK(kind >= kInt8 && kind <= kInvariant, "unknown linear kind ", kind);
     TORCH_CHECK(!tensors.empty() && tensors[0].has_value(), "a linear needs its weight");
-    const size_t want_ints = kind == kInt8 ? 6 : kind == kQuant ? 2 : 0;
+    const size_t want_ints = kind == kInt8 ? 6 : kind == kQuant ? 2 : kind == kInvariant ? 1 : 0;
     TORCH_CHECK(ints.size() == want_ints && (kind != kQuant || tensors.size() == 4), "linear kind ", kind,
                 " takes ", want_ints, " ints");
-    linears.push_back({kind, std::move(tensors), std::move(ints), real, std::move(bias), std::move(gemv), gemv_rows});
+    linears.push_back({kind, std::move(tensors), std::move(ints), real, std::move(bias)});
     return static_cast<int64_t>(linears.size()) - 1;
   }
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.layers.batch_invariant import RowPlan
-from worker.layers.linear import check_shape, quantized_linear
-from worker.layers.packing import packed_linear
+from worker.layers.linear import check_shape
+from worker.layers.packing import PackedLinear, packed_linear
 from worker.parallel import all_gather_last_dim, all_reduce, get_parallel_state
-from worker.quant.matmul import dequantize
+from worker.quant.matmul import dequantize, quant_linear
 from worker.quant.weight import QuantizedWeight
 
 
@@ -54,13 +53,9 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     keep_weight = False  # True when tied to the embedding, which still looks rows up in it
-    row_plan: RowPlan | None = None  # deterministic mode: batch-invariant calls
-    packed_weight: torch.Tensor | None = None  # the loader's packed copy (``packing.pack_weights``)
-    brgemm_weight = None  # never: the head keeps oneDNN's layout (``packing.pack_weights``)
-    gemv_weight: torch.Tensor | None = None  # float32: few rows take gemv's layout (``packing.pack_weights``)
+    packed: PackedLinear | None = None  # the loader's packed layout (``packing.pack_weights``)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
-            return all_gather_last_dim(quantized_linear(hidden, self.quant, None, self.row_plan))
-        return all_gather_last_dim(packed_linear(hidden, self.weight, self.packed_weight, None,
-                                                 self.row_plan, None, self.gemv_weight))
+            return all_gather_last_dim(quant_linear(hidden, self.quant))
+        return all_gather_last_dim(packed_linear(hidden, self.weight, self.packed, None))

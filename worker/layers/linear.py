@@ -8,9 +8,9 @@ in one matmul; each logical part is sharded on its own, so rank r holds
 ``[q_r; k_r; v_r]``; parts made of heads (``head_dim``) are split by whole heads,
 and KV heads fewer than the ranks are replicated (``ParallelState.shard_heads``).
 Each layer's ``load`` indexes its rank's slice of a checkpoint tensor, and only that
-slice is read from the file (``worker/loader.py``). On the CPU the loader may replace ``weight`` by a oneDNN-packed
-``packed_weight`` (``worker/layers/packing.py``). In deterministic mode ``row_plan`` makes
-every matmul batch-invariant (``worker/layers/batch_invariant.py``).
+slice is read from the file (``worker/loader.py``). On the CPU the loader replaces ``weight`` by
+``packed``, the layout of the kernel every call takes (``worker/layers/packing.py``: by default one
+that computes each row alike at every row count).
 
 A quantized layer holds ``quant`` (``worker/quant/weight.py``) instead of ``weight``:
 filled from a pre-quantized checkpoint, whose tensors ``load`` slices as it slices float
@@ -22,18 +22,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.layers.batch_invariant import RowPlan, probed_plan
-from worker.layers.packing import BRGEMM_MAX_ROWS, packed_linear
+from worker.layers.packing import PackedLinear, packed_linear
 from worker.parallel import all_reduce, get_parallel_state
 from worker.quant.matmul import quant_linear
 from worker.quant.weight import QuantizedWeight, cat_rows
 
 
 class MergedColumnParallelLinear(nn.Module):
-    row_plan: RowPlan | None = None  # deterministic mode: batch-invariant calls (``DecoderModel.make_batch_invariant``)
-    packed_weight: torch.Tensor | None = None  # the loader's packed copy (``packing.pack_weights``)
-    brgemm_weight: torch.Tensor | None = None  # and, for small calls, its brgemm layout
-    gemv_weight: torch.Tensor | None = None  # or, float32, its gemv layout (``packing.py``)
+    packed: PackedLinear | None = None  # the loader's packed layout (``packing.pack_weights``)
     quant: QuantizedWeight | None = None  # low-precision weights, in place of ``weight``
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype, head_dim: int = 0):
@@ -93,10 +89,7 @@ class MergedColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    row_plan: RowPlan | None = None  # as MergedColumnParallelLinear's
-    packed_weight: torch.Tensor | None = None
-    brgemm_weight: torch.Tensor | None = None
-    gemv_weight: torch.Tensor | None = None
+    packed: PackedLinear | None = None
     quant: QuantizedWeight | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
@@ -140,34 +133,5 @@ def copy_checked(target: torch.Tensor, tensor: torch.Tensor) -> None:
 
 def _linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
     if layer.quant is not None:
-        return quantized_linear(x, layer.quant, bias, layer.row_plan)
-    packed = layer.packed_weight
-    return packed_linear(x, layer.weight if packed is None else None, packed, bias, layer.row_plan,
-                         layer.brgemm_weight, layer.gemv_weight)
-
-
-def quantized_linear(x: torch.Tensor, quant: QuantizedWeight, bias: torch.Tensor | None,
-                     row_plan: RowPlan | None) -> torch.Tensor:
-    if row_plan is not None:
-        return row_plan.run(lambda rows: quant_linear(rows, quant, bias), x)
-    return quant_linear(x, quant, bias)
-
-
-def plan_rows(layer: nn.Module, max_rows: int) -> None:
-    """Deterministic mode: which call sizes compute this layer's rows alike
-    (``batch_invariant.RowPlan``), probed on its own (possibly packed or quantized) weight
-    once per shape; ``layer.input_size`` is its matmul's input width on this rank."""
-    quant = layer.quant
-    if quant is not None:
-        layer.row_plan = probed_plan((tuple(quant.shape), quant.method, quant.group),
-                                     lambda rows: quant_linear(rows, quant), layer.input_size,
-                                     layer.dtype, quant.codes.device, max_rows)
-        return
-    packed, small = layer.packed_weight, layer.brgemm_weight
-    if small is not None:  # one kernel for every call: brgemm's rows are invariant by construction, and a
-        max_rows = min(max_rows, BRGEMM_MAX_ROWS)  # larger call would mix in oneDNN's arithmetic
-    weight = layer.weight
-    ref = weight if weight is not None else packed
-    layer.row_plan = probed_plan((tuple(ref.shape), packed is not None, small is not None),
-                                 lambda rows: packed_linear(rows, weight, packed, None, None, small), layer.input_size,
-                                 ref.dtype, ref.device, max_rows)
+        return quant_linear(x, layer.quant, bias)
+    return packed_linear(x, layer.weight, layer.packed, bias)

@@ -29,14 +29,14 @@ import torch
 from torch import nn
 
 from worker.config import MoeConfig
-from worker.layers.batch_invariant import RowPlan, probed_plan
 from worker.layers.fused import silu_and_mul
-from worker.layers.linear import copy_checked, quantized_linear
+from worker.layers.linear import copy_checked
 from worker.layers.mlp import Loader, SwiGLU
-from worker.layers.packing import packed_linear
+from worker.layers.packing import PackedLinear, pack_invariant, packed_linear
 from worker.parallel import all_reduce, get_parallel_state
 from worker.parallel.expert_map import ExpertMap
 from worker.parallel.state import all_gather_rows, all_to_all_rows, split_points
+from worker.quant.matmul import quant_linear
 from worker.quant.method import QuantMethod
 from worker.quant.weight import QuantizedWeight
 
@@ -68,10 +68,13 @@ def select_experts(logits: torch.Tensor, cfg: MoeConfig,
 
 
 class SparseMoe(nn.Module):
-    # deterministic mode: batch-invariant calls per weight shape (an expert's rows vary with the batch)
-    row_plans: dict[tuple[int, ...], RowPlan] | None = None
     # per local expert: (gate/up, down) in low precision, in place of w13 and w2
     expert_quants: list[tuple[QuantizedWeight, QuantizedWeight]] | None = None
+    # on the CPU (``pack``): per local expert (gate/up, down) in a batch-invariant layout, in place of w13
+    # and w2, and the router's and the shared expert's gates (an expert's rows vary with the batch)
+    expert_packs: list[tuple[PackedLinear, PackedLinear]] | None = None
+    packed_gate: PackedLinear | None = None
+    packed_shared_gate: PackedLinear | None = None
 
     def __init__(self, hidden_size: int, cfg: MoeConfig, dtype: torch.dtype, family: str):
         super().__init__()
@@ -129,14 +132,14 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden], the same on every rank of a group
-        logits = self._linear(x.float(), self.gate.float())
+        logits = self._linear(x.float(), self.packed_gate or self.gate.float())
         weights, ids = select_experts(logits, self.cfg, self.correction_bias)
         self.routed_tokens += torch.bincount(ids.flatten(), minlength=self.cfg.num_experts)  # no sync on CUDA
         out = self._dispatched(x, weights, ids) if self.dispatch else self._all_reduced(x, weights, ids)
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:
-                shared = torch.sigmoid(self._linear(x, self.shared_gate)) * shared
+                shared = torch.sigmoid(self._linear(x, self.packed_shared_gate or self.shared_gate)) * shared
             out = out + shared
         return out
 
@@ -179,16 +182,23 @@ class SparseMoe(nn.Module):
             start += count
 
     def _expert(self, local: int, x: torch.Tensor) -> torch.Tensor:
+        w13: torch.Tensor | PackedLinear | QuantizedWeight
+        w2: torch.Tensor | PackedLinear | QuantizedWeight
         if self.expert_quants is not None:
             w13, w2 = self.expert_quants[local]
-            return self._linear(silu_and_mul(self._linear(x, w13)), w2)
-        return self._linear(silu_and_mul(self._linear(x, self.w13[local])), self.w2[local])
+        elif self.expert_packs is not None:
+            w13, w2 = self.expert_packs[local]
+        else:
+            w13, w2 = self.w13[local], self.w2[local]
+        return self._linear(silu_and_mul(self._linear(x, w13)), w2)
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-        plan = None if self.row_plans is None else self.row_plans[_plan_key(weight)]
+    @staticmethod
+    def _linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
-            return quantized_linear(x, weight, None, plan)
-        return packed_linear(x, weight, None, None, plan)
+            return quant_linear(x, weight)
+        if isinstance(weight, PackedLinear):
+            return packed_linear(x, None, weight, None)
+        return packed_linear(x, weight, None, None)
 
     def quantize(self, method: QuantMethod) -> int:
         """Each local expert's matrices in ``method``'s codes (experts are whole on their
@@ -201,22 +211,22 @@ class SparseMoe(nn.Module):
         self.register_parameter("w2", None)
         return 2 * self.num_local_experts
 
-    def plan_rows(self, max_rows: int) -> None:
-        """Deterministic mode: the call sizes of the router's and the experts' matmuls,
-        probed once per shape (``batch_invariant.probed_plan``)."""
-        experts = list(self.expert_quants[0]) if self.expert_quants else [self.w13[0], self.w2[0]]
-        weights = [self.gate.float(), *experts] + ([self.shared_gate] if self.shared_gate is not None else [])
-        dtype = self.gate.dtype
-        self.row_plans = {_plan_key(w): probed_plan(
-            _plan_key(w), lambda rows, w=w: self._linear(rows, w), w.shape[1],
-            dtype if isinstance(w, QuantizedWeight) else w.dtype, self.gate.device, max_rows) for w in weights}
+    def pack(self) -> None:
+        """The routers' and the float experts' matrices in batch-invariant layouts
+        (``packing.pack_invariant``; the native CPU kernels must be loaded): a token's experts
+        then give it the same bits whatever other tokens they serve in the step."""
+        self.packed_gate = pack_invariant(self.gate.float())
+        if self.shared_gate is not None:
+            self.packed_shared_gate = pack_invariant(self.shared_gate.data)
+        if self.expert_quants is None:
+            self.expert_packs = [(pack_invariant(self.w13[e]), pack_invariant(self.w2[e]))
+                                 for e in range(self.num_local_experts)]
+            self.register_parameter("w13", None)
+            self.register_parameter("w2", None)
+
+    def is_batch_invariant(self) -> bool:
+        return self.packed_gate is not None and (self.expert_quants is not None or self.expert_packs is not None)
 
 
 def _skip(tensor: torch.Tensor) -> None:
     pass
-
-
-def _plan_key(weight: torch.Tensor | QuantizedWeight) -> tuple:
-    if isinstance(weight, QuantizedWeight):
-        return (tuple(weight.shape), weight.method, weight.group)
-    return (tuple(weight.shape), weight.dtype)

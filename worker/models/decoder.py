@@ -1,4 +1,4 @@
-# mypy: disable-error-code="arg-type,misc,operator,union-attr"
+# mypy: disable-error-code="arg-type,misc,operator,union-attr,unreachable"
 """The Llama-family decoder, dense or mixture-of-experts.
 
 Llama, Mistral, Qwen2 (attention biases, tied embeddings), Mixtral, Qwen2-MoE
@@ -22,7 +22,7 @@ from torch import nn
 
 from worker.config import ModelConfig
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear, copy_checked, plan_rows
+from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear, copy_checked
 from worker.layers.mlp import Loader, SwiGLU
 from worker.layers.moe import SparseMoe
 from worker.layers.norm import RMSNorm
@@ -146,15 +146,11 @@ class DecoderModel(nn.Module):
             return torch.stack((x, residual))
         return self.norm(x, residual)[0]
 
-    def make_batch_invariant(self, max_rows: int, max_logit_rows: int) -> None:
-        """Deterministic mode: every matmul runs as calls whose arithmetic per row is the
-        same whatever the other rows (``worker/layers/batch_invariant.py``); the call sizes
-        are probed on this rank's weights (once per shape and process), up to the rows a step
-        computes."""
-        for module in self.dense_linears():
-            plan_rows(module, max_logit_rows if module is self.lm_head else max_rows)
-        for moe in self.moes:
-            moe.plan_rows(max_rows)
+    def batch_variant_layers(self) -> list[str]:
+        """The layers whose kernel rounds a row by what else is in its call (oneDNN's layout,
+        plain matmuls, dequantized tiles): none where a token's output is batch-invariant."""
+        return variant_linears(self, self.dense_linears()) + [
+            name for name, m in self.named_modules() if m in self.moes and not m.is_batch_invariant()]
 
     def dense_linears(self) -> list[nn.Module]:
         """The layers whose weights the loader may pack: every dense linear and the LM head."""
@@ -220,3 +216,16 @@ def load_weights(model: DecoderModel, tensors: Iterable[tuple[str, torch.Tensor]
         missing.discard(name)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")
+
+
+def variant_linears(model: nn.Module, linears: list[nn.Module]) -> list[str]:
+    """The names of ``linears`` (modules of ``model``) whose kernel is not batch-invariant."""
+    from worker.kernels import has_native_kernels
+    native = has_native_kernels()
+
+    def invariant(linear: nn.Module) -> bool:
+        if linear.quant is not None:
+            return native and linear.quant.codes.device.type == "cpu"  # the int8 or the direct kernel
+        return linear.packed is not None and linear.packed.is_batch_invariant
+    names = {id(m): name for name, m in model.named_modules()}
+    return [names.get(id(m), "lm_head") for m in linears if not invariant(m)]

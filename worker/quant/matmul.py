@@ -1,21 +1,19 @@
 """``x @ w.T`` for a ``QuantizedWeight`` w, activations in the model's dtype.
 
-- Few rows (decode steps, short chunks; up to ``DIRECT_MAX_ROWS``) on the CPU: the native
-  ``quant_matmul`` decodes each row of codes in registers and dots it with every row of x,
-  summing in float32 (bf16 x on AVX512_BF16: bf16 values and ``vdpbf16ps``). A step reads
-  the codes once: 4-bit weights are a quarter of bf16's bytes, and a decode step is bound
-  by the bytes it reads.
-  Or, where ``kernel_choice.py`` timed it faster on this CPU, ``quant_matmul_i8``: x
-  quantized to int8 by blocks of 32 and the codes multiplied as bytes (llama.cpp's path),
-  for calls of up to ``DIRECT_MAX_ROWS``, and of up to ``INT8_DECODE_MAX_ROWS`` inside
-  ``decode_only()`` (the runner's steps without prompt rows).
-- More rows: tiles of ``TILE_ELEMENTS`` weights are dequantized to x's dtype and go
-  through that dtype's own matmul (oneDNN's bf16 kernels, or cuBLAS), so a prompt chunk
-  costs what it costs unquantized plus one pass over the codes; the whole matrix is never
-  dequantized at once.
-- Where the native kernels are absent (a build failed, a CUDA device) the tiles are
-  dequantized by the plain PyTorch reference; FP8 on a GPU with FP8 tensor cores takes
-  ``torch._scaled_mm`` (``fp8_scaled_mm``).
+On the CPU with the native kernels every call of a weight takes one kernel, whatever its row
+count, and both compute each row alone (a token's result never depends on the rest of its
+call: the batch, its prompt's chunk, a cached prefix):
+
+- ``quant_matmul_i8`` where the weight has its int8 layout (``kernel_choice.py``: integer
+  codes, int4, Q4_0, Q4_1, int8, Q8_0, on a CPU with AVX2): each row of x quantized to int8
+  by blocks of 32 and the codes multiplied as bytes, llama.cpp's path;
+- else ``quant_matmul``: each row of codes decoded in registers and dotted with every row of
+  x, summing in float32 (bf16 x on AVX512_BF16: bf16 values and ``vdpbf16ps``).
+
+Where the native kernels are absent (a build failed, a CUDA device) tiles of ``TILE_ELEMENTS``
+weights are dequantized to x's dtype and go through that dtype's own matmul (cuBLAS, or
+PyTorch's CPU reference): not batch-invariant. FP8 on a GPU with FP8 tensor cores takes
+``torch._scaled_mm`` (``fp8_scaled_mm``).
 
 ``benchmarks/quant_kernels.py`` measures PyTorch's own int8/int4 CPU kernels
 (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) against these on the real
@@ -23,55 +21,25 @@ model's shapes (``benchmarks/README.md``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
-
 import torch
 
 from worker.kernels import has_native_kernels
 from worker.quant.weight import CodeFormat, QuantizedWeight
 
-# calls of up to this many rows decode in registers; above, dequantized tiles and the dtype's
-# matmul win (bf16 on AVX-512: the direct kernel's float32 FMAs do one row of x per weight decoded)
-DIRECT_MAX_ROWS = 16
-# the int8 kernel's calls in a step without prompt rows: up to 64 rows it beat dequantized tiles on
-# SmolLM2's MLP shapes (32 rows: 2.2x bf16 with AMX, 1.8x float32 capped to AVX2; 128: 0.8x, 0.9x).
-# A step with prompt rows keeps DIRECT_MAX_ROWS: 64 let a short prompt's rows round x too, and on the
-# AMX Xeon that flipped SmolLM2's near-tie first answer token (p = 0.15); rounding decode rows did not
-INT8_DECODE_MAX_ROWS = 64
-_int8_max_rows: ContextVar[int] = ContextVar("int8_max_rows", default=DIRECT_MAX_ROWS)
-
-
-@contextmanager
-def decode_only() -> Iterator[None]:
-    """Calls inside take the int8 kernel up to ``INT8_DECODE_MAX_ROWS`` rows: every row is a
-    decode row (the runner's steps without prompt chunks)."""
-    token = _int8_max_rows.set(INT8_DECODE_MAX_ROWS)
-    try:
-        yield
-    finally:
-        _int8_max_rows.reset(token)
-
-
-def int8_max_rows() -> int:
-    """The most rows a call gives the int8 kernel here (inside ``decode_only()`` or not)."""
-    return _int8_max_rows.get()
 TILE_ELEMENTS = 1 << 20  # weights per dequantized tile: 2 MB in bf16, within L2 next to its outputs
 
 
 def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [rows, in_features] -> [rows, out_features] in x's dtype."""
     if x.device.type == "cpu" and has_native_kernels():
+        x = x if x.stride(-1) == 1 else x.contiguous()
         packed = w.int8
-        if packed is not None and x.shape[0] <= _int8_max_rows.get():
-            return torch.ops.kervan.quant_matmul_i8(x if x.stride(-1) == 1 else x.contiguous(), packed.data,
-                                                    w.out_features, w.group, packed.four_bit, packed.signed_codes,
-                                                    packed.half_params, packed.terms, bias)
-        if x.shape[0] <= DIRECT_MAX_ROWS:
-            return torch.ops.kervan.quant_matmul(x if x.stride(-1) == 1 else x.contiguous(), w.codes, w.scales,
-                                                 w.zeros, w.lut, int(w.format), w.group, w.tensor_scale, bias)
-    elif x.device.type == "cuda" and w.format == CodeFormat.E4M3 and has_fp8_tensor_cores(x.device):
+        if packed is not None:
+            return torch.ops.kervan.quant_matmul_i8(x, packed.data, w.out_features, w.group, packed.four_bit,
+                                                    packed.signed_codes, packed.half_params, packed.terms, bias)
+        return torch.ops.kervan.quant_matmul(x, w.codes, w.scales, w.zeros, w.lut, int(w.format), w.group,
+                                             w.tensor_scale, bias)
+    if x.device.type == "cuda" and w.format == CodeFormat.E4M3 and has_fp8_tensor_cores(x.device):
         return fp8_scaled_mm(x, w, bias)
     return tiled_linear(x, w, bias)
 

@@ -64,8 +64,8 @@ def set_quantized(module: nn.Module, quant: QuantizedWeight) -> None:
 def quantized_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of the weights by kind: ``quantized`` (codes, scales, zeros, and the int8
     kernel's packed copy where a weight has one) and ``float`` (every parameter left, norms
-    and routers included, and oneDNN's packed copies of the weights it replaced; not the
-    brgemm layout's second copy); a tied matrix counts once."""
+    and routers included, and the packed layouts of the weights they replaced); a tied matrix
+    counts once."""
     seen: set[int] = set()
     quantized = 0
     for module in model.modules():
@@ -74,8 +74,10 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
                 seen.add(id(q.codes))
                 quantized += q.nbytes + (q.int8.nbytes if q.int8 is not None else 0)
     floats = sum(p.nbytes for p in {id(p): p for p in model.parameters()}.values())
-    floats += sum(m.packed_weight.nbytes for m in model.modules()
-                  if getattr(m, "packed_weight", None) is not None and m.weight is None)
+    floats += sum(m.packed.data.nbytes for m in model.modules()
+                  if getattr(m, "packed", None) is not None and m.weight is None)
+    floats += sum(p.data.nbytes for m in model.modules() for pair in getattr(m, "expert_packs", None) or []
+                  for p in pair)
     return {"quantized": quantized, "float": floats, "total": quantized + floats}
 
 

@@ -12,7 +12,6 @@ and with speculative guesses (``worker/spec/``) the rows from its next token on.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +28,6 @@ from worker.parallel import get_parallel_state, kv_shards, pipeline
 from worker.parallel.group import GroupFailed, GroupLeader
 from worker.parallel.step_inputs import StepInputs
 from worker.quant.kernel_choice import choose_kernels
-from worker.quant.matmul import decode_only
 from worker.runner.graphs import GRAPH_MAX_CONTEXT, CudaGraphRunner, decode_buckets
 from worker.runner.sampler import Sampler, SamplingRow
 from worker.spec.verifier import Verifier
@@ -69,16 +67,21 @@ class ModelRunner:
                                         config.dtype, self.device)
         self.kv_caches = list(self.kv_pool.unbind(0))
         self.native_kernels = self.device.type == "cpu" and has_native_kernels()
-        # each quantized weight's decode-step kernel, timed on this CPU (before deterministic mode probes them)
-        self.kernel_choices = choose_kernels(model, config.dtype, config.deterministic) if self.native_kernels else []
-        if config.deterministic:
-            if not self.native_kernels:
-                raise ConfigError("deterministic mode needs the native CPU kernels (its one attention kernel for "
-                                  "prompts and decodes), and they are off here: see the warning above, or unset "
-                                  "KERVAN_ATTENTION_BACKEND=torch")
-            model.make_batch_invariant(config.max_num_batched_tokens, max_logit_rows(config))
+        # each quantized weight's kernel, one for all its calls
+        self.kernel_choices = choose_kernels(model) if self.native_kernels else []
+        # a token's output is the same whatever else runs beside it: every matmul's kernel computes a
+        # row alone, and attention takes one kernel for every token (``AttentionMetadata``'s per_token)
+        variant = model.batch_variant_layers() if self.native_kernels else ["attention"]
+        self.batch_invariant = not variant
+        if config.deterministic and not self.native_kernels:
+            raise ConfigError("deterministic mode needs the native CPU kernels (one attention kernel for prompts "
+                              "and decodes), and they are off here: see the warning above, or unset "
+                              "KERVAN_ATTENTION_BACKEND=torch")
+        if config.deterministic and variant:
+            raise ConfigError("deterministic mode needs a batch-invariant kernel for every layer, and these have "
+                              f"none: {', '.join(variant[:4])} (leave KERVAN_WEIGHT_PACKING unset)")
         if self.native_kernels:
-            model.decode_stack = build_decode_stack(model, self.kv_caches, config.deterministic)
+            model.decode_stack = build_decode_stack(model, self.kv_caches)
         self.sampler = Sampler(config.seed)
         self.verifier = Verifier(self.sampler, cfg.vocab_size)
         # keep the last forward's final hidden states of every row (an EAGLE head reads them); one process only
@@ -163,10 +166,7 @@ class ModelRunner:
                 cache[:, dst].copy_(cache[:, src])
         for write in kv_writes:
             self.write_blocks(write.block_ids, write.data)
-        # a step of decode rows alone may round them all to int8 (quantized weights); prompts keep x as is.
-        # Deterministic mode probed its call sizes without it: it keeps one rule for every step
-        with decode_only() if not step.prefills and not self.config.deterministic else nullcontext():
-            return self._forward(step, kv_writes, carried)
+        return self._forward(step, kv_writes, carried)
 
     def _forward(self, step: StepInputs, kv_writes: Sequence[KVWrite], carried: torch.Tensor | None
                  ) -> torch.Tensor | None:
@@ -181,7 +181,7 @@ class ModelRunner:
         else:
             meta = AttentionMetadata.build(step.slots, step.decode_tables, step.decode_lens, step.prefills,
                                            self.config.block_size, self.device, self.native_kernels,
-                                           per_token=self.config.deterministic)
+                                           per_token=self.batch_invariant)
             hidden = self.model(torch.tensor(step.token_ids, device=self.device),
                                 torch.tensor(step.positions, device=self.device), self.kv_caches, meta,
                                 None if carried is None else carried.to(self.device))

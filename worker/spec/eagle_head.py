@@ -35,7 +35,7 @@ from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from worker.layers.norm import RMSNorm
 from worker.layers.packing import pack_weights
 from worker.layers.rotary import RotaryEmbedding
-from worker.models.decoder import DecoderLayer, DecoderModel
+from worker.models.decoder import DecoderLayer, DecoderModel, variant_linears
 
 WEIGHTS_FILE = "eagle_head.safetensors"
 CONFIG_FILE = "eagle_head.json"
@@ -84,6 +84,9 @@ class EagleHead(nn.Module):
     def linears(self) -> list[nn.Module]:
         return [m for m in self.modules() if isinstance(m, (MergedColumnParallelLinear, RowParallelLinear))]
 
+    def batch_variant_layers(self) -> list[str]:
+        return variant_linears(self, self.linears() + [self.lm_head])
+
 
 def load_eagle_head(head_dir: str | Path, target: DecoderModel, dtype: torch.dtype, max_positions: int,
                     device: str) -> EagleHead:
@@ -116,5 +119,5 @@ def load_eagle_head(head_dir: str | Path, target: DecoderModel, dtype: torch.dty
     with torch.no_grad():  # the target's LM head rows of the draft vocabulary, read through the head itself
         eye = torch.eye(cfg.hidden_size, dtype=dtype, device=device)
         head.lm_head.weight.data.copy_(target.compute_logits(eye).T[head.vocab])
-    pack_weights(head.linears() + [head.lm_head], dtype, torch.device(device).type, wide=head.lm_head)
+    pack_weights(head.linears() + [head.lm_head], dtype, torch.device(device).type)
     return head.eval()

@@ -1,11 +1,13 @@
-"""Deterministic mode: a request's greedy tokens and logprobs are bit-identical (``==`` on
-the floats, never a tolerance) whatever else runs beside it, however its prompt is
-chunked, and wherever its prefix KV came from: the cache, another engine's push, or
-a migration's re-prefill of prompt plus generated tokens. In float32 and bfloat16 (on
-an AVX2 CPU bf16 runs emulated, the same promise); ``-m isa`` runs it capped to AVX2.
+"""Batch invariance, the engine's default on the CPU: a request's greedy tokens and logprobs
+are bit-identical (``==`` on the floats, never a tolerance) whatever else runs beside it,
+however its prompt is chunked, and wherever its prefix KV came from: the cache, another
+engine's push, or a migration's re-prefill of prompt plus generated tokens. In float32 and
+bfloat16 (on an AVX2 CPU bf16 runs emulated, the same promise); ``-m isa`` runs it capped to
+AVX2. ``deterministic=True`` only refuses to start where this cannot hold.
 
-Without the mode the same comparisons differ in the logprobs' last bits (the control
-test below), so these tests would fail were the mode removed."""
+With oneDNN's layouts and SDPA for prompts (``KERVAN_WEIGHT_PACKING=onednn``) the same
+comparisons differ in the logprobs' last bits (the control test below), so these tests would
+fail were the invariant kernels replaced."""
 
 import dataclasses
 
@@ -17,37 +19,34 @@ from worker import SamplingParams
 from worker.config import ConfigError
 from worker.engine.engine import ImportedKV
 from worker.kernels import has_native_kernels
-from worker.layers.batch_invariant import ROW_TILE, RowPlan
-from worker.layers.packing import packed_linear
-from worker.platform import current_platform
 
 pytestmark = [pytest.mark.isa,
-              pytest.mark.skipif(not has_native_kernels(), reason="deterministic mode needs the native kernels")]
+              pytest.mark.skipif(not has_native_kernels(), reason="batch invariance needs the native kernels")]
 
 DTYPES = ["float32", "bfloat16"]
 PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=True)
 
 
 def det_engine(path, dtype, **options):
-    return make_engine(path, dtype=dtype, deterministic=True, **options)
+    return make_engine(path, dtype=dtype, **options)
 
 
 def answer(out):
     return out.token_ids, out.logprobs
 
 
-def run_alone(path, dtype, prompt, params=PARAMS, deterministic=True, **options):
-    engine = make_engine(path, dtype=dtype, deterministic=deterministic, max_num_batched_tokens=512, **options)
+def run_alone(path, dtype, prompt, params=PARAMS, **options):
+    engine = make_engine(path, dtype=dtype, max_num_batched_tokens=512, **options)
     [out] = engine.generate([prompt], params)
     return answer(out)
 
 
-def migrate(path, dtype, prompt, reference, k, deterministic=True):
+def migrate(path, dtype, prompt, reference, k):
     """The request continued elsewhere after its first ``k`` tokens: prompt plus those
     tokens re-prefilled as one prompt, the remaining budget decoded."""
     tokens, logprobs = reference
     rest = dataclasses.replace(PARAMS, max_tokens=PARAMS.max_tokens - k)
-    got_tokens, got_logprobs = run_alone(path, dtype, prompt + tokens[:k], rest, deterministic)
+    got_tokens, got_logprobs = run_alone(path, dtype, prompt + tokens[:k], rest)
     return tokens[:k] + got_tokens, logprobs[:k] + got_logprobs
 
 
@@ -84,8 +83,8 @@ def test_greedy_is_bit_identical_across_batches_chunks_prefix_hits_and_migration
 @pytest.mark.parametrize("quantization,dtype", [("int4-g32", "float32"), ("int4-g32", "bfloat16"),
                                                 ("fp8", "bfloat16")])
 def test_quantized_weights_keep_the_bits_across_batches_and_chunks(llama, dtype, quantization):
-    """The quantized matmul's rows never mix below its tile threshold; the mode's plan
-    covers the calls above it (prefill chunks): the same promise with low-precision weights."""
+    """One quantized kernel a weight, whose rows never mix: the same promise with low-precision
+    weights (int8 activations for int4, the float kernel for FP8's codes)."""
     _, path = llama
     prompt = make_prompts([37], seed=40)[0]
     reference = run_alone(path, dtype, prompt, quantization=quantization)
@@ -165,66 +164,29 @@ def test_the_thread_count_does_not_change_the_bits(llama, dtype):
         torch.set_num_threads(threads)
 
 
-def test_without_the_mode_the_same_comparisons_differ(llama):
-    """The control: these tests can fail. Without the mode a migration's re-prefill runs
-    the generated tokens through the prompt attention kernel, not the decode one, and the
-    logprobs move in their last bits (the tokens may or may not)."""
+def test_with_onednns_layouts_the_same_comparisons_differ(llama, monkeypatch):
+    """The control: these tests can fail. With oneDNN's linears (their blocking chosen by the
+    row count) and SDPA for prompts, a migration's re-prefill runs the generated tokens
+    through other arithmetic than the decode steps that made them, and the logprobs move in
+    their last bits (the tokens may or may not)."""
     _, path = llama
+    monkeypatch.setenv("KERVAN_WEIGHT_PACKING", "onednn")
     prompt = make_prompts([37], seed=40)[0]
-    reference = run_alone(path, "float32", prompt, deterministic=False)
-    moved = migrate(path, "float32", prompt, reference, 9, deterministic=False)
+    reference = run_alone(path, "float32", prompt)
+    moved = migrate(path, "float32", prompt, reference, 9)
     assert moved[1] != reference[1]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("in_features,out_features", [(64, 96), (1536, 576), (576, 4099)])
-def test_a_planned_linear_gives_a_row_the_same_bits_at_any_position_and_batch(dtype, in_features, out_features):
-    """The kernels' own promise the mode rests on: a ROW_TILE call computes each row alike,
-    whatever the other rows hold, and so does every call size the probe keeps. Plain
-    weights, and oneDNN-packed ones where this CPU packs them."""
-    g = torch.Generator().manual_seed(0)
-    weight = (torch.randn(out_features, in_features, generator=g) * 0.05).to(dtype)
-    row = torch.randn(1, in_features, generator=g).to(dtype)
-    variants = [(weight, None)]
-    if current_platform().can_pack(dtype, "cpu"):
-        variants.append((None, torch.ops.mkldnn._reorder_linear_weight(weight, 64)))
-    for plain, packed in variants:
-        plan = RowPlan.probe(lambda x, w=plain, p=packed: packed_linear(x, w, p, None), in_features, dtype, "cpu",
-                             512)
-        assert plan.sizes[-1] == ROW_TILE
-        want = packed_linear(row, plain, packed, None, plan)
-        for rows in (1, 2, 5, ROW_TILE - 1, ROW_TILE, ROW_TILE + 1, 3 * ROW_TILE + 7, 300, 512):
-            for pos in {0, rows // 2, rows - 1}:
-                x = torch.randn(rows, in_features, generator=g).to(dtype)
-                x[pos] = row[0]
-                assert torch.equal(packed_linear(x, plain, packed, None, plan)[pos], want[0]), (plan, rows, pos)
-
-
-def test_a_plan_calls_the_largest_sizes_then_pads_the_rest():
-    plan = RowPlan((128, 64, 32))
-    assert plan.calls(300) == [128, 128, 32, 32] and plan.calls(64) == [64] and plan.calls(5) == [32]
-    x = torch.arange(70 * 3, dtype=torch.float32).view(70, 3)
-    calls = []
-    out = RowPlan((64, 32)).run(lambda t: calls.append(t.shape[0]) or t * 2, x)
-    assert torch.equal(out, x * 2) and calls == [64, 32]
-
-
-def test_a_probe_keeps_only_sizes_that_agree_at_every_row():
-    """A matmul whose 128-row calls round otherwise (as oneDNN's do at some shapes) is
-    never called with 128 rows."""
-    weight = torch.randn(8, 16, dtype=torch.float64)
-
-    def skewed(x):
-        out = x @ weight.t()
-        return out + 1e-9 if x.shape[0] == 128 else out
-    assert RowPlan.probe(skewed, 16, torch.float64, "cpu", 256).sizes == (256, 64, 32)
-
-
-def test_the_mode_is_refused_where_it_cannot_hold(llama, monkeypatch):
+def test_deterministic_mode_is_refused_where_it_cannot_hold(llama, monkeypatch):
     _, path = llama
     if torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CPU"):
             make_engine(path, device="cuda", deterministic=True)
+    assert make_engine(path, deterministic=True).runner.batch_invariant
+    monkeypatch.setenv("KERVAN_WEIGHT_PACKING", "onednn")
+    with pytest.raises(ConfigError, match="qkv"):  # names the layers without an invariant kernel
+        make_engine(path, deterministic=True)
+    monkeypatch.delenv("KERVAN_WEIGHT_PACKING")
     import worker.runner.model_runner as model_runner
     monkeypatch.setattr(model_runner, "has_native_kernels", lambda: False)
     with pytest.raises(ConfigError, match="native CPU kernels"):
