@@ -191,7 +191,13 @@ static void combine_parts(const DecodeArgs<T>& a, int64_t D, const std::vector<i
 // its own item, with its own softmax maximum and sum, combined in part order after
 // (``combine_parts``). One sequence of 4,096 tokens on SmolLM2's 3 kv heads is then
 // 24 items, not 3 for 2 threads. Where a row's parts fall depends on its length
-// alone, never on the batch: the result is batch-invariant (deterministic mode).
+// alone, never on the batch: the result is batch-invariant.
+//
+// A prompt's tokens come as rows of their own (every token attends to its prefix through
+// the same block table, its length one more than the row before's): up to kRowsMax such
+// rows make one item, each K and V vector loaded once for all of them. Each row's sums run
+// as they would alone — the same chains over d, its own softmax over its own length, its
+// own chain over the tokens — so grouping changes the speed, never a row's bits.
 constexpr int64_t kPart = 512;
 
 template <typename T, int64_t kD, int64_t kBS, int64_t kG>
@@ -204,123 +210,168 @@ static void decode_vec(const DecodeArgs<T>& a) {
   constexpr int64_t kChunkVecs = kChunk / kW;
   constexpr int64_t kSpan = kD * kBS;  // elements of one (block, head)
   constexpr int64_t kPartBlocks = kPart / kBS;
+  // rows of one sequence an item takes: as many as keep their accumulators in registers
+  constexpr int64_t kRegs = kW == 16 ? 24 : 12;
+  constexpr int64_t kRowsMax = std::max<int64_t>(
+      1, std::min<int64_t>(4, kRegs / std::max(kChains * kG * kCols, kG * kChunkVecs)));
   const int64_t heads = a.B >= 2 * at::get_num_threads() ? a.Hkv : 1;  // kv heads per work item
   const int64_t items_per_seq = a.Hkv / heads, rows = heads * kG;      // rows: query heads per item
-  // (sequence, part) of each work item's part index, and where each sequence's parts start
-  std::vector<int64_t> part_seq, part_index, first_part(a.B + 1, 0);
-  for (int64_t b = 0; b < a.B; ++b) {
-    const int64_t parts = std::max<int64_t>(1, (a.lens[b] + kPart - 1) / kPart);
-    first_part[b + 1] = first_part[b] + parts;
-    for (int64_t p = 0; p < parts; ++p) {
-      part_seq.push_back(b);
-      part_index.push_back(p);
-    }
+  // where each row's parts start, and the items: (first row, rows, part) of a run of rows of one
+  // sequence (the same table, lengths one apart, as many parts)
+  std::vector<int64_t> first_part(a.B + 1, 0);
+  struct Item {
+    int64_t row, count, part;
+  };
+  std::vector<Item> items;
+  auto parts_of = [&](int64_t b) { return std::max<int64_t>(1, (a.lens[b] + kPart - 1) / kPart); };
+  for (int64_t b = 0; b < a.B;) {
+    int64_t n = 1;
+    const int64_t* table = a.tables + b * a.max_blocks;
+    while (n < kRowsMax && b + n < a.B && a.lens[b + n] == a.lens[b] + n && parts_of(b + n) == parts_of(b) &&
+           std::memcmp(table, a.tables + (b + n) * a.max_blocks, a.max_blocks * sizeof(int64_t)) == 0)
+      ++n;
+    for (int64_t r = b; r < b + n; ++r) first_part[r + 1] = first_part[r] + parts_of(r);
+    for (int64_t p = 0; p < parts_of(b); ++p) items.push_back({b, n, p});
+    b += n;
   }
   const int64_t total_parts = first_part[a.B];
   // a split sequence's parts: unnormalised outputs [part, head, kD], and each row's maximum and sum
   const bool split = total_parts > a.B;
   std::vector<float> part_acc(split ? total_parts * a.Hq * kD : 0), part_max(split ? total_parts * a.Hq : 0),
       part_sum(split ? total_parts * a.Hq : 0);
-  at::parallel_for(0, total_parts * items_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, scores, acc, mx, sums;  // [rows, kD], [rows, part blocks * kBS], [rows, kD], [rows] x 2
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, num_items * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    // per row of the item: [rows, kD], [rows, part blocks * kBS], [rows, kD], [rows] x 2
+    std::vector<float> qf, scores, acc, mx, sums;
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t pi = w / items_per_seq, b = part_seq[pi], part = part_index[pi];
-      const int64_t h0 = w % items_per_seq * heads, len = a.lens[b];
-      const int64_t parts = first_part[b + 1] - first_part[b];
+      const Item item = items[w / items_per_seq];
+      const int64_t h0 = w % items_per_seq * heads, part = item.part;
       const int64_t j0 = part * kPartBlocks, t_begin = j0 * kBS;  // this part's first block and token
-      const int64_t n_tokens = std::min(len, t_begin + kPart) - t_begin;
-      const int64_t nblocks = (n_tokens + kBS - 1) / kBS, stride = nblocks * kBS;
-      const int64_t* table = a.tables + b * a.max_blocks + j0;
-      const T* q = a.q + b * a.q_row + h0 * kG * kD;  // this item's query heads are adjacent
-      qf.resize(rows * kD);
-      scores.resize(rows * stride);  // whole blocks, so every store is a whole vector
-      acc.assign(rows * kD, 0.f);
-      mx.resize(rows);
-      sums.resize(rows);
+      int64_t n_tokens[kRowsMax], nblocks = 0;
+      for (int64_t r = 0; r < item.count; ++r) {
+        n_tokens[r] = std::min(a.lens[item.row + r], t_begin + kPart) - t_begin;
+        nblocks = std::max(nblocks, (n_tokens[r] + kBS - 1) / kBS);
+      }
+      const int64_t stride = nblocks * kBS, span = rows * stride;
+      const int64_t* table = a.tables + item.row * a.max_blocks + j0;
+      qf.resize(item.count * rows * kD);
+      scores.resize(item.count * span);  // whole blocks, so every store is a whole vector
+      acc.assign(item.count * rows * kD, 0.f);
+      mx.resize(item.count * rows);
+      sums.resize(item.count * rows);
       float* __restrict__ sc = scores.data();
-      for (int64_t i = 0; i < rows * kD; ++i) qf[i] = to_float(q, i) * a.scale;
+      for (int64_t r = 0; r < item.count; ++r) {
+        const T* q = a.q + (item.row + r) * a.q_row + h0 * kG * kD;  // this item's query heads are adjacent
+        for (int64_t i = 0; i < rows * kD; ++i) qf[r * rows * kD + i] = to_float(q, i) * a.scale;
+      }
       auto k_at = [&](int64_t j) { return a.k + table[j] * a.block_stride + h0 * kSpan; };
       auto v_at = [&](int64_t j) { return a.v + table[j] * a.block_stride + h0 * kSpan; };
       for (int64_t j = 0; j < std::min(nblocks, kAhead); ++j) {
         prefetch(k_at(j), heads * kSpan);
         prefetch(v_at(j), heads * kSpan);
       }
-      // scores: K is [head_dim, block_size] per (block, head), so a block's scores for
-      // one query head accumulate as kCols vectors, d by d
-      for (int64_t j = 0; j < nblocks; ++j) {
-        if (j + kAhead < nblocks) {
-          prefetch(k_at(j + kAhead), heads * kSpan);
-          prefetch(v_at(j + kAhead), heads * kSpan);  // ready for the V pass
-        }
-        for (int64_t hh = 0; hh < heads; ++hh) {
-          const T* __restrict__ kb = k_at(j) + hh * kSpan;
-          const float* qh = qf.data() + hh * kG * kD;
-          Vec s[kChains][kG][kCols];
-          for (auto& chain : s)
-            for (auto& row : chain)
-              for (auto& x : row) x = Vec(0.f);
-          // unrolled (32 steps of d), so the accumulators live in registers: GCC otherwise keeps them on the
-          // stack. Unrolled whole, the file took twice as long to compile for no gain on a cold KV walk
+      auto score_rows = [&]<int64_t kN>() {
+        // scores: K is [head_dim, block_size] per (block, head), so a block's scores for
+        // one query head accumulate as kCols vectors, d by d
+        for (int64_t j = 0; j < nblocks; ++j) {
+          if (j + kAhead < nblocks) {
+            prefetch(k_at(j + kAhead), heads * kSpan);
+            prefetch(v_at(j + kAhead), heads * kSpan);  // ready for the V pass
+          }
+          for (int64_t hh = 0; hh < heads; ++hh) {
+            const T* __restrict__ kb = k_at(j) + hh * kSpan;
+            Vec s[kN][kChains][kG][kCols];
+            for (auto& row : s)
+              for (auto& chain : row)
+                for (auto& g : chain)
+                  for (auto& x : g) x = Vec(0.f);
+            // unrolled (32 steps of d), so the accumulators live in registers: GCC otherwise keeps them on the
+            // stack. Unrolled whole, the file took twice as long to compile for no gain on a cold KV walk
 #pragma GCC unroll 32
-          for (int64_t d = 0; d < kD; d += kChains) {
+            for (int64_t d = 0; d < kD; d += kChains) {
 #pragma GCC unroll 4
-            for (int64_t ch = 0; ch < kChains; ++ch) {
-              Vec krow[kCols];
+              for (int64_t ch = 0; ch < kChains; ++ch) {
+                Vec krow[kCols];
 #pragma GCC unroll 8
-              for (int64_t c = 0; c < kCols; ++c) krow[c] = load_floats(kb + (d + ch) * kBS + c * kW);
+                for (int64_t c = 0; c < kCols; ++c) krow[c] = load_floats(kb + (d + ch) * kBS + c * kW);
+#pragma GCC unroll 4
+                for (int64_t r = 0; r < kN; ++r) {
+                  const float* qh = qf.data() + (r * rows + hh * kG) * kD;
 #pragma GCC unroll 16
-              for (int64_t g = 0; g < kG; ++g) {
-                const Vec qv(qh[g * kD + d + ch]);
+                  for (int64_t g = 0; g < kG; ++g) {
+                    const Vec qv(qh[g * kD + d + ch]);
 #pragma GCC unroll 8
-                for (int64_t c = 0; c < kCols; ++c) s[ch][g][c] = at::vec::fmadd(qv, krow[c], s[ch][g][c]);
+                    for (int64_t c = 0; c < kCols; ++c) s[r][ch][g][c] = at::vec::fmadd(qv, krow[c], s[r][ch][g][c]);
+                  }
+                }
               }
             }
+            for (int64_t r = 0; r < kN; ++r)
+              for (int64_t g = 0; g < kG; ++g)
+                for (int64_t c = 0; c < kCols; ++c) {
+                  Vec total = s[r][0][g][c];
+                  if constexpr (kChains == 2) total = total + s[r][1][g][c];
+                  total.store(sc + r * span + (hh * kG + g) * stride + j * kBS + c * kW);
+                }
           }
-          for (int64_t g = 0; g < kG; ++g)
-            for (int64_t c = 0; c < kCols; ++c) {
-              Vec total = s[0][g][c];
-              if constexpr (kChains == 2) total = total + s[1][g][c];
-              total.store(sc + (hh * kG + g) * stride + j * kBS + c * kW);
-            }
         }
-      }
-      for (int64_t r = 0; r < rows; ++r) sums[r] = softmax_in_place(sc + r * stride, n_tokens, &mx[r]);
-      // values: V is [block_size, head_dim] per (block, head); kChunk columns of the
-      // output at a time stay in registers over a block's tokens
-      for (int64_t j = 0; j < nblocks; ++j) {
-        const int64_t t0 = j * kBS, n = std::min(kBS, n_tokens - t0);
-        for (int64_t hh = 0; hh < heads; ++hh) {
-          const T* __restrict__ vb = v_at(j) + hh * kSpan;
-          float* acc_h = acc.data() + hh * kG * kD;
-          const float* p_h = sc + hh * kG * stride + t0;
-          for (int64_t c0 = 0; c0 < kD; c0 += kChunk) {
-            Vec part_v[kG][kChunkVecs];
-            for (int64_t g = 0; g < kG; ++g)
-              for (int64_t u = 0; u < kChunkVecs; ++u) part_v[g][u] = Vec::loadu(acc_h + g * kD + c0 + u * kW);
-            for (int64_t i = 0; i < n; ++i) {
-              Vec v[kChunkVecs];
-              for (int64_t u = 0; u < kChunkVecs; ++u) v[u] = load_floats(vb + i * kD + c0 + u * kW);
-              for (int64_t g = 0; g < kG; ++g) {
-                const Vec p(p_h[g * stride + i]);
-                for (int64_t u = 0; u < kChunkVecs; ++u) part_v[g][u] = at::vec::fmadd(p, v[u], part_v[g][u]);
+        for (int64_t r = 0; r < kN; ++r)
+          for (int64_t h = 0; h < rows; ++h)
+            sums[r * rows + h] = softmax_in_place(sc + r * span + h * stride, n_tokens[r], &mx[r * rows + h]);
+        // values: V is [block_size, head_dim] per (block, head); kChunk columns of the
+        // output at a time stay in registers over a block's tokens, a row's tokens in order
+        for (int64_t j = 0; j < nblocks; ++j) {
+          const int64_t t0 = j * kBS;
+          for (int64_t hh = 0; hh < heads; ++hh) {
+            const T* __restrict__ vb = v_at(j) + hh * kSpan;
+            for (int64_t c0 = 0; c0 < kD; c0 += kChunk) {
+              Vec part_v[kN][kG][kChunkVecs];
+              for (int64_t r = 0; r < kN; ++r)
+                for (int64_t g = 0; g < kG; ++g)
+                  for (int64_t u = 0; u < kChunkVecs; ++u)
+                    part_v[r][g][u] = Vec::loadu(acc.data() + (r * rows + hh * kG + g) * kD + c0 + u * kW);
+              for (int64_t i = 0; i < kBS && t0 + i < n_tokens[kN - 1]; ++i) {
+                Vec v[kChunkVecs];
+                for (int64_t u = 0; u < kChunkVecs; ++u) v[u] = load_floats(vb + i * kD + c0 + u * kW);
+#pragma GCC unroll 4
+                for (int64_t r = 0; r < kN; ++r) {
+                  if (t0 + i >= n_tokens[r]) continue;  // past this row's own length
+                  const float* p_h = sc + r * span + hh * kG * stride + t0;
+                  for (int64_t g = 0; g < kG; ++g) {
+                    const Vec p(p_h[g * stride + i]);
+                    for (int64_t u = 0; u < kChunkVecs; ++u) part_v[r][g][u] = at::vec::fmadd(p, v[u], part_v[r][g][u]);
+                  }
+                }
               }
+              for (int64_t r = 0; r < kN; ++r)
+                for (int64_t g = 0; g < kG; ++g)
+                  for (int64_t u = 0; u < kChunkVecs; ++u)
+                    part_v[r][g][u].store(acc.data() + (r * rows + hh * kG + g) * kD + c0 + u * kW);
             }
-            for (int64_t g = 0; g < kG; ++g)
-              for (int64_t u = 0; u < kChunkVecs; ++u) part_v[g][u].store(acc_h + g * kD + c0 + u * kW);
           }
         }
+      };
+      switch (item.count) {  // rows of a run come in length order: the last is the longest
+        case 4: if constexpr (kRowsMax >= 4) { score_rows.template operator()<4>(); break; } [[fallthrough]];
+        case 3: if constexpr (kRowsMax >= 3) { score_rows.template operator()<3>(); break; } [[fallthrough]];
+        case 2: if constexpr (kRowsMax >= 2) { score_rows.template operator()<2>(); break; } [[fallthrough]];
+        default: score_rows.template operator()<1>();
       }
-      if (parts == 1) {  // the whole sequence: normalise in place
-        T* out = a.out + (b * a.Hq + h0 * kG) * kD;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float inv = 1.f / sums[r];
-          for (int64_t d = 0; d < kD; ++d) out[r * kD + d] = static_cast<T>(acc[r * kD + d] * inv);
+      for (int64_t r = 0; r < item.count; ++r) {
+        const int64_t b = item.row + r, parts = first_part[b + 1] - first_part[b];
+        const float* acc_r = acc.data() + r * rows * kD;
+        if (parts == 1) {  // the whole sequence: normalise in place
+          T* out = a.out + (b * a.Hq + h0 * kG) * kD;
+          for (int64_t h = 0; h < rows; ++h) {
+            const float inv = 1.f / sums[r * rows + h];
+            for (int64_t d = 0; d < kD; ++d) out[h * kD + d] = static_cast<T>(acc_r[h * kD + d] * inv);
+          }
+        } else {
+          const int64_t slot = (first_part[b] + part) * a.Hq + h0 * kG;
+          std::copy(acc_r, acc_r + rows * kD, part_acc.begin() + slot * kD);
+          std::copy(mx.begin() + r * rows, mx.begin() + (r + 1) * rows, part_max.begin() + slot);
+          std::copy(sums.begin() + r * rows, sums.begin() + (r + 1) * rows, part_sum.begin() + slot);
         }
-      } else {
-        const int64_t slot = (first_part[b] + part) * a.Hq + h0 * kG;
-        std::copy(acc.begin(), acc.end(), part_acc.begin() + slot * kD);
-        std::copy(mx.begin(), mx.end(), part_max.begin() + slot);
-        std::copy(sums.begin(), sums.end(), part_sum.begin() + slot);
       }
     }
   });

@@ -26,9 +26,17 @@
 #include <immintrin.h>
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -40,7 +48,8 @@ namespace kervan::q8 {
 constexpr int64_t kAheadBytes = 2048;  // how far ahead of its reads a tile's stream is prefetched
 
 // x as int8 by blocks of 32: q [M, K], and per block its scale d and the sum of its int8
-// values, as a float (for the zeros' term) [M, K / 32]
+// values, as a float (for the zeros' term) [M, K / 32]; rows past M, where the vectors hold
+// them (padding to whole tiles of rows), are zero
 struct QuantizedRows {
   int64_t M, K;
   std::vector<int8_t> q;
@@ -88,22 +97,25 @@ inline void quantize_block(const float* v, int8_t* q, float* d, float* sum) {
 // rounded to int8 by blocks), whose products the caller adds: x to about 1/127 of int8's error,
 // for the same weight bytes read (the LM head's logits)
 template <typename T>
-QuantizedRows quantize_rows(const at::Tensor& x, int64_t terms) {
-  const int64_t M = x.size(0) * terms, K = x.size(1), blocks = K / 32;
-  QuantizedRows out{M, K, std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * blocks)};
-  std::vector<float> row(K);
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t terms, int64_t row_tile) {
+  const int64_t M = x.size(0) * terms, K = x.size(1), blocks = K / 32, rows = (M + row_tile - 1) / row_tile * row_tile;
+  QuantizedRows out{M, K, std::vector<int8_t>(rows * K), std::vector<float>(rows * blocks),
+                    std::vector<float>(rows * blocks)};
   const T* xp = x.data_ptr<T>();
-  for (int64_t m = 0; m < M; ++m) {
-    if (m % terms == 0) {
-      for (int64_t k = 0; k < K; k += kW) load_floats(xp + m / terms * x.stride(0) + k).store(row.data() + k);
-    } else {  // the remainder of the row before
-      for (int64_t k = 0; k < K; ++k) row[k] -= out.d[(m - 1) * blocks + k / 32] * out.q[(m - 1) * K + k];
+  at::parallel_for(0, x.size(0), 16, [&](int64_t r0, int64_t r1) {  // each row of x and its terms alone
+    std::vector<float> row(K);
+    for (int64_t m = r0 * terms; m < r1 * terms; ++m) {
+      if (m % terms == 0) {
+        for (int64_t k = 0; k < K; k += kW) load_floats(xp + m / terms * x.stride(0) + k).store(row.data() + k);
+      } else {  // the remainder of the row before
+        for (int64_t k = 0; k < K; ++k) row[k] -= out.d[(m - 1) * blocks + k / 32] * out.q[(m - 1) * K + k];
+      }
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t i = m * blocks + b;
+        quantize_block(row.data() + b * 32, out.q.data() + m * K + b * 32, &out.d[i], &out.sum[i]);
+      }
     }
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t i = m * blocks + b;
-      quantize_block(row.data() + b * 32, out.q.data() + m * K + b * 32, &out.d[i], &out.sum[i]);
-    }
-  }
+  });
   return out;
 }
 
@@ -122,9 +134,16 @@ namespace vnni {
 #define KERVAN_Q8_VNNI 1
 #include "quant_int8_kernel.h"
 #undef KERVAN_Q8_VNNI
+#pragma GCC push_options
+#pragma GCC target("avx512vnni,amx-tile,amx-int8")
+#include "quant_int8_amx.h"
+#pragma GCC pop_options
 }  // namespace vnni
 #pragma GCC pop_options
 #endif
+
+// rows of x (its terms counted) from which a call takes AMX tiles where the CPU has them
+constexpr int64_t kAmxMinRows = 32;
 
 // the instructions this process's kernel multiplies with: "vnni" (tiles of 16 features,
 // int8 codes stored shifted to unsigned), "avx2" (tiles of 8, int8 codes signed) or "" (none)
@@ -166,27 +185,43 @@ at::Tensor quant_matmul_i8(at::Tensor x, at::Tensor data, int64_t out_features, 
   auto out = at::empty({M, out_features}, x.options());
   if (M == 0) return out;
   std::unique_ptr<float[]> out32(new float[M * terms * width]);  // every element written: no zeroing
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool amx = vnni && M * terms >= kAmxMinRows && vnni::amx_allowed();
+#else
+  const bool amx = false;
+#endif
   KERVAN_DISPATCH(x.scalar_type(), "quant_matmul_i8", [&] {
     using T = scalar_t;
-    const QuantizedRows xq = quantize_rows<T>(x, terms);
+    const QuantizedRows xq = quantize_rows<T>(x, terms, amx ? 16 : 1);
     const uint8_t* dp = data.data_ptr<uint8_t>();
     float* o = out32.get();
     const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
     T* op = out.data_ptr<T>();
     // each thread's features into x's dtype as its tiles finish (no serial pass after)
+    // (the terms' sum, plus the bias, rounded once to T: the same bits in a vector or the scalar tail)
     auto done = [&](int64_t n0, int64_t n1) {
       n1 = std::min(n1, out_features);
       for (int64_t m = 0; m < M; ++m) {
         const float* src = o + m * terms * width;
-        for (int64_t n = n0; n < n1; ++n) {
+        T* dst = op + m * out_features;
+        int64_t n = n0;
+        for (; n + kW <= n1; n += kW) {
+          Vec v = Vec::loadu(src + n);
+          if (terms == 2) v = v + Vec::loadu(src + width + n);
+          if (bp != nullptr) v = v + load_floats(bp + n);
+          store_floats(dst + n, v);
+        }
+        for (; n < n1; ++n) {
           const float v = terms == 2 ? src[n] + src[width + n] : src[n];
-          op[m * out_features + n] = static_cast<T>(bp != nullptr ? v + static_cast<float>(bp[n]) : v);
+          dst[n] = static_cast<T>(bp != nullptr ? v + static_cast<float>(bp[n]) : v);
         }
       }
     };
     auto run = [&](auto params) {
       using S = decltype(params);
 #if defined(CPU_CAPABILITY_AVX512)
+      if (amx && four_bit) return vnni::amx_matmul<true, S>(xq, dp, tiles, group, o, done);
+      if (amx) return vnni::amx_matmul<false, S>(xq, dp, tiles, group, o, done);
       if (vnni && four_bit) return vnni::matmul<true, false, S>(xq, dp, tiles, group, o, done);
       if (vnni) return vnni::matmul<false, false, S>(xq, dp, tiles, group, o, done);
 #endif

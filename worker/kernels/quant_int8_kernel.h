@@ -14,6 +14,7 @@
 #if KERVAN_Q8_VNNI
 constexpr int64_t kTile = 16;
 constexpr int64_t kRows = 4;  // rows of x at once: 2 accumulators each, of 32 registers
+constexpr int64_t kPanelRows = 256;  // rows of x a pass of the weight's tiles takes (in L2)
 using FVec = __m512;
 using IVec = __m512i;
 __attribute__((always_inline)) inline IVec load_i(const uint8_t* p) { return _mm512_loadu_si512(p); }
@@ -45,6 +46,7 @@ __attribute__((always_inline)) inline FVec load_params(const c10::Half* p) {
 #else
 constexpr int64_t kTile = 8;
 constexpr int64_t kRows = 2;  // of 16 registers
+constexpr int64_t kPanelRows = 128;  // rows of x a pass of the weight's tiles takes (in L2; Zen 3's is 512 KB)
 using FVec = __m256;
 using IVec = __m256i;
 __attribute__((always_inline)) inline IVec load_i(const uint8_t* p) {
@@ -152,9 +154,11 @@ void matmul(const QuantizedRows& x, const uint8_t* data, int64_t tiles, int64_t 
   const int64_t tile_bytes = (K / group) * 2 * kTile * static_cast<int64_t>(sizeof(S)) +
                              (K / 32) * kTile * (kFour ? 16 : 32);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    // by panels of x's rows that stay in L2 while the thread's tiles pass over them
+    for (int64_t p0 = 0; p0 < x.M; p0 += kPanelRows)
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* tile = data + t * tile_bytes;
-      for (int64_t m0 = 0; m0 < x.M; m0 += kRows) {
+      for (int64_t m0 = p0; m0 < std::min(x.M, p0 + kPanelRows); m0 += kRows) {
         float* o = out + m0 * ld + t * kTile;
         switch (std::min(kRows, x.M - m0)) {
 #if KERVAN_Q8_VNNI
