@@ -287,7 +287,7 @@ def main() -> None:
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
-    report: dict = {"machine": machine(args.dtype), "args": vars(args)}
+    report: dict = {"benchmark": "quant_activations", "machine": machine(args.dtype)}
     if not args.skip_quality:
         reference = reference_model(args)
         report["perplexity"] = perplexities(args, reference)
@@ -295,7 +295,7 @@ def main() -> None:
         del reference
     if not args.skip_speed:
         report["speed"] = speed(args)
-    write_report(report, args.json_out)
+    write_report(report, args.json_out, args)
 
 
 if __name__ == "__main__":
