@@ -134,38 +134,72 @@ def quantization() -> str:
     return "\n".join(rows) + "\n"
 
 
-ACTIVATION_ROWS = {"float": "Kervan, float activations", "int8": "Kervan, int8 activations",
-                   "auto": "Kervan, auto (timed per shape)", "llama_cpp": "llama.cpp", "llama_cpp_pp_build":
-                   "llama.cpp, the prompt build"}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+ACTIVATION_ROWS = {"float": "Kervan, float kernel", "int8": "Kervan, int8 (one term)",
+                   "int8x2": "Kervan, int8x2 (two terms: the default)", "llama_cpp": "llama.cpp"}
 
 
 def quant_activations() -> str:
-    """Per report: batch 1, batch 8 and a 512-token prompt for each kernel and llama.cpp;
-    then what int8 activations do to perplexity and agreement."""
+    """Per report: each kernel's batch 1, 8 and 32 and a 512-token prompt, beside the float
+    kernel and llama.cpp; then each one's perplexity and greedy answers against the float32
+    reference (transformers on the dequantized GGUF), beside llama.cpp's."""
     rows = ["| report | CPU (ISA), dtype | system | weights MB | batch 1 ms/token | vs float kernel | vs llama.cpp "
-            "| batch 8 tok/s | batch 32 tok/s | prompt 512 tok/s | prompt vs llama.cpp |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
-    quality = ["| report | dequantized path perplexity | float kernel | int8 kernel | int8 top-1 agreement "
-               "| greedy tokens the same |", "|---|---|---|---|---|---|"]
+            "| batch 8 tok/s | batch 32 tok/s | prompt 512 tok/s | vs float kernel | vs llama.cpp |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    quality = ["| report | system | perplexity | second halves (llama.cpp's protocol) | top-1 agreement "
+               "| first token as the reference's | whole answer as the reference's | agreeing tokens |",
+               "|---|---|---|---|---|---|---|---|"]
     for label, report in cells.reports("quant_activations"):
-        m, s = report["machine"], report["speed"]
+        m, s = report["machine"], report.get("speed", {})
         where = f"{m['cpu']} ({m['isa']}), {m['dtype']}"
         for key, name in ACTIVATION_ROWS.items():
             if key not in s:
                 continue
             x = s[key]
             held = f"{x['weight_bytes'] / 1e6:,.1f}" if "weight_bytes" in x else "–"
+
+            def versus(measure: str, of: str, x=x) -> str:
+                return cells.ratio(x[f"{measure}_vs_{of}"]) if f"{measure}_vs_{of}" in x else "–"
             rows.append(f"| {label} | {where} | {name} | {held} | {cells.maybe(x.get('batch_1_ms'), '{:,.2f}')} "
-                        f"| {cells.ratio(x['batch_1_speedup_vs_float']) if 'batch_1_speedup_vs_float' in x else '–'} "
-                        f"| {cells.ratio(x['batch_1_vs_llama_cpp']) if 'batch_1_vs_llama_cpp' in x else '–'} "
+                        f"| {versus('batch_1_ms', 'float')} | {versus('batch_1_ms', 'llama_cpp')} "
                         f"| {cells.maybe(x.get('batch_8_tok_s'))} | {cells.maybe(x.get('batch_32_tok_s'))} "
-                        f"| {cells.maybe(x.get('pp_tok_s'))} "
-                        f"| {cells.ratio(x['pp_vs_llama_cpp']) if 'pp_vs_llama_cpp' in x else '–'} |")
-        q, g = report["quality"], report["greedy"]
-        quality.append(f"| {label} | {q['dequantized']['perplexity']:.4f} | {q['float']['perplexity']:.4f} "
-                       f"| {q['int8']['perplexity']:.4f} | {q['int8']['top1_agreement_with_dequantized']:.4f} "
-                       f"| {g['same_token_share']:.3f} |")
+                        f"| {cells.maybe(x.get('pp_tok_s'))} | {versus('pp_tok_s', 'float')} "
+                        f"| {versus('pp_tok_s', 'llama_cpp')} |")
+        p, g = report["perplexity"], report["greedy"]
+        for key, x in p.items():
+            if not isinstance(x, dict):
+                continue
+            # the greedy answers of this system, per dtype (``{kernel}_{dtype}``; llama.cpp's: one)
+            answers = {k[len(key) + 1:] if k != key else "": v for k, v in g.items() if key != "reference"
+                       and (k == key or k.startswith(f"{key}_") and k[len(key) + 1:] in DTYPE_NAMES)}
+
+            def each(field: str, fmt: str, answers=answers) -> str:
+                return "; ".join(f"{dtype} {fmt.format(v[field])}".strip() for dtype, v in answers.items()) or "–"
+            name = "transformers, float32 (the reference)" if key == "reference" else ACTIVATION_ROWS.get(key, key)
+            ppl = f"{x['perplexity']:,.4f}" if "perplexity" in x else "–"
+            top1 = f"{x['top1_agreement_with_reference']:.4f}" if "top1_agreement_with_reference" in x else "–"
+            quality.append(f"| {label} | {name} | {ppl} | {x['perplexity_second_halves']:,.4f} | {top1} "
+                           f"| {each('first_token_share', '{:.3f}')} | {each('whole_answer_share', '{:.3f}')} "
+                           f"| {each('mean_agreeing_tokens', '{:.1f}')} |")
     return "\n".join(rows) + "\n\n" + "\n".join(quality) + "\n"
+
+
+COST_MEASURES = {"batch_1_ms": "batch 1 ms a step", "batch_16_ms": "batch 16 ms a step",
+                 "pp_512_tok_s": "prompt 512 tok/s", "pp_2048_tok_s": "prompt 2,048 tok/s"}
+
+
+def invariance_cost() -> str:
+    """Per report and model: each measure, the engine now against its checkout before batch
+    invariance, and the per-round ratio (above 1.0: faster now)."""
+    rows = ["| report | model, dtype | measure | now | before | now / before |", "|---|---|---|---|---|---|"]
+    for label, report in cells.reports("invariance_cost"):
+        for name, x in report["models"].items():
+            for key, measure in COST_MEASURES.items():
+                fmt = "{:,.2f}" if key.endswith("_ms") else "{:,.0f}"
+                now, before = cells.spread(x["current"][key], fmt), cells.spread(x["baseline"][key], fmt)
+                rows.append(f"| {label} | {name}, {x['dtype']} | {measure} | {now} | {before} "
+                            f"| {cells.ratio(x['current_over_baseline'][key])} |")
+    return "\n".join(rows) + "\n"
 
 
 PARITY_SYSTEMS = {"kervan": "Kervan", "kervan_modules": "Kervan, decode stack off", "llama_cpp": "llama.cpp"}
@@ -380,6 +414,7 @@ def measured(benchmark: str, keys: tuple[str, ...] = ("summary",)) -> str:
 
 TABLES = {"engine_throughput": engine_throughput, "step_profile": step_profile, "linear_kernels": linear_kernels,
           "quantization": quantization, "quant-kernels": quant_kernels, "quant_activations": quant_activations,
+          "invariance_cost": invariance_cost,
           "llama_cpp_parity": llama_cpp_parity, "peers": peers, "plan_published": plan_published,
           "speculative": speculative, "parallel": parallel, "linear_packing": linear_packing,
           "interference": mesh_tables.interference, "prefix_placement": mesh_tables.prefix_placement,
