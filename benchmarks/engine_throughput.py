@@ -19,8 +19,8 @@ that knows every request's length would, sorted by output length
 that split the requests into more than one batch, since one batch of all of them is
 the unsorted run again). ``kervan_unpacked`` is the engine
 without oneDNN weight packing (``KERVAN_WEIGHT_PACKING=off``), the one optimisation
-transformers does not get. ``--deterministic`` adds ``kervan_deterministic``, the engine
-in deterministic mode, and what it costs. Every engine gets the same KV budget
+transformers does not get (which now also gives up batch invariance: the engine's own
+kernels take packed layouts). Every engine gets the same KV budget
 (``--kv-cache-gib``) and its timer covers submitting the requests too; a round
 fails unless each system produced exactly the tokens asked for. Rounds run the
 systems in rotated order on fresh prompts; each
@@ -121,14 +121,13 @@ def timed_load(fn):
     return out, round(time.perf_counter() - t0, 2)
 
 
-def new_engine(model_dir, dtype: str, args, packing: str = "auto", deterministic: bool = False) -> Engine:
+def new_engine(model_dir, dtype: str, args, packing: str = "auto") -> Engine:
     previous = os.environ.get(KERVAN_WEIGHT_PACKING)
     os.environ[KERVAN_WEIGHT_PACKING] = packing
     try:
         return Engine.from_pretrained(model_dir, dtype=dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                                       max_num_batched_tokens=args.max_num_batched_tokens,
-                                      kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
-                                      deterministic=deterministic)
+                                      kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)))
     finally:
         if previous is None:
             os.environ.pop(KERVAN_WEIGHT_PACKING)
@@ -168,7 +167,6 @@ def run_dtype(model_dir, dtype: str, rounds, calibration, args) -> dict:
     """Every system in one dtype, round by round on the same prompts."""
     engine, kervan_load_s = timed_load(lambda: new_engine(model_dir, dtype, args))
     unpacked = new_engine(model_dir, dtype, args, packing="off") if args.unpacked else None
-    exact = new_engine(model_dir, dtype, args, deterministic=True) if args.deterministic else None
     resolved, config = dtype_name(engine.config.dtype), engine.config
     hf_model, hf_load_s = (None, None) if args.skip_transformers else timed_load(
         lambda: load_transformers(model_dir, config.dtype, config.device))
@@ -177,8 +175,6 @@ def run_dtype(model_dir, dtype: str, rounds, calibration, args) -> dict:
         best_batch_size(hf_model, calibration, sizes)
     peer, searched = tuned_vllm(model_dir, resolved, calibration, args) if args.vllm_python else (None, {})
     systems = {"kervan": lambda p, o: run_kervan(engine, p, o)}
-    if exact is not None:
-        systems["kervan_deterministic"] = lambda p, o: run_kervan(exact, p, o)
     if unpacked is not None:
         systems["kervan_unpacked"] = lambda p, o: run_kervan(unpacked, p, o)
     # the sorted control only means something with more than one batch: its own best size among those
@@ -218,19 +214,18 @@ def run_dtype(model_dir, dtype: str, rounds, calibration, args) -> dict:
     for peer_name in SYSTEMS[2:]:  # per-round ratios: both systems saw the same moment
         if peer_name in runs[0]:
             result[f"kervan_vs_{peer_name}"] = ratio_summary(runs, "kervan", peer_name)
-    if exact is not None:  # what deterministic mode costs
-        result["kervan_deterministic_vs_kervan"] = ratio_summary(runs, "kervan_deterministic", "kervan")
     if peer is not None:
         result["vllm_version"] = peer.info.get("vllm")
         result["vllm_settings"], result["vllm_env"] = peer.info.get("settings"), peer.info.get("env")
         result["vllm_search_tok_s"] = searched
     systems.clear()
-    engine = unpacked = exact = hf_model = None  # freed before the next dtype loads its own
+    engine = unpacked = hf_model = None  # freed before the next dtype loads its own
     gc.collect()
     return result
 
 
-# Kervan, its deterministic mode (compared with Kervan), then the peers (each compared with Kervan)
+# Kervan, then the peers (each compared with Kervan). Reports before batch invariance also ran
+# "kervan_deterministic", the engine in the opt-in mode of the time, now its only one
 SYSTEMS = ("kervan", "kervan_deterministic", "kervan_unpacked", "transformers", "transformers_sorted", "vllm")
 
 
@@ -266,8 +261,6 @@ def main() -> None:
     ap.add_argument("--kv-cache-gib", type=float, default=2.0,
                     help="KV cache of every engine (Kervan's kv_cache_memory_bytes, vLLM's VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--unpacked", action="store_true", help="also the engine without weight packing")
-    ap.add_argument("--deterministic", action="store_true",
-                    help="also the engine in deterministic mode (batch-invariant kernels): what it costs")
     ap.add_argument("--json-out", default=None, help="also write the report here (benchmarks/results/*.json)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-cpu: run vLLM as a peer")

@@ -257,7 +257,7 @@ def greedy(args, reference) -> dict:
         got = []
         for text in texts:
             res = subprocess.run([args.llama_simple, "-m", gguf_of(args.model), "-n", str(n), text],
-                                 capture_output=True, text=True, timeout=600, check=True)
+                                 capture_output=True, text=True, errors="replace", timeout=600, check=True)
             printed = res.stdout
             answer = printed[printed.index(text) + len(text):] if text in printed else printed
             got.append(tokenizer.encode(answer)[:n])

@@ -88,14 +88,17 @@ def _outside(point: dict) -> str:
 
 
 def linear_kernels() -> str:
-    """One row per (report, row count): each path's time for a step's linears."""
-    rows = ["| report | rows | plain ms | oneDNN ms | brgemm ms | oneDNN / brgemm |", "|---|---|---|---|---|---|"]
+    """One row per (report, row count): each path's time for a step's linears, and oneDNN's
+    over the batch-invariant kernel the engine takes for the dtype (brgemm where it packs it)."""
+    rows = ["| report | dtype | rows | plain ms | oneDNN ms | brgemm ms | invariant ms | oneDNN / the engine's |",
+            "|---|---|---|---|---|---|---|---|"]
     for label, report in cells.reports("linear_kernels"):
         for m, paths in report["rows"].items():
             row_cells = [f"{paths[k]['ms']:.2f} ({paths[k]['min_ms']:.2f}–{paths[k]['max_ms']:.2f})"
-                         if k in paths else "–" for k in ("plain", "onednn", "brgemm")]
-            ratio = f"**{paths['onednn']['ms'] / paths['brgemm']['ms']:.2f}**" if "brgemm" in paths else "–"
-            rows.append(f"| {label} | {m} | {' | '.join(row_cells)} | {ratio} |")
+                         if k in paths else "–" for k in ("plain", "onednn", "brgemm", "invariant")]
+            engine = paths.get("brgemm") or paths.get("invariant")
+            ratio = f"**{paths['onednn']['ms'] / engine['ms']:.2f}**" if engine else "–"
+            rows.append(f"| {label} | {report.get('dtype', 'bfloat16')} | {m} | {' | '.join(row_cells)} | {ratio} |")
     return "\n".join(rows) + "\n"
 
 

@@ -5,8 +5,9 @@ count, and both compute each row alone (a token's result never depends on the re
 call: the batch, its prompt's chunk, a cached prefix):
 
 - ``quant_matmul_i8`` where the weight has its int8 layout (``kernel_choice.py``: integer
-  codes, int4, Q4_0, Q4_1, int8, Q8_0, on a CPU with AVX2): each row of x quantized to int8
-  by blocks of 32 and the codes multiplied as bytes, llama.cpp's path;
+  codes, int4, Q4_0, Q4_1, int8, Q8_0, on a CPU with AVX2): each row of x rounded to one or
+  two int8 terms (two by default) by blocks of 32 and the codes multiplied as bytes, llama.cpp's
+  path; calls of many rows on AMX tiles, with the same bits;
 - else ``quant_matmul``: each row of codes decoded in registers and dotted with every row of
   x, summing in float32 (bf16 x on AVX512_BF16: bf16 values and ``vdpbf16ps``).
 
