@@ -23,6 +23,7 @@ from statistics import median
 import torch
 
 from benchmarks.machine import machine, write_report
+from worker.kernels import has_native_kernels
 from worker.layers.packing import BATCH_HINT, PackedLinear, PackKind, brgemm_packs, packed_linear
 from worker.platform import DTYPES, dtype_name
 
@@ -35,6 +36,8 @@ Call = tuple[torch.Tensor | None, PackedLinear | None, int]  # weight, packed, i
 
 def weights(dtype: torch.dtype, layers: int) -> dict[str, list[Call]]:
     """Per path, each call of a step in the step's order."""
+    if not has_native_kernels():
+        raise SystemExit("the native kernels are not built here: nothing to compare")
     gen = torch.Generator().manual_seed(0)
     plain = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype) for _ in range(layers) for n, k in LAYER_SHAPES]
 

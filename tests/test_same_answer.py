@@ -7,7 +7,8 @@ difference in rounding) and on SmolLM2-135M's GGUF as shipped (int8 activations)
 
 - engine: each asked cold (nothing cached), then with its prefix cached at every block
   boundary, then in one batch with all the others under a small token budget (prompts
-  chunked beside decodes): the cold run's tokens and logprobs, bit for bit;
+  chunked beside decodes): the cold run's tokens and logprobs, bit for bit; the GGUF in
+  float32 too where the CPU's own dtype is bf16;
 - mesh: through a cluster's router, prefilled on a prefill worker whose KV is pushed to the
   decode worker, each conversation asked twice (the second a prefix hit): the cold tokens.
 
@@ -25,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.chat_set import conversations
 from control_plane.cli.launcher import Cluster, ClusterSpec
@@ -34,6 +36,7 @@ from kervan.tokenizer import Tokenizer
 from tests.cluster_helpers import complete, scheduler_stats
 from worker import Engine, SamplingParams
 from worker.kernels import has_native_kernels
+from worker.platform import current_platform
 
 pytestmark = pytest.mark.skipif(not has_native_kernels(), reason="batch invariance needs the native CPU kernels")
 
@@ -79,11 +82,11 @@ def answer(out) -> tuple[list[int], list[float]]:
     return out.outputs[0].token_ids, out.outputs[0].logprobs
 
 
-def check_engine(model_dir: Path) -> list[list[int]]:
+def check_engine(model_dir: Path, dtype: str = "auto") -> list[list[int]]:
     """The engine's promises on ``model_dir``; returns the cold answers' tokens."""
     prompts = chat_prompts(model_dir)
     assert len(prompts) >= 50
-    engine = Engine.from_pretrained(model_dir, block_size=BLOCK)
+    engine = Engine.from_pretrained(model_dir, block_size=BLOCK, dtype=dtype)
     try:
         cold = []
         for prompt in prompts:
@@ -101,7 +104,8 @@ def check_engine(model_dir: Path) -> list[list[int]]:
                 assert answer(hit) == (tokens[:SPLIT_TOKENS], logprobs[:SPLIT_TOKENS]), (prompt, blocks)
     finally:
         engine.close()
-    batched = Engine.from_pretrained(model_dir, block_size=BLOCK, max_num_batched_tokens=96, max_num_seqs=16)
+    batched = Engine.from_pretrained(model_dir, block_size=BLOCK, dtype=dtype, max_num_batched_tokens=96,
+                                     max_num_seqs=16)
     try:
         outs = batched.generate(prompts, greedy(NEW_TOKENS))  # 16 at a time, prompts in chunks beside decodes
         assert [answer(o) for o in outs] == cold
@@ -112,6 +116,12 @@ def check_engine(model_dir: Path) -> list[list[int]]:
 
 def test_the_embedded_random_model_answers_alike_cold_cached_and_batched(embedded):
     check_engine(embedded)
+
+
+@pytest.mark.skipif(current_platform().auto_dtype("cpu") == torch.float32,
+                    reason="float32 is this CPU's own dtype: the mesh test below asks the GGUF in it")
+def test_the_shipped_gguf_answers_alike_in_float32_too(smollm2):
+    check_engine(smollm2, "float32")
 
 
 @pytest.fixture(scope="module")
