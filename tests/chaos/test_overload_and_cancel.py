@@ -17,7 +17,7 @@ from tests.conftest import EXACT_MESH, EXACT_REFERENCE, greedy_tokens, make_prom
 OUTPUT = 160  # long enough that the admitted requests still run while the whole burst arrives
 
 
-def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tmp_path, monkeypatch):
+def test_overload_gets_resource_exhausted_and_accepted_requests_finish(llama, tmp_path):
     # each worker admits 4 running + 4 waiting: 16 in all; 64 arrive at once. The linears' kernels
     # are Kervan's own (oneDNN's packed linears kept a JIT kernel per batch shape, memory that rose
     # with the shapes met): what could grow is Kervan's own state

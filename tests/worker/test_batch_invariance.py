@@ -59,6 +59,7 @@ def test_greedy_is_bit_identical_across_batches_chunks_prefix_hits_and_migration
 
     # in a batch whose size changes every few steps as requests of other lengths finish
     engine = det_engine(path, dtype)
+    assert engine.runner.batch_invariant  # every linear, the experts and routers included, has its kernel
     others = make_prompts([3, 29, 70, 8, 45, 1], seed=41)
     budgets = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (4, 15, 7, 30, 3, 11)]
     outs = engine.generate(others[:3] + [prompt] + others[3:], budgets[:3] + [PARAMS] + budgets[3:])
