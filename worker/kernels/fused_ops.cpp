@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "silu_mul.h"
 #include "vec.h"
 
 namespace {
@@ -95,23 +96,8 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const int64_t N = x.size(0), I = x.size(1) / 2;
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const Vec one(1.f);
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const T* g = xp + n * 2 * I;
-      const T* u = g + I;
-      T* o = op + n * I;
-      int64_t i = 0;
-      for (; i + kW <= I; i += kW) {
-        const Vec gv = load_floats(g + i);
-        const Vec s = round_to<T>(gv / (one + gv.neg().exp_u20()));
-        store_floats(o + i, s * load_floats(u + i));
-      }
-      for (; i < I; ++i) {
-        const float gv = static_cast<float>(g[i]);
-        o[i] = static_cast<T>(round_to<T>(gv / (1.f + std::exp(-gv))) * static_cast<float>(u[i]));
-      }
-    }
+    for (int64_t n = begin; n < end; ++n) kervan::silu_mul_row(xp + n * 2 * I, op + n * I, I);
   });
 }
 

@@ -28,6 +28,7 @@
 #include <optional>
 #include <vector>
 
+#include "moe_experts.h"
 #include "vec.h"
 
 namespace kervan::invariant {
@@ -137,44 +138,62 @@ void tile_rows(int rows, const float* x, int64_t ldx, const W* w, int64_t kn, co
   }
 }
 
-template <typename W, typename T>
-void linear_impl(const float* x, int64_t M, int64_t K, int64_t ldx, const W* w, int64_t NB, const float* bias,
-                 T* out, int64_t N) {
-  // A decode step's rows are one tile: each block of the weight streams once, whole. More rows go
-  // by panels of x, kChunk k by as many rows as fit kPanelBytes (in L2), and each block's weights
-  // for that k range pass every row tile of the panel; chains cut at a chunk's end wait in
-  // ``partial``.
+// How a call of M rows walks K: a decode step's rows are one tile, so each block of the
+// weight streams once, whole. More rows go by panels of x, kChunk k by as many rows as fit
+// kPanelBytes (in L2), and each block's weights for that k range pass every row tile of the
+// panel; chains cut at a chunk's end wait in a float32 ``partial`` [M, NB * kBlock].
+struct Plan {
+  int64_t chunk, panel;
+};
+
+inline Plan plan_rows(int64_t M, int64_t K) {
   const bool few = M <= kRows;
   const int64_t chunk = few ? K : std::min(K, kChunk);
-  const int64_t panel = few ? M : std::max<int64_t>(kRows, kPanelBytes / (chunk * 4) / kRows * kRows);
+  return Plan{chunk, few ? M : std::max<int64_t>(kRows, kPanelBytes / (chunk * 4) / kRows * kRows)};
+}
+
+// floats of ``partial`` a call of M rows needs
+inline int64_t partial_size(int64_t M, int64_t K, int64_t NB) { return plan_rows(M, K).chunk < K ? M * NB * kBlock : 0; }
+
+// Blocks [nb0, nb1) of the output for all M rows, on the calling thread
+template <typename W, typename T>
+void linear_blocks(const float* x, int64_t M, int64_t K, int64_t ldx, const W* w, int64_t NB, const float* bias,
+                   T* out, int64_t N, int64_t ldo, int64_t nb0, int64_t nb1, float* partial) {
+  const auto [chunk, panel] = plan_rows(M, K);
   const int64_t NP = NB * kBlock;
-  std::vector<float> partial(chunk < K ? M * NP : 0);  // [M, NP]: every chain between its chunks
-  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
-    for (int64_t k0 = 0; k0 < K; k0 += chunk) {
-      const int64_t kn = std::min(chunk, K - k0);
-      for (int64_t p0 = 0; p0 < M; p0 += panel) {
-        const int64_t p1 = std::min(M, p0 + panel), tiles = (p1 - p0 + kRows - 1) / kRows;
-        for (int64_t nb = nb0; nb < nb1; ++nb) {
-          const W* wb = w + nb * K * kBlock + k0 * kBlock;
-          if (p1 - p0 <= kFewRows) {  // AVX2's decode rows: a whole block a tile
-            Ends<T> e{partial.data() + p0 * NP + nb * kBlock, NP, k0 == 0, k0 + kn == K, out + p0 * N + nb * kBlock,
-                      N, bias != nullptr ? bias + nb * kBlock : nullptr, N - nb * kBlock};
-            tile_rows<W, T, kV>(static_cast<int>(p1 - p0), x + p0 * ldx + k0, ldx, wb, kn, e);
-            continue;
-          }
-          for (int64_t c0 = 0; c0 < kBlock; c0 += kTileV * kW) {
-            const int64_t col = nb * kBlock + c0;
-            for (int64_t t = 0, m0 = p0; t < tiles; ++t) {  // tiles of even sizes: none of a few rows
-              const int rows = static_cast<int>((p1 - m0) / (tiles - t));
-              Ends<T> e{partial.data() + m0 * NP + col, NP, k0 == 0, k0 + kn == K, out + m0 * N + col, N,
-                        bias != nullptr ? bias + col : nullptr, N - col};
-              tile_rows<W, T, kTileV>(rows, x + m0 * ldx + k0, ldx, wb + c0, kn, e);
-              m0 += rows;
-            }
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t kn = std::min(chunk, K - k0);
+    for (int64_t p0 = 0; p0 < M; p0 += panel) {
+      const int64_t p1 = std::min(M, p0 + panel), tiles = (p1 - p0 + kRows - 1) / kRows;
+      for (int64_t nb = nb0; nb < nb1; ++nb) {
+        const W* wb = w + nb * K * kBlock + k0 * kBlock;
+        if (p1 - p0 <= kFewRows) {  // AVX2's decode rows: a whole block a tile
+          Ends<T> e{partial + p0 * NP + nb * kBlock, NP, k0 == 0, k0 + kn == K, out + p0 * ldo + nb * kBlock,
+                    ldo, bias != nullptr ? bias + nb * kBlock : nullptr, N - nb * kBlock};
+          tile_rows<W, T, kV>(static_cast<int>(p1 - p0), x + p0 * ldx + k0, ldx, wb, kn, e);
+          continue;
+        }
+        for (int64_t c0 = 0; c0 < kBlock; c0 += kTileV * kW) {
+          const int64_t col = nb * kBlock + c0;
+          for (int64_t t = 0, m0 = p0; t < tiles; ++t) {  // tiles of even sizes: none of a few rows
+            const int rows = static_cast<int>((p1 - m0) / (tiles - t));
+            Ends<T> e{partial + m0 * NP + col, NP, k0 == 0, k0 + kn == K, out + m0 * ldo + col, ldo,
+                      bias != nullptr ? bias + col : nullptr, N - col};
+            tile_rows<W, T, kTileV>(rows, x + m0 * ldx + k0, ldx, wb + c0, kn, e);
+            m0 += rows;
           }
         }
       }
     }
+  }
+}
+
+template <typename W, typename T>
+void linear_impl(const float* x, int64_t M, int64_t K, int64_t ldx, const W* w, int64_t NB, const float* bias,
+                 T* out, int64_t N) {
+  std::vector<float> partial(partial_size(M, K, NB));
+  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+    linear_blocks(x, M, K, ldx, w, NB, bias, out, N, N, nb0, nb1, partial.data());
   });
 }
 
@@ -210,10 +229,76 @@ at::Tensor invariant_linear(at::Tensor x, at::Tensor packed, int64_t out_feature
   return out;
 }
 
+// A MoE layer's experts in this layout (``moe_experts.h``): per expert, gate/up packed from
+// [2 * inter, hidden] and down from [hidden, inter], all of one weight dtype W
+template <typename W, typename T>
+struct ExpertLinears {
+  const std::vector<at::Tensor>& w13;
+  const std::vector<at::Tensor>& w2;
+  int64_t out_features[2];
+  at::Tensor xf;                  // this phase's rows in float32
+  const std::vector<int64_t>* offsets = nullptr;
+  std::vector<float> partial;     // every expert's chains between chunks, side by side
+  std::vector<int64_t> partial_at;
+
+  int64_t blocks(int which) const { return (which == 0 ? w13 : w2)[0].size(0); }
+  void prepare(int which, const at::Tensor& x, const std::vector<int64_t>& offs) {
+    xf = x.to(at::kFloat).contiguous();
+    offsets = &offs;
+    const int64_t K = x.size(1), NB = blocks(which), experts = static_cast<int64_t>(offs.size()) - 1;
+    partial_at.assign(experts + 1, 0);
+    for (int64_t e = 0; e < experts; ++e) partial_at[e + 1] = partial_at[e] + partial_size(offs[e + 1] - offs[e], K, NB);
+    partial.resize(partial_at[experts]);
+  }
+  void run(int which, int64_t e, int64_t nb0, int64_t nb1, T* out, int64_t ldo) {
+    const at::Tensor& w = (which == 0 ? w13 : w2)[e];
+    const int64_t K = xf.size(1), r0 = (*offsets)[e];
+    linear_blocks(xf.data_ptr<float>() + r0 * K, (*offsets)[e + 1] - r0, K, K, w.data_ptr<W>(), w.size(0), nullptr,
+                  out, out_features[which], ldo, nb0, nb1, partial.data() + partial_at[e]);
+  }
+  void release() {}
+};
+
+// x [M, hidden]; tokens, slots, weights: ``moe::run_experts``; w13[e] packed [2 * inter],
+// w2[e] packed [hidden]
+at::Tensor moe_experts_invariant(at::Tensor x, at::Tensor tokens, at::Tensor slots, std::optional<at::Tensor> weights,
+                                 std::vector<at::Tensor> w13, std::vector<at::Tensor> w2, int64_t inter) {
+  moe::check_routing(x, tokens, slots, weights);
+  const int64_t H = x.size(1);
+  TORCH_CHECK(!w13.empty() && w13.size() == w2.size(), "one gate/up and one down matrix per expert");
+  for (size_t e = 0; e < w13.size(); ++e) {
+    TORCH_CHECK(w13[e].dim() == 3 && w13[e].is_contiguous() && w13[e].size(1) == H && w13[e].size(2) == kBlock &&
+                    w13[e].size(0) == (2 * inter + kBlock - 1) / kBlock && w13[e].sizes() == w13[0].sizes(),
+                "expert ", e, "'s gate/up is not packed from [", 2 * inter, ", ", H, "]");
+    TORCH_CHECK(w2[e].dim() == 3 && w2[e].is_contiguous() && w2[e].size(1) == inter && w2[e].size(2) == kBlock &&
+                    w2[e].size(0) == (H + kBlock - 1) / kBlock && w2[e].sizes() == w2[0].sizes(),
+                "expert ", e, "'s down is not packed from [", H, ", ", inter, "]");
+    TORCH_CHECK(w13[e].scalar_type() == w13[0].scalar_type() && w2[e].scalar_type() == w13[0].scalar_type(),
+                "every expert's weights in one dtype");
+  }
+  at::Tensor out;
+  KERVAN_DISPATCH(x.scalar_type(), "moe_experts_invariant", [&] {
+    using T = scalar_t;
+    auto run = [&](auto w) {
+      ExpertLinears<decltype(w), T> lin{w13, w2, {2 * inter, H}};
+      out = moe::run_experts<T>(x, tokens, slots, weights, static_cast<int64_t>(w13.size()), inter, lin);
+    };
+    switch (w13[0].scalar_type()) {
+      case at::kFloat: return run(0.0f);
+      case at::kBFloat16: return run(c10::BFloat16());
+      case at::kHalf: return run(c10::Half());
+      default: TORCH_CHECK(false, "weights in float32, bf16 or fp16, not ", w13[0].scalar_type());
+    }
+  });
+  return out;
+}
+
 }  // namespace kervan::invariant
 
 TORCH_LIBRARY_FRAGMENT(kervan, m) {
   m.def("pack_invariant(Tensor weight) -> Tensor", &kervan::invariant::pack_invariant);
   m.def("invariant_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor",
         &kervan::invariant::invariant_linear);
+  m.def("moe_experts_invariant(Tensor x, Tensor tokens, Tensor slots, Tensor? weights, Tensor[] w13, Tensor[] w2, "
+        "int inter) -> Tensor", &kervan::invariant::moe_experts_invariant);
 }

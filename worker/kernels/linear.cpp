@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "moe_experts.h"
 #include "vec.h"
 
 namespace {
@@ -108,6 +109,64 @@ at::Tensor brgemm_linear(at::Tensor x, at::Tensor packed, std::optional<at::Tens
   return out;
 }
 
+// A MoE layer's experts in this layout (``moe_experts.h``): per expert, gate/up packed from
+// [2 * inter, hidden] and down from [hidden, inter]
+template <typename T>
+struct ExpertLinears {
+  const std::vector<at::Tensor>& w13;
+  const std::vector<at::Tensor>& w2;
+  at::Tensor x;  // this phase's rows
+  const std::vector<int64_t>* offsets = nullptr;
+
+  int64_t blocks(int which) const { return (which == 0 ? w13 : w2)[0].size(0); }
+  void prepare(int, const at::Tensor& rows, const std::vector<int64_t>& offs) {
+    x = rows;
+    offsets = &offs;
+  }
+  void run(int which, int64_t e, int64_t nb0, int64_t nb1, T* out, int64_t ldo) {
+    const int64_t K = x.size(1), r0 = (*offsets)[e], M = (*offsets)[e + 1] - r0;
+    const T* xp = x.data_ptr<T>() + r0 * K;
+    const T* wp = (which == 0 ? w13 : w2)[e].template data_ptr<T>();
+    alignas(64) float acc[kBlockM * kBlockN];
+    for (int64_t m0 = 0; m0 < M; m0 += kBlockM) {
+      const int64_t rows = std::min(kBlockM, M - m0);
+      for (int64_t nb = nb0; nb < nb1; ++nb) {
+        at::native::cpublas::brgemm(rows, kBlockN, K, K, kBlockN, kBlockN, false, xp + m0 * K, wp + nb * K * kBlockN,
+                                    acc, true);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < kBlockN; j += kW)
+            store_floats(out + (m0 + r) * ldo + nb * kBlockN + j, Vec::loadu(acc + r * kBlockN + j));
+      }
+    }
+  }
+  void release() { at::native::cpublas::brgemm_release(true); }
+};
+
+// x [M, hidden]; tokens, slots, weights: ``moe::run_experts``; w13[e] packed from
+// [2 * inter, hidden], w2[e] from [hidden, inter], by pack_linear
+at::Tensor moe_experts_brgemm(at::Tensor x, at::Tensor tokens, at::Tensor slots, std::optional<at::Tensor> weights,
+                              std::vector<at::Tensor> w13, std::vector<at::Tensor> w2, int64_t inter) {
+  kervan::moe::check_routing(x, tokens, slots, weights);
+  const int64_t H = x.size(1);
+  TORCH_CHECK(!w13.empty() && w13.size() == w2.size(), "one gate/up and one down matrix per expert");
+  for (size_t e = 0; e < w13.size(); ++e) {
+    TORCH_CHECK(w13[e].dim() == 3 && w13[e].is_contiguous() && w13[e].size(0) * kBlockN == 2 * inter &&
+                    w13[e].size(1) * 2 == H && w13[e].scalar_type() == x.scalar_type(),
+                "expert ", e, "'s gate/up is not packed from [", 2 * inter, ", ", H, "] in x's dtype");
+    TORCH_CHECK(w2[e].dim() == 3 && w2[e].is_contiguous() && w2[e].size(0) * kBlockN == H &&
+                    w2[e].size(1) * 2 == inter && w2[e].scalar_type() == x.scalar_type(),
+                "expert ", e, "'s down is not packed from [", H, ", ", inter, "] in x's dtype");
+  }
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    ExpertLinears<T> lin{w13, w2};
+    return kervan::moe::run_experts<T>(x, tokens, slots, weights, static_cast<int64_t>(w13.size()), inter, lin);
+  };
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "brgemm experts take bf16 or fp16");
+  const at::Tensor out = x.scalar_type() == at::kBFloat16 ? run(c10::BFloat16()) : run(c10::Half());
+  return out;
+}
+
 bool brgemm_packs_dtype(at::ScalarType dtype) { return brgemm_packs(dtype); }
 
 }  // namespace
@@ -116,4 +175,6 @@ TORCH_LIBRARY_FRAGMENT(kervan, m) {
   m.def("brgemm_packs(ScalarType dtype) -> bool", &brgemm_packs_dtype);
   m.def("pack_linear(Tensor weight) -> Tensor", &pack_linear);
   m.def("brgemm_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &brgemm_linear);
+  m.def("moe_experts_brgemm(Tensor x, Tensor tokens, Tensor slots, Tensor? weights, Tensor[] w13, Tensor[] w2, "
+        "int inter) -> Tensor", &moe_experts_brgemm);
 }

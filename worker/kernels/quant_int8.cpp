@@ -41,6 +41,7 @@
 #include <optional>
 #include <vector>
 
+#include "moe_experts.h"
 #include "vec.h"
 
 namespace kervan::q8 {
@@ -158,82 +159,180 @@ const char* instructions() {
 #endif
 }
 
+// A weight's layout as ``worker/quant/int8_layout.py`` packed it
+struct Format {
+  int64_t group;
+  bool four_bit, signed_codes, half_params;
+  int64_t terms;  // int8 rows x is rounded to
+
+  int64_t tile_bytes(int64_t K, int64_t tile) const {
+    return (K / group) * 2 * tile * (half_params ? 2 : 4) + K / 32 * tile * (four_bit ? 16 : 32);
+  }
+};
+
+// Checks ``data`` [tiles, bytes] is a weight of at least out_features packed in ``f`` for K columns
+// and this CPU's kernel
+void check_packed(const at::Tensor& data, const Format& f, int64_t K, int64_t out_features) {
+  const char* isa = instructions();
+  TORCH_CHECK(*isa != '\0', "int8-activation matmuls need AVX2");
+  const bool vnni = isa[0] == 'v';
+  const int64_t tile = vnni ? 16 : 8;
+  TORCH_CHECK(f.terms == 1 || f.terms == 2, "x is rounded to one or two int8 terms, not ", f.terms);
+  TORCH_CHECK(K % 32 == 0 && f.group % 32 == 0 && K % f.group == 0, "in_features ", K, " and the group ", f.group,
+              " must be multiples of 32");
+  TORCH_CHECK(vnni ? !f.signed_codes : (f.signed_codes || f.four_bit), "int8 codes are packed ",
+              vnni ? "unsigned" : "signed", " for this CPU's kernel");
+  TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && data.scalar_type() == at::kByte &&
+                  data.size(1) == f.tile_bytes(K, tile) && data.size(0) * tile >= out_features,
+              "the weight is not packed for ", tile, "-feature tiles of ", K, " columns");
+}
+
+// Whether a call of ``rows`` int8 rows (terms counted) takes AMX tiles: where the CPU has them
+bool takes_amx(int64_t rows) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return instructions()[0] == 'v' && rows >= kAmxMinRows && vnni::amx_allowed();
+#else
+  (void)rows;
+  return false;
+#endif
+}
+
+// Tiles [t0, t1) of x's rows against a weight into out (float32, [x.M, tiles * tile]), on the
+// calling thread, by the kernel this CPU takes (AMX where ``amx``: the same bits)
+template <typename S>
+void tiles_range(const QuantizedRows& xq, const uint8_t* data, int64_t tiles, const Format& f, bool amx, float* out,
+                 int64_t t0, int64_t t1) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool vnni = instructions()[0] == 'v';
+  if (amx && f.four_bit) return vnni::amx_tiles<true, S>(xq, data, tiles, f.group, out, t0, t1);
+  if (amx) return vnni::amx_tiles<false, S>(xq, data, tiles, f.group, out, t0, t1);
+  if (vnni && f.four_bit) return vnni::matmul_tiles<true, false, S>(xq, data, tiles, f.group, out, t0, t1);
+  if (vnni) return vnni::matmul_tiles<false, false, S>(xq, data, tiles, f.group, out, t0, t1);
+#endif
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if (f.four_bit) return plain::matmul_tiles<true, false, S>(xq, data, tiles, f.group, out, t0, t1);
+  plain::matmul_tiles<false, true, S>(xq, data, tiles, f.group, out, t0, t1);
+#endif
+}
+
+void tiles_range(const QuantizedRows& xq, const uint8_t* data, int64_t tiles, const Format& f, bool amx, float* out,
+                 int64_t t0, int64_t t1) {
+  if (f.half_params) return tiles_range<c10::Half>(xq, data, tiles, f, amx, out, t0, t1);
+  tiles_range<float>(xq, data, tiles, f, amx, out, t0, t1);
+}
+
+// Features [n0, n1) of every row of x's dtype: the terms' sum (o32 [M * terms, width]), plus the
+// bias, rounded once to T (the same bits in a vector or the scalar tail)
+template <typename T>
+void store_rows(const float* o32, int64_t M, int64_t terms, int64_t width, const T* bias, T* out, int64_t ldo,
+                int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* src = o32 + m * terms * width;
+    T* dst = out + m * ldo;
+    int64_t n = n0;
+    for (; n + kW <= n1; n += kW) {
+      Vec v = Vec::loadu(src + n);
+      if (terms == 2) v = v + Vec::loadu(src + width + n);
+      if (bias != nullptr) v = v + load_floats(bias + n);
+      store_floats(dst + n, v);
+    }
+    for (; n < n1; ++n) {
+      const float v = terms == 2 ? src[n] + src[width + n] : src[n];
+      dst[n] = static_cast<T>(bias != nullptr ? v + static_cast<float>(bias[n]) : v);
+    }
+  }
+}
+
 // x [M, K] (dense rows) -> [M, out_features] in x's dtype, against a weight packed by
 // ``worker/quant/int8_layout.py``: ``data`` uint8 [tiles, bytes], each tile's records of
 // float32 (``half_params``: float16) scales and zeros, then codes
 at::Tensor quant_matmul_i8(at::Tensor x, at::Tensor data, int64_t out_features, int64_t group, bool four_bit,
                            bool signed_codes, bool half_params, int64_t terms, std::optional<at::Tensor> bias) {
-  const char* isa = instructions();
-  TORCH_CHECK(*isa != '\0', "int8-activation matmuls need AVX2");
-  const bool vnni = isa[0] == 'v';
-  const int64_t tile = vnni ? 16 : 8;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, in_features] with dense rows");
-  TORCH_CHECK(terms == 1 || terms == 2, "x is rounded to one or two int8 terms, not ", terms);
-  const int64_t K = x.size(1), tiles = data.size(0);
-  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && K % group == 0, "in_features ", K, " and the group ", group,
-              " must be multiples of 32");
-  TORCH_CHECK(vnni ? !signed_codes : (signed_codes || four_bit), "int8 codes are packed ",
-              vnni ? "unsigned" : "signed", " for this CPU's kernel");
-  const int64_t tile_bytes = (K / group) * 2 * tile * (half_params ? 2 : 4) + K / 32 * tile * (four_bit ? 16 : 32);
-  TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && data.scalar_type() == at::kByte &&
-                  data.size(1) == tile_bytes && tiles * tile >= out_features,
-              "the weight is not packed for ", tile, "-feature tiles of ", K, " columns");
+  const Format f{group, four_bit, signed_codes, half_params, terms};
+  check_packed(data, f, x.size(1), out_features);
   if (bias.has_value())
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == out_features && bias->scalar_type() == x.scalar_type(),
                 "bias does not match the weight");
-  const int64_t M = x.size(0), width = tiles * tile;
+  const int64_t M = x.size(0), tiles = data.size(0), tile = instructions()[0] == 'v' ? 16 : 8, width = tiles * tile;
   auto out = at::empty({M, out_features}, x.options());
   if (M == 0) return out;
   std::unique_ptr<float[]> out32(new float[M * terms * width]);  // every element written: no zeroing
-#if defined(CPU_CAPABILITY_AVX512)
-  const bool amx = vnni && M * terms >= kAmxMinRows && vnni::amx_allowed();
-#else
-  const bool amx = false;
-#endif
+  const bool amx = takes_amx(M * terms);
   KERVAN_DISPATCH(x.scalar_type(), "quant_matmul_i8", [&] {
     using T = scalar_t;
     const QuantizedRows xq = quantize_rows<T>(x, terms, amx ? 16 : 1);
-    const uint8_t* dp = data.data_ptr<uint8_t>();
-    float* o = out32.get();
     const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
-    T* op = out.data_ptr<T>();
-    // each thread's features into x's dtype as its tiles finish (no serial pass after)
-    // (the terms' sum, plus the bias, rounded once to T: the same bits in a vector or the scalar tail)
-    auto done = [&](int64_t n0, int64_t n1) {
-      n1 = std::min(n1, out_features);
-      for (int64_t m = 0; m < M; ++m) {
-        const float* src = o + m * terms * width;
-        T* dst = op + m * out_features;
-        int64_t n = n0;
-        for (; n + kW <= n1; n += kW) {
-          Vec v = Vec::loadu(src + n);
-          if (terms == 2) v = v + Vec::loadu(src + width + n);
-          if (bp != nullptr) v = v + load_floats(bp + n);
-          store_floats(dst + n, v);
-        }
-        for (; n < n1; ++n) {
-          const float v = terms == 2 ? src[n] + src[width + n] : src[n];
-          dst[n] = static_cast<T>(bp != nullptr ? v + static_cast<float>(bp[n]) : v);
-        }
-      }
-    };
-    auto run = [&](auto params) {
-      using S = decltype(params);
-#if defined(CPU_CAPABILITY_AVX512)
-      if (amx && four_bit) return vnni::amx_matmul<true, S>(xq, dp, tiles, group, o, done);
-      if (amx) return vnni::amx_matmul<false, S>(xq, dp, tiles, group, o, done);
-      if (vnni && four_bit) return vnni::matmul<true, false, S>(xq, dp, tiles, group, o, done);
-      if (vnni) return vnni::matmul<false, false, S>(xq, dp, tiles, group, o, done);
-#endif
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-      if (four_bit) return plain::matmul<true, false, S>(xq, dp, tiles, group, o, done);
-      plain::matmul<false, true, S>(xq, dp, tiles, group, o, done);
-#endif
-    };
-    if (half_params)
-      run(c10::Half());
-    else
-      run(0.0f);
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      tiles_range(xq, data.data_ptr<uint8_t>(), tiles, f, amx, out32.get(), t0, t1);
+      // this thread's features into x's dtype as its tiles finish (no serial pass after)
+      store_rows(out32.get(), M, terms, width, bp, out.data_ptr<T>(), out_features, t0 * tile,
+                 std::min(t1 * tile, out_features));
+    });
+  });
+  return out;
+}
+
+// A MoE layer's experts in this layout (``moe_experts.h``): per expert, gate/up packed from
+// [2 * inter, hidden] and down from [hidden, inter], each matrix kind in its format
+template <typename T>
+struct ExpertLinears {
+  const std::vector<at::Tensor>& w13;
+  const std::vector<at::Tensor>& w2;
+  Format format[2];
+  int64_t out_features[2];
+  int64_t tile;
+  std::vector<QuantizedRows> xq;           // this phase's rows of each expert, as int8
+  std::vector<std::vector<float>> out32;   // and their outputs, float32 [rows * terms, tiles * tile]
+  std::vector<char> amx;
+
+  int64_t blocks(int which) const { return (which == 0 ? w13 : w2)[0].size(0); }
+  void prepare(int which, const at::Tensor& x, const std::vector<int64_t>& offsets) {
+    const int64_t experts = static_cast<int64_t>(offsets.size()) - 1, terms = format[which].terms;
+    xq.assign(experts, QuantizedRows{});
+    out32.assign(experts, {});
+    amx.assign(experts, 0);
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t rows = offsets[e + 1] - offsets[e];
+      if (rows == 0) continue;
+      amx[e] = takes_amx(rows * terms);
+      xq[e] = quantize_rows<T>(x.narrow(0, offsets[e], rows), terms, amx[e] ? 16 : 1);
+      out32[e].resize(rows * terms * blocks(which) * tile);
+    }
+  }
+  void run(int which, int64_t e, int64_t nb0, int64_t nb1, T* out, int64_t ldo) {
+    const Format& f = format[which];
+    const int64_t tiles = blocks(which), n = out_features[which];
+    tiles_range(xq[e], (which == 0 ? w13 : w2)[e].template data_ptr<uint8_t>(), tiles, f, amx[e], out32[e].data(),
+                nb0, nb1);
+    store_rows<T>(out32[e].data(), xq[e].M / f.terms, f.terms, tiles * tile, nullptr, out, ldo, nb0 * tile,
+                  std::min(nb1 * tile, n));
+  }
+  void release() {}
+};
+
+// x [M, hidden]; tokens, slots, weights: ``moe::run_experts``; w13[e] and w2[e] packed as
+// ``quant_matmul_i8`` takes them, their formats [group, four_bit, signed_codes, half_params, terms]
+at::Tensor moe_experts_i8(at::Tensor x, at::Tensor tokens, at::Tensor slots, std::optional<at::Tensor> weights,
+                          std::vector<at::Tensor> w13, std::vector<at::Tensor> w2, int64_t inter,
+                          std::vector<int64_t> format13, std::vector<int64_t> format2) {
+  moe::check_routing(x, tokens, slots, weights);
+  TORCH_CHECK(!w13.empty() && w13.size() == w2.size(), "one gate/up and one down matrix per expert");
+  TORCH_CHECK(format13.size() == 5 && format2.size() == 5, "a format is [group, four_bit, signed_codes, "
+              "half_params, terms]");
+  auto format = [](const std::vector<int64_t>& v) { return Format{v[0], v[1] != 0, v[2] != 0, v[3] != 0, v[4]}; };
+  const Format f13 = format(format13), f2 = format(format2);
+  const int64_t H = x.size(1);
+  for (size_t e = 0; e < w13.size(); ++e) {
+    check_packed(w13[e], f13, H, 2 * inter);
+    check_packed(w2[e], f2, inter, H);
+    TORCH_CHECK(w13[e].sizes() == w13[0].sizes() && w2[e].sizes() == w2[0].sizes(), "experts of one shape");
+  }
+  const int64_t tile = instructions()[0] == 'v' ? 16 : 8;
+  at::Tensor out;
+  KERVAN_DISPATCH(x.scalar_type(), "moe_experts_i8", [&] {
+    ExpertLinears<scalar_t> lin{w13, w2, {f13, f2}, {2 * inter, H}, tile};
+    out = moe::run_experts<scalar_t>(x, tokens, slots, weights, static_cast<int64_t>(w13.size()), inter, lin);
   });
   return out;
 }
@@ -245,5 +344,7 @@ std::string int8_instructions() { return instructions(); }
 TORCH_LIBRARY_FRAGMENT(kervan, m) {
   m.def("quant_matmul_i8(Tensor x, Tensor data, int out_features, int group, bool four_bit, bool signed_codes, "
         "bool half_params, int terms, Tensor? bias) -> Tensor", &kervan::q8::quant_matmul_i8);
+  m.def("moe_experts_i8(Tensor x, Tensor tokens, Tensor slots, Tensor? weights, Tensor[] w13, Tensor[] w2, "
+        "int inter, int[] format13, int[] format2) -> Tensor", &kervan::q8::moe_experts_i8);
   m.def("int8_instructions() -> str", &kervan::q8::int8_instructions);
 }

@@ -147,15 +147,16 @@ inline void tile_rows(const QuantizedRows& x, int64_t m0, const uint8_t* tile, i
   for (int r = 0; r < R; ++r) store_f(out + r * ld, acc[r]);
 }
 
-// out: float32 [M, tiles * kTile] (the padded features too); ``data``: the tiles' records
-template <bool kFour, bool kSigned, typename S, typename Done>
-void matmul(const QuantizedRows& x, const uint8_t* data, int64_t tiles, int64_t group, float* out, const Done& done) {
+// Tiles [t0, t1) of out (float32 [M, tiles * kTile], the padded features too) on the calling
+// thread; ``data``: the tiles' records
+template <bool kFour, bool kSigned, typename S>
+void matmul_tiles(const QuantizedRows& x, const uint8_t* data, int64_t tiles, int64_t group, float* out, int64_t t0,
+                  int64_t t1) {
   const int64_t K = x.K, ld = tiles * kTile;
   const int64_t tile_bytes = (K / group) * 2 * kTile * static_cast<int64_t>(sizeof(S)) +
                              (K / 32) * kTile * (kFour ? 16 : 32);
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    // by panels of x's rows that stay in L2 while the thread's tiles pass over them
-    for (int64_t p0 = 0; p0 < x.M; p0 += kPanelRows)
+  // by panels of x's rows that stay in L2 while the thread's tiles pass over them
+  for (int64_t p0 = 0; p0 < x.M; p0 += kPanelRows)
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* tile = data + t * tile_bytes;
       for (int64_t m0 = p0; m0 < std::min(x.M, p0 + kPanelRows); m0 += kRows) {
@@ -170,6 +171,4 @@ void matmul(const QuantizedRows& x, const uint8_t* data, int64_t tiles, int64_t 
         }
       }
     }
-    done(t0 * kTile, t1 * kTile);
-  });
 }

@@ -25,6 +25,8 @@ model gives all its MoE layers one such tensor) for the worker's load report."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -32,7 +34,7 @@ from worker.config import MoeConfig
 from worker.layers.fused import silu_and_mul
 from worker.layers.linear import copy_checked
 from worker.layers.mlp import Loader, SwiGLU
-from worker.layers.packing import PackedLinear, pack_invariant, packed_linear
+from worker.layers.packing import PackedLinear, PackKind, brgemm_fits, pack_as, pack_invariant, packed_linear
 from worker.parallel import all_reduce, get_parallel_state
 from worker.parallel.expert_map import ExpertMap
 from worker.parallel.state import all_gather_rows, all_to_all_rows, split_points
@@ -75,6 +77,9 @@ class SparseMoe(nn.Module):
     expert_packs: list[tuple[PackedLinear, PackedLinear]] | None = None
     packed_gate: PackedLinear | None = None
     packed_shared_gate: PackedLinear | None = None
+    # the local experts in one native call (``fused``), and the expert weights it was made for
+    _fused: Callable[..., torch.Tensor] | None = None
+    _fused_source: object = None
 
     def __init__(self, hidden_size: int, cfg: MoeConfig, dtype: torch.dtype, family: str):
         super().__init__()
@@ -145,12 +150,14 @@ class SparseMoe(nn.Module):
 
     def _all_reduced(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts on the tokens routed to them, summed over the ranks."""
-        out = torch.zeros_like(x)
         slots = self.slot_of[ids.flatten()]  # [num_tokens * top_k]; other ranks' experts sort last
+        tokens = torch.arange(len(x), device=x.device).repeat_interleave(self.cfg.top_k)
+        if (fused := self.fused()) is not None:
+            return all_reduce(fused(x.contiguous(), tokens, slots, weights.flatten().float()))
+        out = torch.zeros_like(x)
         for local, sel in self._by_slot(slots):  # flat (token, k) indices of this expert
-            tokens = sel // self.cfg.top_k
-            y = self._expert(local, x[tokens])
-            out.index_add_(0, tokens, y * weights.flatten()[sel, None].to(y.dtype))
+            y = self._expert(local, x[tokens[sel]])
+            out.index_add_(0, tokens[sel], y * weights.flatten()[sel, None].to(y.dtype))
         return all_reduce(out)
 
     def _dispatched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -164,9 +171,13 @@ class SparseMoe(nn.Module):
         bound = (points[1] - points[0]) * k * ps.width  # rows a rank can receive at most
         recv_expert, counts = all_to_all_rows(expert[order], send_counts, bound)
         recv_x, _ = all_to_all_rows(x[lo:hi][order // k], send_counts, bound)
-        y = torch.empty_like(recv_x)
-        for local, sel in self._by_slot(self.slot_of[recv_expert]):
-            y[sel] = self._expert(local, recv_x[sel])
+        recv_slots = self.slot_of[recv_expert]
+        if (fused := self.fused()) is not None:
+            y = fused(recv_x.contiguous(), torch.arange(len(recv_x)), recv_slots, None)
+        else:
+            y = torch.empty_like(recv_x)
+            for local, sel in self._by_slot(recv_slots):
+                y[sel] = self._expert(local, recv_x[sel])
         back, _ = all_to_all_rows(y, counts, bound)  # in the order this rank sent them
         out = torch.zeros_like(x[lo:hi])
         out.index_add_(0, order // k, back * weights[lo:hi].flatten()[order, None].to(back.dtype))
@@ -214,15 +225,27 @@ class SparseMoe(nn.Module):
     def pack(self) -> None:
         """The routers' and the float experts' matrices in batch-invariant layouts
         (``packing.pack_invariant``; the native CPU kernels must be loaded): a token's experts
-        then give it the same bits whatever other tokens they serve in the step."""
+        then give it the same bits whatever other tokens they serve in the step. The experts
+        then run in one native call a layer (``worker/kernels/moe_experts.h``)."""
         self.packed_gate = pack_invariant(self.gate.float())
         if self.shared_gate is not None:
             self.packed_shared_gate = pack_invariant(self.shared_gate.data)
         if self.expert_quants is None:
-            self.expert_packs = [(pack_invariant(self.w13[e]), pack_invariant(self.w2[e]))
+            kind = PackKind.BRGEMM if all(brgemm_fits(w[0]) for w in (self.w13, self.w2)) else PackKind.INVARIANT
+            self.expert_packs = [(pack_as(kind, self.w13[e]), pack_as(kind, self.w2[e]))
                                  for e in range(self.num_local_experts)]
             self.register_parameter("w13", None)
             self.register_parameter("w2", None)
+
+    def fused(self) -> Callable[..., torch.Tensor] | None:
+        """The local experts as one native call, (x, tokens, slots, weights or None) -> out
+        (``worker/kernels/moe_experts.h``), where their weights are packed for one: the float
+        experts (``pack``) and quantized ones with the int8-activation layout (the kernel
+        choice, after loading). Made once per set of weights."""
+        source = self.expert_quants if self.expert_quants is not None else self.expert_packs
+        if source is not self._fused_source:
+            self._fused_source, self._fused = source, _fused_experts(source, self.cfg.intermediate_size)
+        return self._fused
 
     def is_batch_invariant(self) -> bool:
         return self.packed_gate is not None and (self.expert_quants is not None or self.expert_packs is not None)
@@ -230,3 +253,35 @@ class SparseMoe(nn.Module):
 
 def _skip(tensor: torch.Tensor) -> None:
     pass
+
+
+def _fused_experts(experts: list | None, inter: int) -> Callable[..., torch.Tensor] | None:
+    """The native call for these (gate/up, down) pairs, or None where they are not packed alike."""
+    if not experts:
+        return None
+    w13, w2 = [pair[0] for pair in experts], [pair[1] for pair in experts]
+    if isinstance(w13[0], PackedLinear):
+        kinds = {p.kind for p in w13 + w2}
+        if kinds == {PackKind.BRGEMM}:
+            op = torch.ops.kervan.moe_experts_brgemm
+        elif kinds == {PackKind.INVARIANT}:
+            op = torch.ops.kervan.moe_experts_invariant
+        else:
+            return None
+        d13, d2 = [p.data for p in w13], [p.data for p in w2]
+        return lambda x, tokens, slots, weights: op(x, tokens, slots, weights, d13, d2, inter)
+    formats = [{_int8_format(w) for w in ws} for ws in (w13, w2)]
+    if any(len(f) != 1 or None in f for f in formats):
+        return None
+    d13, d2 = [w.int8.data for w in w13], [w.int8.data for w in w2]
+    f13, f2 = (list(f.pop()) for f in formats)
+    return lambda x, tokens, slots, weights: torch.ops.kervan.moe_experts_i8(x, tokens, slots, weights, d13, d2,
+                                                                            inter, f13, f2)
+
+
+def _int8_format(w: QuantizedWeight) -> tuple[int, ...] | None:
+    """What ``moe_experts_i8`` needs to know of a weight's int8 layout (None: it has none)."""
+    if w.int8 is None:
+        return None
+    return (w.group, int(w.int8.four_bit), int(w.int8.signed_codes), int(w.int8.half_params), w.int8.terms)
+

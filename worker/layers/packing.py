@@ -115,10 +115,19 @@ def packs_invariant(device: str) -> bool:
 
 def pack_invariant(weight: torch.Tensor) -> PackedLinear:
     """``weight`` [out, in] in its batch-invariant layout (the native kernels must be loaded)."""
+    return pack_as(PackKind.BRGEMM if brgemm_fits(weight) else PackKind.INVARIANT, weight)
+
+
+def brgemm_fits(weight: torch.Tensor) -> bool:
+    """Whether oneDNN's micro-kernel takes ``weight`` [out, in] here (its dtype and shape)."""
     n, k = weight.shape
-    if brgemm_packs(weight.dtype) and n % BRGEMM_BLOCK_N == 0 and k % 2 == 0:
-        return PackedLinear(PackKind.BRGEMM, torch.ops.kervan.pack_linear(weight), n)
-    return PackedLinear(PackKind.INVARIANT, torch.ops.kervan.pack_invariant(weight), n)
+    return brgemm_packs(weight.dtype) and n % BRGEMM_BLOCK_N == 0 and k % 2 == 0
+
+
+def pack_as(kind: PackKind, weight: torch.Tensor) -> PackedLinear:
+    """``weight`` [out, in] in a batch-invariant layout: BRGEMM (where ``brgemm_fits``) or INVARIANT."""
+    op = torch.ops.kervan.pack_linear if kind == PackKind.BRGEMM else torch.ops.kervan.pack_invariant
+    return PackedLinear(kind, op(weight), weight.shape[0])
 
 
 def brgemm_packs(dtype: torch.dtype) -> bool:
