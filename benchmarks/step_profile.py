@@ -9,7 +9,9 @@ at decode batches of 1, 8, 32 and 64 and on a prefill step, each op class's time
 
 ``--rounds`` (3) repeats the whole measure, bounds included, on new prompts: each point is
 the rounds' median, its bound share's range beside it, and every round is in the report.
-A decode step of a small model is bound by memory, a prefill step by compute; the report
+A MoE step reads the routed experts it runs (counted by recomputing each layer's routing
+in the profiled steps; ``routed_experts_read``), a prompt every expert. A decode step of a small
+model is bound by memory, a prefill step by compute; the report
 gives each step's time over its larger bound (``bound_share``: 1.0 would be the hardware's
 limit). ``python_ms`` is the step's wall time outside any profiled op: the engine's
 Python (scheduling, step inputs, the model's module calls); a residual of two sets of steps
@@ -45,6 +47,8 @@ OP_CLASSES = {  # op name -> class; anything else is "other" (allocations, views
     "kervan::silu_and_mul": "activation", "kervan::rotary": "rotary", "kervan::argmax_rows": "sampling",
     "aten::argmax": "sampling", "aten::embedding": "embedding",
     "kervan::quant_matmul": "linear", "kervan::quant_matmul_i8": "linear", "kervan::invariant_linear": "linear",
+    "kervan::moe_experts_brgemm": "experts", "kervan::moe_experts_invariant": "experts",
+    "kervan::moe_experts_i8": "experts",
 }
 
 
@@ -64,9 +68,39 @@ def model_costs(engine: Engine) -> dict:
             out_features = m.packed.out_features if m.packed is not None else m.weight.shape[0]
             matmul_params += out_features * m.input_size
             weight_bytes += out_features * m.input_size * element
-    return {"weight_bytes": weight_bytes, "matmul_flops_per_token": 2 * matmul_params,
+    expert_bytes, expert_flops = 0, 0  # one routed expert's (its three matrices), and per token all top-k's
+    experts = sum(moe.num_local_experts for moe in model.moes)
+    if model.moes:
+        moe = model.moes[0]
+        inter = moe.cfg.intermediate_size
+        expert_flops = 2 * 3 * inter * cfg.hidden_size * moe.cfg.top_k * len(model.moes)
+        if moe.expert_quants is not None:
+            expert_bytes = sum(q.int8.nbytes if q.int8 is not None else q.nbytes for q in moe.expert_quants[0])
+        else:
+            expert_bytes = 3 * inter * cfg.hidden_size * element
+    return {"weight_bytes": weight_bytes, "matmul_flops_per_token": 2 * matmul_params + expert_flops,
+            "expert_bytes": expert_bytes, "experts": experts,
             "kv_bytes_per_token": cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element,
             "attention_flops_per_context_token": cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim}
+
+
+class _ExpertsRead:
+    """Counts the distinct routed experts each MoE layer runs (forward hooks recomputing the
+    routing from the layer's input): a step reads those experts' weights, no others."""
+
+    def __init__(self, model):
+        from worker.layers.moe import select_experts
+        self.distinct, self.hooks = 0, []
+
+        def count(moe, inputs, output):
+            x = inputs[0]
+            logits = moe._linear(x.float(), moe.packed_gate or moe.gate.float())
+            self.distinct += select_experts(logits, moe.cfg, moe.correction_bias)[1].unique().numel()
+        self.hooks = [moe.register_forward_hook(count) for moe in model.moes]
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
 
 
 class _TimedStack:
@@ -84,10 +118,11 @@ class _TimedStack:
             self.calls += 1
 
 
-def profile_steps(engine: Engine, steps: int) -> tuple[float, dict, float | None]:
+def profile_steps(engine: Engine, steps: int) -> tuple[float, dict, float | None, float]:
     """Median wall time of ``steps`` steps, each op class's time per step (over as many more,
-    profiled), and, where the decode stack ran every step, the share of their wall time
-    outside its native call: Python and sampling, measured without a profiler."""
+    profiled), where the decode stack ran every step, the share of their wall time outside its
+    native call (Python and sampling, measured without a profiler), and the routed experts a
+    profiled step ran (all MoE layers')."""
     stack = engine.runner.model.decode_stack
     timed = _TimedStack(stack.native) if stack is not None else None
     walls = []
@@ -104,13 +139,17 @@ def profile_steps(engine: Engine, steps: int) -> tuple[float, dict, float | None
     outside = None
     if timed is not None and timed.calls == steps:
         outside = round(1 - timed.seconds / sum(walls), 3)
-    with torch.profiler.profile() as prof:
-        for _ in range(steps):
-            engine.step()
+    experts = _ExpertsRead(engine.runner.model)
+    try:
+        with torch.profiler.profile() as prof:
+            for _ in range(steps):
+                engine.step()
+    finally:
+        experts.close()
     classes: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         classes[OP_CLASSES.get(event.key, "other")] += event.self_cpu_time_total / 1e3 / steps
-    return median(walls), dict(classes), outside
+    return median(walls), dict(classes), outside, experts.distinct / steps
 
 
 def decode_point(engine: Engine, batch: int, context: int, costs: dict, bandwidth: float, peak: float,
@@ -123,13 +162,16 @@ def decode_point(engine: Engine, batch: int, context: int, costs: dict, bandwidt
     while engine.scheduler.waiting or any(seq.num_computed_tokens < seq.num_tokens - 1
                                           for seq in engine.scheduler.running):  # prompts still prefilling
         engine.step()
-    wall, classes, outside = profile_steps(engine, steps)
+    wall, classes, outside, experts = profile_steps(engine, steps)
     while engine.has_unfinished_requests():
         engine.step()
     kv_bytes = batch * (context + 2 * steps) * costs["kv_bytes_per_token"]
     flops = batch * costs["matmul_flops_per_token"]
     extra = {} if outside is None else {"outside_stack_share": outside}
-    return _point(f"decode batch {batch}", wall, classes, costs["weight_bytes"] + kv_bytes, flops, bandwidth, peak,
+    if costs["expert_bytes"]:
+        extra["routed_experts_read"] = round(experts, 1)
+    return _point(f"decode batch {batch}", wall, classes,
+                  costs["weight_bytes"] + experts * costs["expert_bytes"] + kv_bytes, flops, bandwidth, peak,
                   batch=batch, context=context, **extra)
 
 
@@ -157,7 +199,8 @@ def prefill_point(engine: Engine, prompts: int, length: int, costs: dict, bandwi
     flops = tokens * costs["matmul_flops_per_token"] + prompts * length * length / 2 * costs[
         "attention_flops_per_context_token"]
     classes = {k: sum(v) for k, v in per_class.items()}
-    return _point(f"prefill {prompts} x {length}", median(walls[1:] or walls), classes, costs["weight_bytes"], flops,
+    nbytes = costs["weight_bytes"] + costs["experts"] * costs["expert_bytes"]  # a long prompt reaches every expert
+    return _point(f"prefill {prompts} x {length}", median(walls[1:] or walls), classes, nbytes, flops,
                   bandwidth, peak, tokens=tokens)
 
 

@@ -26,6 +26,22 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Glm4MoeForCausalLM",
 )
+
+
+@dataclass(frozen=True)
+class MoeNaming:
+    """Where a family's checkpoint keeps a MoE layer's tensors (under ``model.layers.N.``)."""
+
+    mlp: str  # the layer's MoE module
+    experts: tuple[str, str, str]  # an expert's gate, up and down projections (``experts.E.<name>.weight``)
+    shared: str = ""  # the shared expert's module, under ``mlp``
+
+
+MOE_NAMING = {
+    "MixtralForCausalLM": MoeNaming("block_sparse_moe", ("w1", "w3", "w2")),
+    "Qwen2MoeForCausalLM": MoeNaming("mlp", ("gate_proj", "up_proj", "down_proj"), "shared_expert"),
+    "Glm4MoeForCausalLM": MoeNaming("mlp", ("gate_proj", "up_proj", "down_proj"), "shared_experts"),
+}
 # a config.json without "architectures" names its class by model_type, as transformers reads it
 ARCHITECTURE_OF_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",

@@ -32,7 +32,7 @@ from torch import nn
 
 from worker.config import MoeConfig
 from worker.layers.fused import silu_and_mul
-from worker.layers.linear import copy_checked
+from worker.layers.linear import check_shape, copy_checked
 from worker.layers.mlp import Loader, SwiGLU
 from worker.layers.packing import PackedLinear, PackKind, brgemm_fits, pack_as, pack_invariant, packed_linear
 from worker.parallel import all_reduce, get_parallel_state
@@ -40,11 +40,7 @@ from worker.parallel.expert_map import ExpertMap
 from worker.parallel.state import all_gather_rows, all_to_all_rows, split_points
 from worker.quant.matmul import quant_linear
 from worker.quant.method import QuantMethod
-from worker.quant.weight import QuantizedWeight
-
-# checkpoint names of an expert's three matrices, per family: (gate, up, down)
-EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "default": ("gate_proj", "up_proj", "down_proj")}
-
+from worker.quant.weight import QuantizedWeight, cat_rows
 
 def select_experts(logits: torch.Tensor, cfg: MoeConfig,
                    correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,10 +77,10 @@ class SparseMoe(nn.Module):
     _fused: Callable[..., torch.Tensor] | None = None
     _fused_source: object = None
 
-    def __init__(self, hidden_size: int, cfg: MoeConfig, dtype: torch.dtype, family: str):
+    def __init__(self, hidden_size: int, cfg: MoeConfig, dtype: torch.dtype, names: tuple[str, str, str]):
         super().__init__()
         self.cfg = cfg
-        self.names = EXPERT_NAMES.get(family, EXPERT_NAMES["default"])
+        self.names = names  # the checkpoint's names of an expert's gate, up and down
         ps = get_parallel_state()
         self.expert_map = ExpertMap.contiguous(cfg.num_experts, ps.width)
         self.dispatch = ps.ep_size > 1  # tokens travel to their experts' ranks (else: all-reduce)
@@ -114,16 +110,13 @@ class SparseMoe(nn.Module):
         out: dict[str, Loader] = {f"{prefix}gate.weight": self._copier(self.gate)}
         if self.correction_bias is not None:
             out[f"{prefix}gate.e_score_correction_bias"] = self._copier(self.correction_bias)
-        inter = self.cfg.intermediate_size
         for e in range(self.cfg.num_experts):
             gate, up, down = (f"{prefix}experts.{e}.{n}.weight" for n in self.names)
             local = self.local_slot.get(e)
             if local is None:  # another rank's expert
                 out.update({gate: _skip, up: _skip, down: _skip})
                 continue
-            out[gate] = self._copier(self.w13, local, slice(0, inter))
-            out[up] = self._copier(self.w13, local, slice(inter, 2 * inter))
-            out[down] = self._copier(self.w2, local, slice(None))
+            out.update({name: self._expert_loader(local, part) for part, name in enumerate((gate, up, down))})
         if self.shared is not None:
             out.update(self.shared.loaders(f"{prefix}{shared_name}."))
         if self.shared_gate is not None:
@@ -131,9 +124,38 @@ class SparseMoe(nn.Module):
         return out
 
     @staticmethod
-    def _copier(param: nn.Parameter, expert: int | None = None, rows: slice | None = None) -> Loader:
-        target = param.data if expert is None else param.data[expert][rows]
-        return lambda tensor: copy_checked(target, tensor)
+    def _copier(param: nn.Parameter) -> Loader:
+        return lambda tensor: copy_checked(param.data, tensor)
+
+    def _expert_loader(self, local: int, part: int) -> Loader:
+        """Local expert ``local``'s gate (part 0), up (1) or down (2) projection: a float tensor
+        copied into w13 / w2, or GGUF's quantized blocks, kept as they are (``expert_quants``)."""
+        inter, hidden = self.cfg.intermediate_size, self.gate.shape[1]
+
+        def load(tensor) -> None:
+            check_shape(tensor, (inter, hidden) if part < 2 else (hidden, inter))
+            value = tensor[:]  # all of a checkpoint tensor, or a QuantizedWeight (GGUF's blocks)
+            if isinstance(value, QuantizedWeight):
+                self._take_quantized(local, part, value)
+            elif self.w13 is None:
+                raise ValueError("the experts mix float and quantized tensors")
+            else:
+                target = self.w2.data[local] if part == 2 else self.w13.data[local][part * inter:(part + 1) * inter]
+                target.copy_(value)
+                self._has_float_experts = True
+        return load
+
+    def _take_quantized(self, local: int, part: int, quant: QuantizedWeight) -> None:
+        if getattr(self, "_has_float_experts", False):
+            raise ValueError("the experts mix float and quantized tensors")
+        self._parts = getattr(self, "_parts", {})
+        self._parts[local, part] = quant
+        self.register_parameter("w13", None)
+        self.register_parameter("w2", None)
+        if len(self._parts) == 3 * self.num_local_experts:  # every local expert is in
+            p = self._parts
+            self.expert_quants = [(cat_rows([p[e, 0], p[e, 1]]), p[e, 2]) for e in range(self.num_local_experts)]
+            del self._parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden], the same on every rank of a group

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from worker.config import ModelConfig
+from worker.config import MOE_NAMING, ModelConfig
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear, copy_checked
 from worker.layers.mlp import Loader, SwiGLU
@@ -30,13 +30,6 @@ from worker.layers.paged_attention import AttentionMetadata, paged_attention
 from worker.layers.rotary import RotaryEmbedding
 from worker.models.decode_stack import DecodeStack
 from worker.parallel import get_parallel_state
-
-# architecture -> (MLP prefix in the checkpoint, expert naming family, shared-expert prefix)
-MOE_NAMING = {
-    "MixtralForCausalLM": ("block_sparse_moe", "mixtral", ""),
-    "Qwen2MoeForCausalLM": ("mlp", "default", "shared_expert"),
-    "Glm4MoeForCausalLM": ("mlp", "default", "shared_experts"),
-}
 
 
 class Attention(nn.Module):
@@ -79,7 +72,7 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(cfg, rotary, dtype)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if index in cfg.moe_layers:
-            self.mlp: nn.Module = SparseMoe(cfg.hidden_size, cfg.moe, dtype, MOE_NAMING[cfg.architecture][1])
+            self.mlp: nn.Module = SparseMoe(cfg.hidden_size, cfg.moe, dtype, MOE_NAMING[cfg.architecture].experts)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype)
 
@@ -88,8 +81,8 @@ class DecoderLayer(nn.Module):
                f"{prefix}post_attention_layernorm.weight": _copier(self.post_attn_norm.weight)}
         out.update(self.attn.loaders(f"{prefix}self_attn.", cfg.attention_bias))
         if isinstance(self.mlp, SparseMoe):
-            mlp_prefix, _, shared = MOE_NAMING[cfg.architecture]
-            out.update(self.mlp.loaders(f"{prefix}{mlp_prefix}.", shared))
+            naming = MOE_NAMING[cfg.architecture]
+            out.update(self.mlp.loaders(f"{prefix}{naming.mlp}.", naming.shared))
         else:
             out.update(self.mlp.loaders(f"{prefix}mlp."))
         return out

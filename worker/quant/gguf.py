@@ -9,10 +9,16 @@ a rank reads only the rows, or the blocks of columns, its slice needs. Supported
 - Q8_0: float16 ``d`` and 32 int8 codes; ``w = d * q`` -> int8 codes by groups of 32;
 - F32, F16, BF16: plain tensors (norms).
 
-llama.cpp's converter permutes the query and key rows of Llama-family models (its
-rotary embedding pairs neighbouring features, Hugging Face's pairs halves); the rows
-are put back in Hugging Face's order here, as transformers' GGUF reader does, so the
-model and every slice of it see the layout of the safetensors checkpoint."""
+llama.cpp's converter permutes the query and key rows of the models it writes as its
+``llama`` architecture (Llama, Mistral, Mixtral: its rotary embedding pairs neighbouring
+features, Hugging Face's pairs halves); the rows are put back in Hugging Face's order here,
+as transformers' GGUF reader does, so the model and every slice of it see the layout of the
+safetensors checkpoint. Its Qwen2 families are written unpermuted.
+
+A mixture of experts stores each layer's experts stacked, ``ffn_{gate,up,down}_exps``
+[experts, rows, columns] (and Qwen2-MoE's shared expert as ``ffn_*_shexp``); each expert's
+slice is yielded under its Hugging Face name (``experts.E.gate_proj.weight``), so the layer
+loads a GGUF's experts as it loads a safetensors checkpoint's, reading only its own."""
 
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.config import ConfigError, ModelConfig
+from worker.config import MOE_NAMING, ConfigError, ModelConfig
 from worker.quant.gguf_index import read_index
 from worker.quant.weight import CodeFormat, QuantizedWeight
 
@@ -41,7 +47,24 @@ NAMES = {
     "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
     "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
     "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
+    "blk.{}.attn_q.bias": "model.layers.{}.self_attn.q_proj.bias",
+    "blk.{}.attn_k.bias": "model.layers.{}.self_attn.k_proj.bias",
+    "blk.{}.attn_v.bias": "model.layers.{}.self_attn.v_proj.bias",
 }
+# a MoE layer's tensors: GGUF name -> the name under the layer's MoE prefix ({mlp}: ``mlp`` or
+# ``block_sparse_moe``; {shared}: the shared expert's module), {e} an expert of a stacked tensor
+MOE_NAMES = {
+    "blk.{}.ffn_gate_inp.weight": "{mlp}.gate.weight",
+    "blk.{}.ffn_gate_exps.weight": "{mlp}.experts.{e}.{gate}.weight",
+    "blk.{}.ffn_up_exps.weight": "{mlp}.experts.{e}.{up}.weight",
+    "blk.{}.ffn_down_exps.weight": "{mlp}.experts.{e}.{down}.weight",
+    "blk.{}.ffn_gate_shexp.weight": "{mlp}.{shared}.gate_proj.weight",
+    "blk.{}.ffn_up_shexp.weight": "{mlp}.{shared}.up_proj.weight",
+    "blk.{}.ffn_down_shexp.weight": "{mlp}.{shared}.down_proj.weight",
+    "blk.{}.ffn_gate_inp_shexp.weight": "{mlp}.shared_expert_gate.weight",
+}
+# the architectures llama.cpp writes as ``llama``, query and key rows permuted
+PERMUTED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per 32 weights
 Q4_0_VALUES = torch.arange(16, dtype=torch.float32) - 8
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -65,6 +88,22 @@ def hf_name(name: str) -> str:
     raise ConfigError(f"GGUF tensor {name!r} has no counterpart in Kervan's Llama-family decoder")
 
 
+def moe_names(name: str, cfg: ModelConfig) -> list[str] | None:
+    """A MoE layer's tensor's Hugging Face names: one per expert for a stacked tensor, else
+    one (None: not a MoE tensor)."""
+    parts = name.split(".")
+    template = MOE_NAMES.get(".".join(["blk", "{}", *parts[2:]])) if parts[0] == "blk" and len(parts) > 2 else None
+    if template is None or cfg.moe is None:
+        return None
+    naming = MOE_NAMING[cfg.architecture]
+    gate, up, down = naming.experts
+    prefix = f"model.layers.{parts[1]}."
+    fill = dict(mlp=naming.mlp, shared=naming.shared, gate=gate, up=up, down=down)
+    if "{e}" not in template:
+        return [prefix + template.format(**fill)]
+    return [prefix + template.format(e=e, **fill) for e in range(cfg.moe.num_experts)]
+
+
 class GgufTensor:
     """One GGUF tensor, read only as far as it is indexed (``t[a:b]`` rows, ``t[:, a:b]``
     columns in whole blocks, ``t[:]``): a ``QuantizedWeight`` for the block types, a tensor
@@ -77,6 +116,17 @@ class GgufTensor:
 
     def dim(self) -> int:
         return len(self.shape)
+
+    def expert(self, e: int) -> GgufTensor:
+        """Expert e's matrix of a stacked [experts, rows, columns] tensor (its bytes only)."""
+        experts, rows, cols = self.shape
+        flat = self._data.reshape(experts * rows, -1) if self.kind in BLOCK_BYTES else self._data
+        if self.kind in BLOCK_BYTES:
+            data = flat[e * rows:(e + 1) * rows]
+        else:  # float bytes, flat
+            size = rows * cols * torch.empty((), dtype=FLOAT_TYPES[self.kind]).element_size()
+            data = flat[e * size:(e + 1) * size]
+        return GgufTensor(self.name, self.kind, data, (rows, cols), self._dtype, None)
 
     def __getitem__(self, index) -> torch.Tensor | QuantizedWeight:
         rows, cols = index if isinstance(index, tuple) else (index, slice(None))
@@ -132,9 +182,22 @@ def iter_gguf_tensors(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Itera
         if t.kind not in BLOCK_BYTES and t.kind not in FLOAT_TYPES:
             raise ConfigError(f"{path.name}: tensor {t.name} is {t.kind}; Kervan reads GGUF's "
                               f"{', '.join([*BLOCK_BYTES, *FLOAT_TYPES])}")
+        names = moe_names(t.name, cfg)
+        if names is not None:
+            tensor = GgufTensor(names[0], t.kind, t.data, t.shape, dtype, None)
+            if len(names) > 1:  # stacked experts
+                if len(t.shape) != 3 or t.shape[0] != len(names):
+                    raise ConfigError(f"{path.name}: {t.name} is {list(t.shape)}, not [{len(names)} experts, "
+                                      "rows, columns]")
+                yield from ((name, tensor.expert(e)) for e, name in enumerate(names))
+            elif t.name.endswith("ffn_gate_inp_shexp.weight"):  # [hidden] in GGUF, [1, hidden] in the model
+                yield names[0], GgufTensor(names[0], t.kind, t.data, (1, *t.shape), dtype, None)
+            else:
+                yield names[0], tensor
+            continue
         name = hf_name(t.name)
         order = None
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if name.endswith(("q_proj.weight", "k_proj.weight")) and cfg.architecture in PERMUTED:
             heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
             order = unpermuted_rows(t.shape[0], heads)
         yield name, GgufTensor(name, t.kind, t.data, t.shape, dtype, order)
