@@ -85,37 +85,28 @@ def model_costs(engine: Engine) -> dict:
 
 
 class _ExpertsRead:
-    """Counts the distinct routed experts each MoE layer runs (forward hooks recomputing the
-    routing from the layer's input): a step reads those experts' weights, no others."""
+    """Counts the distinct routed experts each MoE layer runs, recomputing the routing from the
+    layer's input (the model calls ``forward`` itself, so it is wrapped, not hooked): a step
+    reads those experts' weights, no others."""
 
     def __init__(self, model):
         from worker.layers.moe import select_experts
-        self.distinct, self.hooks = 0, []
+        self.distinct, self.moes = 0, model.moes
 
-        def count(moe, inputs, output):
-            x = inputs[0]
-            logits = moe._linear(x.float(), moe.packed_gate or moe.gate.float())
-            self.distinct += select_experts(logits, moe.cfg, moe.correction_bias)[1].unique().numel()
-        self.hooks = [moe.register_forward_hook(count) for moe in model.moes]
+        def counted(moe):
+            forward = moe.forward
+
+            def run(x):
+                logits = moe._linear(x.float(), moe.packed_gate or moe.gate.float())
+                self.distinct += select_experts(logits, moe.cfg, moe.correction_bias)[1].unique().numel()
+                return forward(x)
+            return run
+        for moe in self.moes:
+            moe.forward = counted(moe)
 
     def close(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-
-
-class _TimedStack:
-    """The decode stack's native object, timing its one call a step (no profiler)."""
-
-    def __init__(self, native):
-        self.native, self.seconds, self.calls = native, 0.0, 0
-
-    def step(self, *args):
-        start = time.perf_counter()
-        try:
-            return self.native.step(*args)
-        finally:
-            self.seconds += time.perf_counter() - start
-            self.calls += 1
+        for moe in self.moes:
+            del moe.forward  # the class's again
 
 
 def profile_steps(engine: Engine, steps: int) -> tuple[float, dict, float | None, float]:

@@ -26,7 +26,12 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 
 def _configs():
-    from transformers import Glm4MoeConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig
+    from transformers import (DeepseekV2Config, DeepseekV3Config, Glm4MoeConfig, LlamaConfig, MistralConfig,
+                              MixtralConfig, Qwen2Config, Qwen2MoeConfig)
+    # latent attention: a 32 + 8 latent per token, 4 heads of 16 + 8 (queries and keys) and 16 (values)
+    mla = dict(TINY, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+               num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
+               n_group=2, topk_group=1, routed_scaling_factor=1.5)
     llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 64, "rope_theta": 10000.0}
     return {
@@ -39,6 +44,10 @@ def _configs():
         "glm4_moe": Glm4MoeConfig(**TINY, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                                   first_k_dense_replace=1, n_group=2, topk_group=1, head_dim=16,
                                   routed_scaling_factor=1.5),
+        # V2: queries through one q_proj, softmax routing limited to the best group (by its best expert)
+        "deepseek_v2": DeepseekV2Config(**mla, q_lora_rank=None, topk_method="group_limited_greedy"),
+        # V3: queries through a low-rank projection, sigmoid routing with a correction bias
+        "deepseek_v3": DeepseekV3Config(**mla, q_lora_rank=24),
     }
 
 
@@ -57,8 +66,8 @@ def pytest_configure(config):
         REPORT.unlink(missing_ok=True)
 
 
-MODEL_KINDS = ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "glm4_moe"]
-MOE_KINDS = ["mixtral", "qwen2_moe", "glm4_moe"]
+MODEL_KINDS = ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3"]
+MOE_KINDS = ["mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3"]
 
 
 def build_hf_model(kind: str, seed: int = 0):
@@ -66,7 +75,7 @@ def build_hf_model(kind: str, seed: int = 0):
     cfg = _configs()[kind]
     torch.manual_seed(seed)
     model = getattr(transformers, _ARCH[kind])(cfg).eval()
-    if kind == "glm4_moe":  # a non-zero correction bias, so routing really depends on it
+    if kind in ("glm4_moe", "deepseek_v3"):  # a non-zero correction bias, so routing really depends on it
         g = torch.Generator().manual_seed(seed)
         for layer in model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.copy_(torch.rand(8, generator=g) * 0.2 - 0.1)
@@ -74,7 +83,8 @@ def build_hf_model(kind: str, seed: int = 0):
 
 
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-         "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+         "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+         "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,8 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Glm4MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 
 
@@ -41,7 +43,11 @@ MOE_NAMING = {
     "MixtralForCausalLM": MoeNaming("block_sparse_moe", ("w1", "w3", "w2")),
     "Qwen2MoeForCausalLM": MoeNaming("mlp", ("gate_proj", "up_proj", "down_proj"), "shared_expert"),
     "Glm4MoeForCausalLM": MoeNaming("mlp", ("gate_proj", "up_proj", "down_proj"), "shared_experts"),
+    "DeepseekV2ForCausalLM": MoeNaming("mlp", ("gate_proj", "up_proj", "down_proj"), "shared_experts"),
+    "DeepseekV3ForCausalLM": MoeNaming("mlp", ("gate_proj", "up_proj", "down_proj"), "shared_experts"),
 }
+# multi-head latent attention (``worker/layers/mla.py``)
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # a config.json without "architectures" names its class by model_type, as transformers reads it
 ARCHITECTURE_OF_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -50,6 +56,8 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # Qwen2's q, k and v projections carry a bias, and so do Qwen2-MoE's: their published config.json files
 # (Qwen1.5-MoE-A2.7B's among them) name no qkv_bias, and transformers reads that as True
@@ -75,8 +83,11 @@ class RopeConfig:
 class MoeConfig:
     """Routed experts of one MoE layer type.
 
-    scoring "softmax" is Mixtral / Qwen2-MoE; "sigmoid" is DeepSeek-V3 (scores plus a
-    per-expert correction bias choose the experts, the raw scores weight them)."""
+    scoring "softmax" is Mixtral / Qwen2-MoE / DeepSeek-V2; "sigmoid" is DeepSeek-V3 (scores
+    plus a per-expert correction bias choose the experts, the raw scores weight them). With
+    groups, tokens choose among the experts of their best ``topk_groups`` groups, a group scored
+    by its best two experts' sum (DeepSeek-V3, GLM-4.5: ``group_score`` "top2") or its best one
+    (DeepSeek-V2's group-limited greedy: "max")."""
 
     num_experts: int
     top_k: int
@@ -89,6 +100,26 @@ class MoeConfig:
     has_correction_bias: bool = False
     shared_intermediate_size: int = 0
     has_shared_expert_gate: bool = False
+    group_score: str = "top2"
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): each token's keys and values are one
+    latent of ``kv_lora_rank`` plus a shared rotary key of ``qk_rope_head_dim``, cached as
+    they are; each head's keys and values are projections of the latent (``kv_b_proj``)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # queries through a low-rank projection and its norm (V3), else one q_proj
+    rope_interleaved: bool = True  # the checkpoint's rotary pairs are neighbours (permuted to halves at load)
+
+    @property
+    def latent_size(self) -> int:
+        """Values cached per token and layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -109,14 +140,18 @@ class ModelConfig:
     moe: MoeConfig | None = None
     moe_layers: tuple[int, ...] = ()  # layer indices whose MLP is the MoE block
     eos_token_ids: tuple[int, ...] = ()
+    # latent attention: the KV pool's cells then hold each token's latent, half in the key plane and half
+    # in the value plane of one KV head (``num_kv_heads`` 1, ``head_dim`` latent_size / 2)
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})")
-        if self.rope.rotary_dim % 2 or self.rope.rotary_dim > self.head_dim:
-            raise ConfigError(f"rotary dim {self.rope.rotary_dim} invalid for head_dim {self.head_dim}")
+        rotated = self.mla.qk_rope_head_dim if self.mla else self.head_dim
+        if self.rope.rotary_dim % 2 or self.rope.rotary_dim > rotated:
+            raise ConfigError(f"rotary dim {self.rope.rotary_dim} invalid for head_dim {rotated}")
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> ModelConfig:
@@ -142,8 +177,12 @@ class ModelConfig:
             raise ConfigError(f"{arch} with use_sliding_window=true is not supported")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
         num_layers = cfg["num_hidden_layers"]
         moe, moe_layers = _parse_moe(arch, cfg, num_layers)
+        mla = _parse_mla(arch, cfg)
+        if mla is not None:  # one latent per token: a KV head whose key and value planes hold its halves
+            head_dim, num_kv_heads = mla.latent_size // 2, 1
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return ModelConfig(
@@ -153,16 +192,17 @@ class ModelConfig:
             intermediate_size=cfg.get("intermediate_size", 0),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             max_position=cfg.get("max_position_embeddings", DEFAULT_MAX_POSITION),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope=_parse_rope(cfg, head_dim),
+            rope=_parse_rope(cfg, mla.qk_rope_head_dim if mla else head_dim),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in QKV_BIAS_BY_DEFAULT))),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             moe=moe,
             moe_layers=moe_layers,
             eos_token_ids=eos_ids,
+            mla=mla,
         )
 
 
@@ -210,7 +250,34 @@ def _parse_moe(arch: str, cfg: dict, num_layers: int) -> tuple[MoeConfig | None,
                         has_correction_bias=True,
                         shared_intermediate_size=cfg["moe_intermediate_size"] * cfg.get("n_shared_experts", 0))
         return moe, tuple(range(cfg.get("first_k_dense_replace", 0), num_layers))
+    if arch in MLA_ARCHITECTURES:
+        v3 = arch == "DeepseekV3ForCausalLM"
+        grouped = v3 or cfg.get("topk_method") == "group_limited_greedy"
+        moe = MoeConfig(num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"],
+                        intermediate_size=cfg["moe_intermediate_size"], scoring="sigmoid" if v3 else "softmax",
+                        norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)) if v3 else False,
+                        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                        num_groups=(cfg.get("n_group") or 1) if grouped else 1,
+                        topk_groups=(cfg.get("topk_group") or 1) if grouped else 1,
+                        group_score="top2" if v3 else "max", has_correction_bias=v3,
+                        shared_intermediate_size=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0))
+        first, every = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1)
+        return moe, tuple(i for i in range(first, num_layers) if i % every == 0)
     return None, ()
+
+
+def _parse_mla(arch: str, cfg: dict) -> MlaConfig | None:
+    if arch not in MLA_ARCHITECTURES:
+        return None
+    mla = MlaConfig(kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                    qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
+                    q_lora_rank=cfg.get("q_lora_rank"),
+                    # V2 rotates neighbouring pairs always (complex numbers); V3 where rope_interleave says so
+                    rope_interleaved=arch == "DeepseekV2ForCausalLM" or bool(cfg.get("rope_interleave", True)))
+    if mla.latent_size % 2:
+        raise ConfigError(f"kv_lora_rank + qk_rope_head_dim ({mla.latent_size}) must be even: the KV pool holds "
+                          "each token's latent in two halves")
+    return mla
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,9 @@
 KV bytes per token, and FLOPs per token, counted from its Hugging Face config.
 
 Counts follow the layers Kervan runs (``worker/models``): per layer the q/k/v and o
-projections, a SwiGLU MLP (gate, up, down) or routed experts of SwiGLU MLPs (plus shared
+projections (latent attention's: the query's, the latent's, ``kv_b_proj`` and o; its KV a
+token is the latent, ``num_kv_heads`` 1 of half the latent's size in each of the key and value
+planes), a SwiGLU MLP (gate, up, down) or routed experts of SwiGLU MLPs (plus shared
 experts and the router), two RMSNorms; the embedding, a final norm and the LM head
 (shared with the embedding when the config ties them)."""
 
@@ -43,6 +45,8 @@ class ModelShape:
     attention_bias: bool = False  # q, k and v biases (Qwen2)
     shared_expert_gate: bool = False  # a gate on the shared experts' output (Qwen2-MoE)
     correction_bias: bool = False  # a routing bias per expert (DeepSeek-V3, GLM-4.5)
+    # latent attention (DeepSeek): (kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank or 0)
+    mla: tuple[int, int, int, int, int] | None = None
 
     @staticmethod
     def from_config(name: str, cfg: Any) -> ModelShape:
@@ -57,7 +61,9 @@ class ModelShape:
             shared_intermediate_size=moe.shared_intermediate_size if moe else 0,
             num_moe_layers=len(cfg.moe_layers) if moe else 0, attention_bias=cfg.attention_bias,
             shared_expert_gate=bool(moe and moe.has_shared_expert_gate),
-            correction_bias=bool(moe and moe.has_correction_bias))
+            correction_bias=bool(moe and moe.has_correction_bias),
+            mla=None if cfg.mla is None else (cfg.mla.kv_lora_rank, cfg.mla.qk_nope_head_dim,
+                                              cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim, cfg.mla.q_lora_rank or 0))
 
     @property
     def is_moe(self) -> bool:
@@ -65,6 +71,12 @@ class ModelShape:
 
     @property
     def attention_params_per_layer(self) -> int:
+        if self.mla is not None:
+            rank, nope, rope, v, q_rank = self.mla
+            q_out = self.num_heads * (nope + rope)
+            q = self.hidden_size * q_rank + q_rank * q_out if q_rank else self.hidden_size * q_out
+            return (q + self.hidden_size * (rank + rope) + rank * self.num_heads * (nope + v)
+                    + self.num_heads * v * self.hidden_size)
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return self.hidden_size * (q + 2 * kv) + q * self.hidden_size
 
@@ -97,6 +109,8 @@ class ModelShape:
     def small_params(self) -> int:
         """Norms, biases and gates: vectors, kept in the float dtype whatever the format."""
         bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
+        if self.mla is not None:  # the latent's norm, and the query's where it is low-rank
+            bias = self.mla[0] + self.mla[4]
         per_moe_layer = self.hidden_size * self.shared_expert_gate + self.num_experts * self.correction_bias
         return ((2 * self.num_layers + 1) * self.hidden_size + self.num_layers * bias
                 + self.num_moe_layers * per_moe_layer)
@@ -135,4 +149,7 @@ class ModelShape:
     def flops_per_token(self, context: float) -> float:
         """Multiply-adds times two of one token's forward at ``context`` tokens of attention:
         the active linears, and QK^T plus attention-times-V over the context."""
+        if self.mla is not None:  # absorbed: each head scores the latents (rank + rope) and sums their ranks
+            rank, _, rope, _, _ = self.mla
+            return 2 * self.active_params + 2 * self.num_layers * self.num_heads * (2 * rank + rope) * context
         return 2 * self.active_params + 4 * self.num_layers * self.num_heads * self.head_dim * context

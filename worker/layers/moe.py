@@ -4,8 +4,9 @@ the chosen SwiGLU experts run on their tokens, and their outputs are summed with
 the routing weights; optional shared experts run on every token.
 
 Routing (``select_experts``, a pure function):
-- softmax (Mixtral, Qwen2-MoE): softmax over all experts, top-k, optionally
-  renormalised;
+- softmax (Mixtral, Qwen2-MoE, DeepSeek-V2): softmax over all experts, top-k (V2: within
+  the best groups, a group scored by its best expert), optionally renormalised, scaled by
+  ``routed_scaling_factor``;
 - sigmoid (DeepSeek-V3, GLM-4.5): sigmoid scores plus a per-expert correction bias
   *choose* the experts (within the best ``topk_groups`` groups), the unbiased
   scores *weight* them, renormalised and scaled by ``routed_scaling_factor``.
@@ -45,17 +46,20 @@ from worker.quant.weight import QuantizedWeight, cat_rows
 def select_experts(logits: torch.Tensor, cfg: MoeConfig,
                    correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [num_tokens, num_experts] float32 -> (weights, ids), each [num_tokens, top_k]."""
-    if cfg.scoring == "softmax":
+    if cfg.scoring == "softmax" and cfg.num_groups == 1:
         probs = logits.softmax(dim=-1)
         weights, ids = probs.topk(cfg.top_k, dim=-1)
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
-    scores = logits.sigmoid()
+        return weights * cfg.routed_scaling_factor if cfg.routed_scaling_factor != 1.0 else weights, ids
+    scores = logits.softmax(dim=-1) if cfg.scoring == "softmax" else logits.sigmoid()
     choice = scores + correction_bias if correction_bias is not None else scores
     if cfg.num_groups > 1:
         grouped = choice.view(-1, cfg.num_groups, cfg.num_experts // cfg.num_groups)
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [num_tokens, num_groups]
+        if cfg.group_score == "max":
+            group_scores = grouped.max(dim=-1).values  # [num_tokens, num_groups]
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
         keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(cfg.topk_groups, dim=-1).indices, 1)
         choice = choice.masked_fill(~keep.bool().repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
     ids = choice.topk(cfg.top_k, dim=-1).indices

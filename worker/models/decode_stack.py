@@ -63,7 +63,7 @@ def build_decode_stack(model, kv_caches: list[torch.Tensor]) -> DecodeStack | No
     """The stack for ``model`` (a ``DecoderModel``) and its caches, or None where it does not
     apply (see the module's docstring)."""
     dense = all(isinstance(layer.mlp, SwiGLU) for layer in model.layers)
-    if (decode_stack_mode() == "off" or get_parallel_state().world != 1 or not dense
+    if (decode_stack_mode() == "off" or get_parallel_state().world != 1 or not dense or model.cfg.mla
             or model.norm is None or model.embed is None):
         return None
     first = model.layers[0].attn

@@ -24,6 +24,7 @@ from worker.config import MOE_NAMING, ModelConfig
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear, copy_checked
 from worker.layers.mlp import Loader, SwiGLU
+from worker.layers.mla import MlaAttention
 from worker.layers.moe import SparseMoe
 from worker.layers.norm import RMSNorm
 from worker.layers.paged_attention import AttentionMetadata, paged_attention
@@ -69,7 +70,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, rotary: RotaryEmbedding, dtype: torch.dtype):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn = Attention(cfg, rotary, dtype)
+        self.attn: nn.Module = MlaAttention(cfg, rotary, dtype) if cfg.mla else Attention(cfg, rotary, dtype)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if index in cfg.moe_layers:
             self.mlp: nn.Module = SparseMoe(cfg.hidden_size, cfg.moe, dtype, MOE_NAMING[cfg.architecture].experts)
@@ -79,7 +80,10 @@ class DecoderLayer(nn.Module):
     def loaders(self, prefix: str, cfg: ModelConfig) -> dict[str, Loader]:
         out = {f"{prefix}input_layernorm.weight": _copier(self.input_norm.weight),
                f"{prefix}post_attention_layernorm.weight": _copier(self.post_attn_norm.weight)}
-        out.update(self.attn.loaders(f"{prefix}self_attn.", cfg.attention_bias))
+        if isinstance(self.attn, MlaAttention):
+            out.update(self.attn.loaders(f"{prefix}self_attn."))
+        else:
+            out.update(self.attn.loaders(f"{prefix}self_attn.", cfg.attention_bias))
         if isinstance(self.mlp, SparseMoe):
             naming = MOE_NAMING[cfg.architecture]
             out.update(self.mlp.loaders(f"{prefix}{naming.mlp}.", naming.shared))
@@ -141,9 +145,11 @@ class DecoderModel(nn.Module):
 
     def batch_variant_layers(self) -> list[str]:
         """The layers whose kernel rounds a row by what else is in its call (oneDNN's layout,
-        plain matmuls, dequantized tiles): none where a token's output is batch-invariant."""
+        plain matmuls, dequantized tiles, latent attention's SDPA): none where a token's output
+        is batch-invariant."""
         return variant_linears(self, self.dense_linears()) + [
-            name for name, m in self.named_modules() if m in self.moes and not m.is_batch_invariant()]
+            name for name, m in self.named_modules()
+            if (m in self.moes and not m.is_batch_invariant()) or isinstance(m, MlaAttention)]
 
     def dense_linears(self) -> list[nn.Module]:
         """The layers whose weights the loader may pack: every dense linear and the LM head."""

@@ -79,7 +79,8 @@ class ModelRunner:
                               "KERVAN_ATTENTION_BACKEND=torch")
         if config.deterministic and variant:
             raise ConfigError("deterministic mode needs a batch-invariant kernel for every layer, and these have "
-                              f"none: {', '.join(variant[:4])} (leave KERVAN_WEIGHT_PACKING unset)")
+                              f"none: {', '.join(variant[:4])} (leave KERVAN_WEIGHT_PACKING unset; latent attention, "
+                              "DeepSeek's, has no batch-invariant kernel yet)")
         if self.native_kernels:
             model.decode_stack = build_decode_stack(model, self.kv_caches)
         self.sampler = Sampler(config.seed)
