@@ -72,11 +72,20 @@ class ConfigError(ValueError):
 class RopeConfig:
     theta: float = 10000.0
     rotary_dim: int = 0  # the first rotary_dim channels of each head rotate
-    scaling_type: str = "default"  # "default" | "llama3" | "linear"
+    scaling_type: str = "default"  # "default" | "llama3" | "linear" | "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # YaRN (DeepSeek-V2/V3's long context): the ramp between interpolated and extrapolated frequencies,
+    # and the magnitude scales (cos and sin times attention_factor; latent attention's softmax scale
+    # times mscale(mscale_all_dim) squared)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -213,17 +222,25 @@ def _parse_rope(cfg: dict, head_dim: int) -> RopeConfig:
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", "llama3", "linear"):
-        raise ConfigError(f"rope type {kind!r} is not supported (default, linear, llama3)")
-    return RopeConfig(
-        theta=float(theta),
-        rotary_dim=int(head_dim * partial),
-        scaling_type=kind,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
-    )
+    if kind not in ("default", "llama3", "linear", "yarn"):
+        raise ConfigError(f"rope type {kind!r} is not supported (default, linear, llama3, yarn)")
+    yarn = {}
+    if kind == "yarn":
+        original = params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")
+        factor = params.get("factor") or cfg.get("max_position_embeddings", original) / original
+        yarn = dict(factor=float(factor), original_max_position=int(original),
+                    beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                    mscale=float(params.get("mscale") or 0), mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+                    attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)))
+    return RopeConfig(**{
+        "theta": float(theta),
+        "rotary_dim": int(head_dim * partial),
+        "scaling_type": kind,
+        "factor": float(params.get("factor", 1.0)),
+        "low_freq_factor": float(params.get("low_freq_factor", 1.0)),
+        "high_freq_factor": float(params.get("high_freq_factor", 4.0)),
+        "original_max_position": int(params.get("original_max_position_embeddings", 8192)),
+        **yarn})
 
 
 def _parse_moe(arch: str, cfg: dict, num_layers: int) -> tuple[MoeConfig | None, tuple[int, ...]]:

@@ -1,6 +1,6 @@
 """DeepSeek-V2/V3's multi-head latent attention (``worker/layers/mla.py``): transformers'
 logits at several shapes (queries through q_proj or a low-rank projection, rotary pairs
-interleaved or not, grouped and plain routing), one latent per token in the KV pool (the
+interleaved or not, YaRN's long-context rotary, grouped and plain routing), one latent per token in the KV pool (the
 engine's block shape says so), the latent handed from a prefill engine to a decode engine
 gives one engine's tokens, and ``--deterministic`` refuses these models with a reason.
 (The families' default tiny configs also run every test over ``MODEL_KINDS``: parity, the
@@ -35,6 +35,10 @@ SHAPES = {
     "v2-plain-routing": (2, dict(q_lora_rank=None, topk_method="greedy")),
     "v2-low-rank-queries": (2, dict(q_lora_rank=40, topk_method="group_limited_greedy", n_group=4, topk_group=2)),
     "v3-rope-in-halves": (3, dict(q_lora_rank=24, rope_interleave=False, n_group=2, topk_group=1)),
+    # DeepSeek-V3's long-context rotary: YaRN frequencies, cos/sin and the softmax scale by its mscales
+    "v3-yarn": (3, dict(q_lora_rank=24, n_group=2, topk_group=1, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})),
     "v3-wide-latent": (3, dict(q_lora_rank=None, kv_lora_rank=64, qk_rope_head_dim=16, v_head_dim=24,
                                num_attention_heads=8, num_key_value_heads=8, n_group=1, topk_group=1)),
 }

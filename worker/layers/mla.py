@@ -37,7 +37,7 @@ from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear, 
 from worker.layers.mlp import Loader
 from worker.layers.norm import RMSNorm
 from worker.layers.paged_attention import AttentionMetadata, cache_views
-from worker.layers.rotary import RotaryEmbedding
+from worker.layers.rotary import RotaryEmbedding, yarn_mscale
 from worker.parallel import get_parallel_state
 from worker.quant.matmul import dequantize
 from worker.quant.weight import QuantizedWeight
@@ -50,6 +50,8 @@ class MlaAttention(nn.Module):
         self.mla, self.rotary = mla, rotary
         self.qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         self.scale = self.qk_head_dim ** -0.5
+        if cfg.rope.scaling_type == "yarn" and cfg.rope.mscale_all_dim:  # every dim's scale, not only the rotary's
+            self.scale *= yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
         self.num_kv_heads = 1  # the pool's: one latent per token
         ps = get_parallel_state()
         start, end = ps.shard_heads(cfg.num_heads, 1, "attention heads")
