@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from statistics import median
 
 import torch
 
@@ -75,9 +74,9 @@ def time_calls(layer: SparseMoe, batches: list[tuple], fused: bool) -> float:
     """Seconds of the layer's routed experts over ``batches`` but the first (a warm-up); the
     shared expert and the router's matmul are part of neither path."""
     if not fused:  # the per-expert path: as the layer runs where no fused call is made
-        layer._fused_source, layer._fused = layer.expert_quants or layer.expert_packs, None
+        layer._fused_source, layer._fused = list(layer.expert_quants or layer.expert_packs or []), None
     else:
-        layer._fused_source = object()  # made again on the next call
+        layer._fused_source = None  # made again on the next call
     total = 0.0
     with torch.inference_mode():
         for i, (x, weights, ids) in enumerate(batches):

@@ -26,12 +26,20 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 
 def _configs():
-    from transformers import (DeepseekV2Config, DeepseekV3Config, Glm4MoeConfig, LlamaConfig, MistralConfig,
-                              MixtralConfig, Qwen2Config, Qwen2MoeConfig)
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV3Config,
+        Glm4MoeConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+    )
     # latent attention: a 32 + 8 latent per token, 4 heads of 16 + 8 (queries and keys) and 16 (values)
-    mla = dict(TINY, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
-               num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
-               n_group=2, topk_group=1, routed_scaling_factor=1.5)
+    mla = dict(TINY, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+               v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+               moe_intermediate_size=32, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.5)
     llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 64, "rope_theta": 10000.0}
     return {

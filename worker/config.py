@@ -226,7 +226,9 @@ def _parse_rope(cfg: dict, head_dim: int) -> RopeConfig:
         raise ConfigError(f"rope type {kind!r} is not supported (default, linear, llama3, yarn)")
     yarn = {}
     if kind == "yarn":
-        original = params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")
+        original = int(params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings") or 0)
+        if original <= 0:
+            raise ConfigError("yarn rope scaling needs original_max_position_embeddings")
         factor = params.get("factor") or cfg.get("max_position_embeddings", original) / original
         yarn = dict(factor=float(factor), original_max_position=int(original),
                     beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),

@@ -74,7 +74,7 @@ def write_gguf(hf, kind: str, out_dir):
     add("output.weight", blocks("lm_head.weight", Q8_0), Q8_0)
     heads = {"attn_q.weight": cfg.num_attention_heads, "attn_k.weight": cfg.num_key_value_heads}
     layer = LAYER | {"ffn_gate_inp.weight": ("mlp.gate.weight", None)} | (QWEN_LAYER if kind == "qwen2_moe" else {})
-    experts, inter = hf.model.layers[0].mlp.experts.down_proj.shape[0], hf.model.layers[0].mlp.experts.down_proj.shape[2]
+    experts, _, inter = hf.model.layers[0].mlp.experts.down_proj.shape
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         for gguf_name, (hf_name, qtype) in layer.items():
@@ -87,11 +87,10 @@ def write_gguf(hf, kind: str, out_dir):
         # transformers holds a layer's experts stacked: gate_up_proj [experts, 2 * inter, hidden] (gate rows
         # first) and down_proj [experts, hidden, inter]
         gate_up, down = sd[f"{p}mlp.experts.gate_up_proj"], sd[f"{p}mlp.experts.down_proj"]
-        parts = {"gate": (lambda e: gate_up[e, :inter], Q4_0), "up": (lambda e: gate_up[e, inter:], Q4_0),
-                 "down": (lambda e: down[e], Q8_0)}  # llama.cpp's mixes differ by part
-        for part, (view, qtype) in parts.items():
-            stacked = np.stack([blocks(view(e), qtype) for e in range(experts)])
-            add(f"blk.{i}.ffn_{part}_exps.weight", stacked, qtype)
+        parts = {"gate": (gate_up[:, :inter], Q4_0), "up": (gate_up[:, inter:], Q4_0),
+                 "down": (down, Q8_0)}  # llama.cpp's mixes differ by part
+        for part, (stack, qtype) in parts.items():
+            add(f"blk.{i}.ffn_{part}_exps.weight", np.stack([blocks(stack[e], qtype) for e in range(experts)]), qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -118,6 +117,9 @@ def test_a_gguf_moe_serves_its_quantized_experts_through_the_fused_kernel(gguf_m
     from worker.quant.kernel_choice import choose_kernels
     choose_kernels(model)  # as the engine's runner does: the int8-activation layout
     assert all(m.fused() is not None for m in model.moes)
+    # each expert held once: its packed copy, its codes dropped
+    assert all(q.int8 is not None and q.codes.numel() == 0 for m in model.moes for pair in m.expert_quants
+               for q in pair)
     ours = model_logits(model, prompt)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()

@@ -28,11 +28,13 @@ torch path. It is not batch-invariant, so ``--deterministic`` refuses these mode
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from worker.config import ModelConfig
+from worker.config import MlaConfig, ModelConfig
 from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear, check_shape, copy_checked
 from worker.layers.mlp import Loader
 from worker.layers.norm import RMSNorm
@@ -44,9 +46,14 @@ from worker.quant.weight import QuantizedWeight
 
 
 class MlaAttention(nn.Module):
+    q_a_proj: MergedColumnParallelLinear | None
+    q_a_norm: RMSNorm | None
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
         super().__init__()
-        mla = cfg.mla
+        if cfg.mla is None:
+            raise ValueError(f"{cfg.architecture} has no latent attention")
+        mla: MlaConfig = cfg.mla
         self.mla, self.rotary = mla, rotary
         self.qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         self.scale = self.qk_head_dim ** -0.5
@@ -80,12 +87,13 @@ class MlaAttention(nn.Module):
                f"{prefix}o_proj.weight": self.o_proj.load}
         q = f"{prefix}q_b_proj.weight" if mla.q_lora_rank else f"{prefix}q_proj.weight"
         out[q] = lambda t: self.q_proj.load(0, self._rope_rows(t, self.qk_head_dim, mla.qk_nope_head_dim))
-        if mla.q_lora_rank:
-            out[f"{prefix}q_a_proj.weight"] = lambda t: self.q_a_proj.load(0, t)
-            out[f"{prefix}q_a_layernorm.weight"] = lambda t: copy_checked(self.q_a_norm.weight.data, t)
+        if self.q_a_proj is not None and self.q_a_norm is not None:
+            q_a_proj, q_a_norm = self.q_a_proj, self.q_a_norm
+            out[f"{prefix}q_a_proj.weight"] = lambda t: q_a_proj.load(0, t)
+            out[f"{prefix}q_a_layernorm.weight"] = lambda t: copy_checked(q_a_norm.weight.data, t)
         return out
 
-    def _rope_rows(self, tensor, period: int, rope_start: int) -> torch.Tensor:
+    def _rope_rows(self, tensor: Any, period: int, rope_start: int) -> torch.Tensor:
         """All of ``tensor`` (float), its rotary rows in each ``period`` (from ``rope_start``)
         permuted from neighbouring pairs to halves where the checkpoint interleaves them."""
         t = _floats(tensor[:], self.kv_b.dtype)
@@ -96,7 +104,7 @@ class MlaAttention(nn.Module):
         rows[:, rope_start:] = torch.cat([rope[:, 0::2], rope[:, 1::2]], dim=1)
         return t[rows.flatten()]
 
-    def _load_kv_b(self, tensor) -> None:
+    def _load_kv_b(self, tensor: Any) -> None:
         mla = self.mla
         per_head = mla.qk_nope_head_dim + mla.v_head_dim
         check_shape(tensor, (tensor.shape[0] // per_head * per_head, mla.kv_lora_rank))
@@ -106,13 +114,19 @@ class MlaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         mla, n, h = self.mla, x.shape[0], self.num_heads
-        q = self.q_proj.forward(self.q_a_norm.forward(self.q_a_proj.forward(x)) if self.q_a_proj else x)
-        q_nope, q_rot = q.view(n, h, self.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        c, k_rot = self.kv_a_proj.forward(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        nope, rank = mla.qk_nope_head_dim, mla.kv_lora_rank
+        if self.q_a_proj is not None and self.q_a_norm is not None:
+            x_q = self.q_a_norm.forward(self.q_a_proj.forward(x))
+        else:
+            x_q = x
+        q = self.q_proj.forward(x_q).view(n, h, self.qk_head_dim)
+        q_nope, q_rot = q[..., :nope], q[..., nope:]
+        kv = self.kv_a_proj.forward(x)
+        c, k_rot = kv[:, :rank], kv[:, rank:]
         q_rot, k_rot = self.rotary.forward(positions, q_rot.contiguous(), k_rot.contiguous().view(n, 1, -1))
         latent = torch.cat([self.kv_a_norm.forward(c.contiguous()), k_rot.view(n, -1)], dim=-1)
         write_latents(kv_cache, latent, meta)
-        w_uk, w_uv = self.kv_b.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
+        w_uk, w_uv = self.kv_b[:, :nope], self.kv_b[:, nope:]
         # each head's query in the latent space: [n, heads, kv_lora_rank + rope]
         q_latent = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rot], dim=-1)
         o_latent = latent_attention(q_latent, latent, kv_cache, meta, self.scale, mla.kv_lora_rank)
@@ -146,7 +160,7 @@ def latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tens
     ``value_size``) -> [n, heads, value_size]."""
     out = q.new_empty(q.shape[0], q.shape[1], value_size)
     nd, half = meta.num_decodes, q.shape[-1] // 2
-    if nd:
+    if nd and meta.decode_tables is not None and meta.decode_lens is not None:
         ctx = cached_latents(kv_cache, meta.decode_tables, half)  # [nd, S, latent_size]
         mask = torch.arange(ctx.shape[1], device=q.device)[None, :] < meta.decode_lens[:, None]
         o = sdpa(q[:nd].unsqueeze(2), ctx.unsqueeze(1), ctx[..., :value_size].unsqueeze(1),
@@ -155,12 +169,12 @@ def latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tens
     for span in meta.prefills:
         sl = slice(span.start, span.start + span.num_tokens)
         qs = q[sl].transpose(0, 1).unsqueeze(0)  # [1, heads, n, latent_size]
-        if span.block_ids is None:
-            ctx, mask = latent[sl], None
+        if span.block_ids is None:  # no cached context: the chunk's own latents, causal
+            ctx, causal = latent[sl], True
         else:
-            ctx, mask = cached_latents(kv_cache, span.block_ids, half)[:span.num_context + span.num_tokens], span.mask
-        o = sdpa(qs, ctx[None, None], ctx[None, None, :, :value_size], attn_mask=mask,
-                 is_causal=mask is None, scale=scale, enable_gqa=True)
+            ctx, causal = cached_latents(kv_cache, span.block_ids, half)[:span.num_context + span.num_tokens], False
+        o = sdpa(qs, ctx[None, None], ctx[None, None, :, :value_size], attn_mask=None if causal else span.mask,
+                 is_causal=causal, scale=scale, enable_gqa=True)
         out[sl] = o.squeeze(0).transpose(0, 1)
     return out
 
@@ -170,6 +184,6 @@ def _replicated(in_features: int, out_features: int, dtype: torch.dtype) -> Merg
     return MergedColumnParallelLinear(in_features, [out_features], False, dtype, out_features)
 
 
-def _floats(value, dtype: torch.dtype) -> torch.Tensor:
+def _floats(value: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """A checkpoint tensor's values in ``dtype`` (an FP8 checkpoint's quantized blocks dequantized)."""
     return dequantize(value, dtype) if isinstance(value, QuantizedWeight) else value.to(dtype)

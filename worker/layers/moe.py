@@ -43,6 +43,7 @@ from worker.quant.matmul import quant_linear
 from worker.quant.method import QuantMethod
 from worker.quant.weight import QuantizedWeight, cat_rows
 
+
 def select_experts(logits: torch.Tensor, cfg: MoeConfig,
                    correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [num_tokens, num_experts] float32 -> (weights, ids), each [num_tokens, top_k]."""
@@ -79,7 +80,7 @@ class SparseMoe(nn.Module):
     packed_shared_gate: PackedLinear | None = None
     # the local experts in one native call (``fused``), and the expert weights it was made for
     _fused: Callable[..., torch.Tensor] | None = None
-    _fused_source: object = None
+    _fused_source: list | None = None
 
     def __init__(self, hidden_size: int, cfg: MoeConfig, dtype: torch.dtype, names: tuple[str, str, str]):
         super().__init__()
@@ -269,8 +270,11 @@ class SparseMoe(nn.Module):
         experts (``pack``) and quantized ones with the int8-activation layout (the kernel
         choice, after loading). Made once per set of weights."""
         source = self.expert_quants if self.expert_quants is not None else self.expert_packs
-        if source is not self._fused_source:
-            self._fused_source, self._fused = source, _fused_experts(source, self.cfg.intermediate_size)
+        made_for = self._fused_source
+        if not (made_for is not None and source is not None and len(made_for) == len(source)
+                and all(a is b for a, b in zip(made_for, source))):  # new weights (or repacked in place)
+            self._fused_source = None if source is None else list(source)
+            self._fused = _fused_experts(source, self.cfg.intermediate_size)
         return self._fused
 
     def is_batch_invariant(self) -> bool:
@@ -300,7 +304,7 @@ def _fused_experts(experts: list | None, inter: int) -> Callable[..., torch.Tens
     if any(len(f) != 1 or None in f for f in formats):
         return None
     d13, d2 = [w.int8.data for w in w13], [w.int8.data for w in w2]
-    f13, f2 = (list(f.pop()) for f in formats)
+    f13, f2 = ([v for v in f.pop() or ()] for f in formats)
     return lambda x, tokens, slots, weights: torch.ops.kervan.moe_experts_i8(x, tokens, slots, weights, d13, d2,
                                                                             inter, f13, f2)
 

@@ -1,7 +1,8 @@
 """Rotary position embedding (rotate-half convention), with Llama-3, linear and YaRN
-frequency scaling (YaRN's as transformers computes it, DeepSeek-V2/V3's) and partial rotation (only the first ``rotary_dim`` channels of
-each head turn, as in GLM-4.5). cos/sin are computed in float32 for every
-position once, then cast to the model dtype, matching Hugging Face."""
+frequency scaling (YaRN's as transformers computes it, DeepSeek-V2/V3's) and partial
+rotation (only the first ``rotary_dim`` channels of each head turn, as in GLM-4.5). cos/sin
+are computed in float32 for every position once, then cast to the model dtype, matching
+Hugging Face."""
 
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ from torch import nn
 from worker.config import MOE_NAMING, ModelConfig
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear, copy_checked
-from worker.layers.mlp import Loader, SwiGLU
 from worker.layers.mla import MlaAttention
+from worker.layers.mlp import Loader, SwiGLU
 from worker.layers.moe import SparseMoe
 from worker.layers.norm import RMSNorm
 from worker.layers.paged_attention import AttentionMetadata, paged_attention

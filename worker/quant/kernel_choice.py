@@ -30,7 +30,8 @@ the float kernel's answers at about the float kernel's perplexity, for the speed
 ``KERVAN_QUANT_ACTIVATIONS=int8`` takes one term (the LM head keeps two: tokens are chosen
 from its logits), ``float`` the float kernel. The choices are logged at start and exported on
 the worker's ``/metrics`` (``kervan_quant_kernel_info``). The packed codes are a second copy of
-the weight (the first stays for the embedding's rows)."""
+a dense weight (the first stays for the embedding's rows); a MoE expert's packed copy is its only
+one (its codes are dropped once packed: a GGUF mixture of experts is held once, not twice)."""
 
 from __future__ import annotations
 
@@ -82,20 +83,41 @@ def choose_kernels(model: nn.Module) -> list[KernelChoice]:
     for w in weights:
         if key(w) not in decided:
             decided[key(w)] = _decide(w, is_head=key(w)[-1])
-    # by the codes' identity (a tied head and its embedding pack once), in the model's order
-    packed = {id(w.codes): _packed(w, decided[key(w)].kernel) for w in weights if decided[key(w)].kernel != "float"}
+    # by the codes' identity (a tied head and its embedding pack once), in the model's order; the
+    # experts apart, below
+    experts = {id(q.codes) for m in model.modules() for pair in getattr(m, "expert_quants", None) or [] for q in pair}
+    packed = {id(w.codes): _packed(w, decided[key(w)].kernel) for w in weights
+              if decided[key(w)].kernel != "float" and id(w.codes) not in experts}
     packed = dict(zip(packed, in_one_buffer(list(packed.values()))))
+    del weights  # the experts' codes are freed as each is packed, below
     for module in model.modules():
         quant = getattr(module, "quant", None)
         if isinstance(quant, QuantizedWeight):
             module.quant = packed.get(id(quant.codes), quant)
-        experts = getattr(module, "expert_quants", None)
-        if experts:
-            module.expert_quants = [tuple(packed.get(id(q.codes), q) for q in pair) for pair in experts]
+        pairs = getattr(module, "expert_quants", None) or []
+        for i, pair in enumerate(pairs):  # in place: an expert's codes go as its packed copy comes
+            pairs[i] = tuple(_expert_packed(q, decided[key(q)].kernel) for q in pair)
     choices = list(decided.values())
     for choice in choices:
         log.info("quantized matmul %s", choice.describe())
     return choices
+
+
+def _expert_packed(w: QuantizedWeight, kernel: str) -> QuantizedWeight:
+    """An expert's weight in its kernel's layout, holding nothing else: its codes are read by
+    nothing but the packed copy (a GGUF mixture of experts is held once, not twice)."""
+    return w if kernel == "float" else without_codes(_packed(w, kernel))
+
+
+def without_codes(w: QuantizedWeight) -> QuantizedWeight:
+    """``w`` holding only its int8-activation layout where it has one: codes, scales and zeros
+    emptied to [out_features, 0] (its shape is kept; dequantizing it fails loudly)."""
+    if w.int8 is None:
+        return w
+
+    def empty(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.new_empty(t.shape[0], 0)
+    return replace(w, codes=empty(w.codes), scales=empty(w.scales), zeros=empty(w.zeros))
 
 
 def in_one_buffer(weights: list[QuantizedWeight]) -> list[QuantizedWeight]:
@@ -118,6 +140,8 @@ def with_int8(w: QuantizedWeight, terms: int = 1) -> QuantizedWeight:
 
 
 def _packed(w: QuantizedWeight, kernel: str) -> QuantizedWeight:
+    if w.int8 is not None and w.codes.numel() == 0:  # packed before, its codes dropped (``without_codes``)
+        return w
     return replace(w, int8=None) if kernel == "float" else with_int8(w, terms=2 if kernel == "int8x2" else 1)
 
 
