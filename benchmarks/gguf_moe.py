@@ -96,7 +96,7 @@ def copy_tokenizer(source: Path, writer: GGUFWriter) -> int:
 
 
 def write(target: Path, tokenizer: Path, shape: dict, seed: int = 0) -> None:
-    writer = GGUFWriter(str(target / "model.gguf"), "qwen2moe")
+    writer = GGUFWriter(str(target / f"qwen-moe-{shape['layers']}l-q4_0.gguf"), "qwen2moe")
     vocab = copy_tokenizer(tokenizer, writer)
     writer.add_name("random Qwen1.5-MoE-A2.7B shape")
     writer.add_context_length(shape["context"])
@@ -138,7 +138,7 @@ def write(target: Path, tokenizer: Path, shape: dict, seed: int = 0) -> None:
 
 def ensure_gguf_moe(tokenizer: Path, layers: int = SHAPE["layers"]) -> Path:
     target = cache_dir() / f"kervan-bench-gguf-qwen-moe-{layers}l-q4_0"
-    if (target / "model.gguf").is_file():
+    if any(target.glob("*.gguf")):
         return target
     tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=f".{target.name}-"))
     try:

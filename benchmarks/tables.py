@@ -59,18 +59,20 @@ def engine_throughput() -> str:
 
 def step_profile() -> str:
     """One row per (report, step): its time, its bound, and where the time went."""
-    rows = ["| report | step | wall ms | bound ms (memory / compute) | bound share | linear | attention | norm + "
-            "activation + rotary | other ops | Python |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| report | step | wall ms | bound ms (memory / compute) | bound share | linear | experts | attention "
+            "| norm + activation + rotary | other ops | Python |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, report in cells.reports("step_profile"):
         for point in report["points"]:
             ops = point["ops_ms"]
             elementwise = sum(ops.get(k, 0.0) for k in ("norm", "activation", "rotary"))
-            rest = sum(v for k, v in ops.items() if k not in ("linear", "attention", "norm", "activation", "rotary"))
+            rest = sum(v for k, v in ops.items()
+                       if k not in ("linear", "experts", "attention", "norm", "activation", "rotary"))
+            experts = f"{ops['experts']:.1f}" if "experts" in ops else "–"
             rows.append(f"| {label} | {point['step']} | {point['wall_ms']:.1f} "
                         f"| {point['memory_bound_ms']:.1f} / {point['compute_bound_ms']:.1f} "
                         f"| **{point['bound_share']:.2f}**{_share_range(point)} | {ops.get('linear', 0.0):.1f} "
-                        f"| {ops.get('attention', 0.0):.1f} | {elementwise:.1f} | {rest:.1f} "
+                        f"| {experts} | {ops.get('attention', 0.0):.1f} | {elementwise:.1f} | {rest:.1f} "
                         f"| {point['python_ms']:.1f}{_outside(point)} |")
     return "\n".join(rows) + "\n"
 
@@ -85,6 +87,21 @@ def _outside(point: dict) -> str:
     """`` (4.2% outside the stack)``, where the report measured it."""
     share = point.get("outside_stack_share")
     return "" if share is None else f" ({share:.1%} outside the stack)"
+
+
+def moe_layer() -> str:
+    """One row per (report, token count): the fused experts' call and the per-expert loop, their
+    ratio, and the fused call's share of the read bandwidth."""
+    rows = ["| report | experts in | tokens | experts read | fused ms | per-expert ms | per-expert / fused "
+            "| fused's share of read bandwidth |", "|---|---|---|---|---|---|---|---|"]
+    for label, report in cells.reports("moe_layer"):
+        args = report["arguments"]
+        kind = args["quantization"] or args["dtype"]
+        for p in report["points"]:
+            rows.append(f"| {label} | {kind} | {p['tokens']} | {p['experts_read']['median']:.1f} "
+                        f"| {cells.spread(p['fused_ms'], '{:,.2f}')} | {cells.spread(p['per_expert_ms'], '{:,.2f}')} "
+                        f"| {cells.ratio(p['speedup'])} | {cells.spread(p['fused_bandwidth_share'], '{:.2f}')} |")
+    return "\n".join(rows) + "\n"
 
 
 def linear_kernels() -> str:
@@ -274,6 +291,7 @@ def _model(path: str) -> str:
     return {"kervan-bench-v128256-llama1b": "Llama-3.2-1B shape (random weights)",
             "llama1b-q4_0.gguf": "Llama-3.2-1B shape (random weights), Q4_0 GGUF",
             "kervan-bench-v151936-qwen-moe": "Qwen1.5-MoE-A2.7B shape, 2 of 24 layers (random weights)",
+            "qwen-moe-24l-q4_0.gguf": "Qwen1.5-MoE-A2.7B shape, all 24 layers (random weights), Q4_0 GGUF",
             "smollm2-dense": "SmolLM2-135M (the GGUF expanded)",
             "SmolLM2-135M-Instruct.Q4_1.gguf": "SmolLM2-135M, the shipped Q4_1 GGUF"}.get(name, name)
 
@@ -415,7 +433,7 @@ def measured(benchmark: str, keys: tuple[str, ...] = ("summary",)) -> str:
     return "\n".join(tables)
 
 
-TABLES = {"engine_throughput": engine_throughput, "step_profile": step_profile, "linear_kernels": linear_kernels,
+TABLES = {"engine_throughput": engine_throughput, "step_profile": step_profile, "moe_layer": moe_layer, "linear_kernels": linear_kernels,
           "quantization": quantization, "quant-kernels": quant_kernels, "quant_activations": quant_activations,
           "invariance_cost": invariance_cost,
           "llama_cpp_parity": llama_cpp_parity, "peers": peers, "plan_published": plan_published,
