@@ -433,7 +433,8 @@ def measured(benchmark: str, keys: tuple[str, ...] = ("summary",)) -> str:
     return "\n".join(tables)
 
 
-TABLES = {"engine_throughput": engine_throughput, "step_profile": step_profile, "moe_layer": moe_layer, "linear_kernels": linear_kernels,
+TABLES = {"engine_throughput": engine_throughput, "step_profile": step_profile, "moe_layer": moe_layer,
+          "linear_kernels": linear_kernels,
           "quantization": quantization, "quant-kernels": quant_kernels, "quant_activations": quant_activations,
           "invariance_cost": invariance_cost,
           "llama_cpp_parity": llama_cpp_parity, "peers": peers, "plan_published": plan_published,

@@ -143,10 +143,10 @@ namespace vnni {
 #pragma GCC pop_options
 #endif
 
-// rows of x (its terms counted) from which a call takes AMX tiles where the CPU has them: one
-// whole tile. Measured on the AMX Xeon's 1B Q4_0 decode (two terms a row): 8 sequences 77 -> 87
-// tok/s against 32 rows; from 4 rows, 2 sequences fell from 48 to 20 and 6 from 70 to 59
-constexpr int64_t kAmxMinRows = 16;
+// rows of x (its terms counted) from which a call takes AMX tiles where the CPU has them. From 4
+// rows, the AMX Xeon's 1B Q4_0 decode fell from 48 to 20 tok/s at 2 sequences; from 16, 8 sequences
+// gained in one ad hoc run and not in llama_cpp_parity's (78 tok/s either way)
+constexpr int64_t kAmxMinRows = 32;
 
 // the instructions this process's kernel multiplies with: "vnni" (tiles of 16 features,
 // int8 codes stored shifted to unsigned), "avx2" (tiles of 8, int8 codes signed) or "" (none)
