@@ -114,10 +114,10 @@ def write(target: Path, tokenizer: Path, shape: dict, seed: int = 0) -> None:
     writer.add_file_type(2)  # MOSTLY_Q4_0
     listed = list(tensors(shape, vocab))
     for name, dims, kind in listed:
-        nbytes = int(np.prod(dims[:-1])) * dims[-1] // 32 * 18 if kind == Q4_0 else int(np.prod(dims)) * 4
         byte_shape = (*dims[:-1], dims[-1] // 32 * 18) if kind == Q4_0 else dims
-        writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8) if kind == Q4_0 else np.dtype(np.float32),
-                               nbytes, raw_dtype=kind if kind == Q4_0 else None)
+        dtype = np.dtype(np.uint8) if kind == Q4_0 else np.dtype(np.float32)
+        writer.add_tensor_info(name, byte_shape, dtype, int(np.prod(byte_shape)) * dtype.itemsize,
+                               raw_dtype=kind if kind == Q4_0 else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()

@@ -74,7 +74,7 @@ def time_calls(layer: SparseMoe, batches: list[tuple], fused: bool) -> float:
     """Seconds of the layer's routed experts over ``batches`` but the first (a warm-up); the
     shared expert and the router's matmul are part of neither path."""
     if not fused:  # the per-expert path: as the layer runs where no fused call is made
-        layer._fused_source, layer._fused = list(layer.expert_quants or layer.expert_packs or []), None
+        layer._fused_source, layer._fused = layer.expert_quants or layer.expert_packs, None
     else:
         layer._fused_source = None  # made again on the next call
     total = 0.0

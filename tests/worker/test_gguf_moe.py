@@ -115,8 +115,9 @@ def test_a_gguf_moe_serves_its_quantized_experts_through_the_fused_kernel(gguf_m
     assert moe.expert_quants is not None and moe.w13 is None  # the blocks as they ship, no float copy
     prompt = make_prompts([29])[0]
     from worker.quant.kernel_choice import choose_kernels
+    assert all(m.fused() is None for m in model.moes)  # the blocks as read: no layout for the fused call yet
     choose_kernels(model)  # as the engine's runner does: the int8-activation layout
-    assert all(m.fused() is not None for m in model.moes)
+    assert all(m.fused() is not None for m in model.moes)  # made again for the packed experts
     # each expert held once: its packed copy, its codes dropped
     assert all(q.int8 is not None and q.codes.numel() == 0 for m in model.moes for pair in m.expert_quants
                for q in pair)

@@ -61,32 +61,38 @@ at::Tensor pack_linear(at::Tensor weight) {
   return out;
 }
 
+// Column blocks [nb0, nb1) of x [M, K] (row stride lda) times the packed weight, into out (row
+// stride ldo), plus bias, on the calling thread: each block of up to kBlockM rows against every
+// block of the range, so a decode step's few rows read each weight byte once, front to back
 template <typename T>
-void linear_impl(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                 at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * kBlockN, lda = x.stride(0);
-  const T* xp = x.data_ptr<T>();
-  const T* wp = packed.data_ptr<T>();
-  const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
-  T* op = out.data_ptr<T>();
-  const int64_t bm = std::min(M, kBlockM);
-  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
-    alignas(64) float acc[kBlockM * kBlockN];
-    for (int64_t m0 = 0; m0 < M; m0 += bm) {
-      const int64_t rows = std::min(bm, M - m0);
-      for (int64_t nb = nb0; nb < nb1; ++nb) {
-        at::native::cpublas::brgemm(rows, kBlockN, K, lda, kBlockN, kBlockN, false, xp + m0 * lda,
-                                    wp + nb * K * kBlockN, acc, true);
-        for (int64_t r = 0; r < rows; ++r) {
-          T* dst = op + (m0 + r) * N + nb * kBlockN;
-          for (int64_t j = 0; j < kBlockN; j += kW) {
-            Vec v = Vec::loadu(acc + r * kBlockN + j);
-            if (bp != nullptr) v = v + load_floats(bp + nb * kBlockN + j);
-            store_floats(dst + j, v);
-          }
+void linear_blocks(const T* xp, int64_t M, int64_t K, int64_t lda, const T* wp, const T* bp, T* op, int64_t ldo,
+                   int64_t nb0, int64_t nb1) {
+  alignas(64) float acc[kBlockM * kBlockN];
+  for (int64_t m0 = 0; m0 < M; m0 += kBlockM) {
+    const int64_t rows = std::min(kBlockM, M - m0);
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      at::native::cpublas::brgemm(rows, kBlockN, K, lda, kBlockN, kBlockN, false, xp + m0 * lda, wp + nb * K * kBlockN,
+                                  acc, true);
+      for (int64_t r = 0; r < rows; ++r) {
+        T* dst = op + (m0 + r) * ldo + nb * kBlockN;
+        for (int64_t j = 0; j < kBlockN; j += kW) {
+          Vec v = Vec::loadu(acc + r * kBlockN + j);
+          if (bp != nullptr) v = v + load_floats(bp + nb * kBlockN + j);
+          store_floats(dst + j, v);
         }
       }
     }
+  }
+}
+
+template <typename T>
+void linear_impl(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                 at::Tensor& out) {
+  const int64_t NB = packed.size(0);
+  const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+    linear_blocks(x.data_ptr<T>(), x.size(0), x.size(1), x.stride(0), packed.data_ptr<T>(), bp, out.data_ptr<T>(),
+                  NB * kBlockN, nb0, nb1);
     at::native::cpublas::brgemm_release(true);
   });
 }
@@ -124,20 +130,10 @@ struct ExpertLinears {
     offsets = &offs;
   }
   void run(int which, int64_t e, int64_t nb0, int64_t nb1, T* out, int64_t ldo) {
-    const int64_t K = x.size(1), r0 = (*offsets)[e], M = (*offsets)[e + 1] - r0;
-    const T* xp = x.data_ptr<T>() + r0 * K;
-    const T* wp = (which == 0 ? w13 : w2)[e].template data_ptr<T>();
-    alignas(64) float acc[kBlockM * kBlockN];
-    for (int64_t m0 = 0; m0 < M; m0 += kBlockM) {
-      const int64_t rows = std::min(kBlockM, M - m0);
-      for (int64_t nb = nb0; nb < nb1; ++nb) {
-        at::native::cpublas::brgemm(rows, kBlockN, K, K, kBlockN, kBlockN, false, xp + m0 * K, wp + nb * K * kBlockN,
-                                    acc, true);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t j = 0; j < kBlockN; j += kW)
-            store_floats(out + (m0 + r) * ldo + nb * kBlockN + j, Vec::loadu(acc + r * kBlockN + j));
-      }
-    }
+    const int64_t K = x.size(1), r0 = (*offsets)[e];
+    linear_blocks(x.data_ptr<T>() + r0 * K, (*offsets)[e + 1] - r0, K, K,
+                  (which == 0 ? w13 : w2)[e].template data_ptr<T>(), static_cast<const T*>(nullptr), out, ldo, nb0,
+                  nb1);
   }
   void release() { at::native::cpublas::brgemm_release(true); }
 };

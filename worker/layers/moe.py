@@ -47,12 +47,6 @@ from worker.quant.weight import QuantizedWeight, cat_rows
 def select_experts(logits: torch.Tensor, cfg: MoeConfig,
                    correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [num_tokens, num_experts] float32 -> (weights, ids), each [num_tokens, top_k]."""
-    if cfg.scoring == "softmax" and cfg.num_groups == 1:
-        probs = logits.softmax(dim=-1)
-        weights, ids = probs.topk(cfg.top_k, dim=-1)
-        if cfg.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * cfg.routed_scaling_factor if cfg.routed_scaling_factor != 1.0 else weights, ids
     scores = logits.softmax(dim=-1) if cfg.scoring == "softmax" else logits.sigmoid()
     choice = scores + correction_bias if correction_bias is not None else scores
     if cfg.num_groups > 1:
@@ -80,7 +74,7 @@ class SparseMoe(nn.Module):
     packed_shared_gate: PackedLinear | None = None
     # the local experts in one native call (``fused``), and the expert weights it was made for
     _fused: Callable[..., torch.Tensor] | None = None
-    _fused_source: list | None = None
+    _fused_source: list | None = None  # the expert_quants or expert_packs list it was made for
 
     def __init__(self, hidden_size: int, cfg: MoeConfig, dtype: torch.dtype, names: tuple[str, str, str]):
         super().__init__()
@@ -270,11 +264,8 @@ class SparseMoe(nn.Module):
         experts (``pack``) and quantized ones with the int8-activation layout (the kernel
         choice, after loading). Made once per set of weights."""
         source = self.expert_quants if self.expert_quants is not None else self.expert_packs
-        made_for = self._fused_source
-        if not (made_for is not None and source is not None and len(made_for) == len(source)
-                and all(a is b for a, b in zip(made_for, source))):  # new weights (or repacked in place)
-            self._fused_source = None if source is None else list(source)
-            self._fused = _fused_experts(source, self.cfg.intermediate_size)
+        if source is not self._fused_source:  # new weights (the kernel choice sets a new list)
+            self._fused_source, self._fused = source, _fused_experts(source, self.cfg.intermediate_size)
         return self._fused
 
     def is_batch_invariant(self) -> bool:

@@ -120,12 +120,11 @@ class GgufTensor:
     def expert(self, e: int) -> GgufTensor:
         """Expert e's matrix of a stacked [experts, rows, columns] tensor (its bytes only)."""
         experts, rows, cols = self.shape
-        flat = self._data.reshape(experts * rows, -1) if self.kind in BLOCK_BYTES else self._data
-        if self.kind in BLOCK_BYTES:
-            data = flat[e * rows:(e + 1) * rows]
+        if self.kind in BLOCK_BYTES:  # [experts * rows, bytes a row]
+            data = self._data.reshape(experts * rows, -1)[e * rows:(e + 1) * rows]
         else:  # float bytes, flat
             size = rows * cols * torch.empty((), dtype=FLOAT_TYPES[self.kind]).element_size()
-            data = flat[e * size:(e + 1) * size]
+            data = self._data[e * size:(e + 1) * size]
         return GgufTensor(self.name, self.kind, data, (rows, cols), self._dtype, None)
 
     def __getitem__(self, index) -> torch.Tensor | QuantizedWeight:

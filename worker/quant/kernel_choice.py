@@ -94,9 +94,11 @@ def choose_kernels(model: nn.Module) -> list[KernelChoice]:
         quant = getattr(module, "quant", None)
         if isinstance(quant, QuantizedWeight):
             module.quant = packed.get(id(quant.codes), quant)
-        pairs = getattr(module, "expert_quants", None) or []
-        for i, pair in enumerate(pairs):  # in place: an expert's codes go as its packed copy comes
-            pairs[i] = tuple(_expert_packed(q, decided[key(q)].kernel) for q in pair)
+        pairs = getattr(module, "expert_quants", None)
+        if pairs:
+            for i, pair in enumerate(pairs):  # in place: an expert's codes go as its packed copy comes
+                pairs[i] = tuple(_expert_packed(q, decided[key(q)].kernel) for q in pair)
+            module.expert_quants = list(pairs)  # a new list: the layer's fused call is made again for it
     choices = list(decided.values())
     for choice in choices:
         log.info("quantized matmul %s", choice.describe())
