@@ -18,12 +18,15 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
+#include "prompt_runs.h"
 #include "vec.h"
 
 // Element -> float, written so the compiler vectorises it (bf16 is the top half of a float).
@@ -126,54 +129,40 @@ static void decode_any(const DecodeArgs<T>& a) {
 
 using kervan::kW;
 using kervan::load_floats;
+using kervan::softmax_in_place;
 using kervan::Vec;
-
-// exp(x - max) in place over n scores; returns their sum, and the max in *max_out.
-static inline float softmax_in_place(float* x, int64_t n, float* max_out) {
-  Vec mv(-std::numeric_limits<float>::infinity());
-  int64_t t = 0;
-  for (; t + kW <= n; t += kW) mv = at::vec::maximum(mv, Vec::loadu(x + t));
-  float mx = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, mv);
-  for (; t < n; ++t) mx = std::max(mx, x[t]);
-  *max_out = mx;
-  const Vec mxv(mx);
-  Vec sv(0.f);
-  for (t = 0; t + kW <= n; t += kW) {
-    const Vec e = (Vec::loadu(x + t) - mxv).exp_u20();
-    e.store(x + t);
-    sv = sv + e;
-  }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sv);
-  for (; t < n; ++t) {
-    x[t] = std::exp(x[t] - mx);
-    sum += x[t];
-  }
-  return sum;
-}
 
 // A split sequence's rows: its parts' outputs weighed by exp(part max - max), in part order,
 // over the parts' sums weighed alike.
+// One row of one head: part p's output at acc + p * step * D, its maximum and sum at mx[p * step]
+// and sums[p * step]. The same code for the parts of a decode row and of a prompt's run.
+template <typename T>
+static void combine_row(int64_t D, int64_t parts, int64_t step, const float* acc, const float* mx, const float* sums,
+                        std::vector<float>& out, T* dst) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t p = 0; p < parts; ++p) m = std::max(m, mx[p * step]);
+  out.assign(D, 0.f);
+  float total = 0.f;
+  for (int64_t p = 0; p < parts; ++p) {
+    const float weight = std::exp(mx[p * step] - m);
+    total += sums[p * step] * weight;
+    for (int64_t d = 0; d < D; ++d) out[d] += acc[p * step * D + d] * weight;
+  }
+  const float inv = 1.f / total;
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(out[d] * inv);
+}
+
 template <typename T>
 static void combine_parts(const DecodeArgs<T>& a, int64_t D, const std::vector<int64_t>& first_part,
                           const std::vector<float>& acc, const std::vector<float>& mx, const std::vector<float>& sums) {
   at::parallel_for(0, a.B * a.Hq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> out(D);
+    std::vector<float> out;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / a.Hq, h = w % a.Hq, p0 = first_part[b], parts = first_part[b + 1] - p0;
       if (parts == 1) continue;  // written by its item
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < parts; ++p) m = std::max(m, mx[(p0 + p) * a.Hq + h]);
-      std::fill(out.begin(), out.end(), 0.f);
-      float total = 0.f;
-      for (int64_t p = 0; p < parts; ++p) {
-        const int64_t slot = (p0 + p) * a.Hq + h;
-        const float weight = std::exp(mx[slot] - m);
-        total += sums[slot] * weight;
-        for (int64_t d = 0; d < D; ++d) out[d] += acc[slot * D + d] * weight;
-      }
-      const float inv = 1.f / total;
-      T* dst = a.out + (b * a.Hq + h) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(out[d] * inv);
+      const int64_t slot = p0 * a.Hq + h;
+      combine_row(D, parts, a.Hq, acc.data() + slot * D, mx.data() + slot, sums.data() + slot, out,
+                  a.out + (b * a.Hq + h) * D);
     }
   });
 }
@@ -194,11 +183,16 @@ static void combine_parts(const DecodeArgs<T>& a, int64_t D, const std::vector<i
 // alone, never on the batch: the result is batch-invariant.
 //
 // A prompt's tokens come as rows of their own (every token attends to its prefix through
-// the same block table, its length one more than the row before's): up to kRowsMax such
-// rows make one item, each K and V vector loaded once for all of them. Each row's sums run
-// as they would alone — the same chains over d, its own softmax over its own length, its
-// own chain over the tokens — so grouping changes the speed, never a row's bits.
+// the same block table, its length one more than the row before's): up to kRunMax such
+// rows make one item. Up to kRowsMax of them share each K and V vector load here; longer
+// runs go to ``attend_run`` (prompt_runs.h), one kv head's rows as two register-tiled
+// GEMMs. Each row's sums run as they would alone — the same chains over d, its own softmax
+// over its own length, its own chain over the tokens — so grouping changes the speed, never
+// a row's bits. Items are taken longest first from a shared counter: a prompt's later
+// tokens attend to more, and an even split of the item list left one thread three
+// quarters of the work.
 constexpr int64_t kPart = 512;
+constexpr int64_t kRunMax = 16;
 
 template <typename T, int64_t kD, int64_t kBS, int64_t kG>
 static void decode_vec(const DecodeArgs<T>& a) {
@@ -222,16 +216,21 @@ static void decode_vec(const DecodeArgs<T>& a) {
   struct Item {
     int64_t row, count, part;
   };
+  constexpr int64_t kWhole = -1;  // an item's part: all of them
   std::vector<Item> items;
   auto parts_of = [&](int64_t b) { return std::max<int64_t>(1, (a.lens[b] + kPart - 1) / kPart); };
   for (int64_t b = 0; b < a.B;) {
     int64_t n = 1;
     const int64_t* table = a.tables + b * a.max_blocks;
-    while (n < kRowsMax && b + n < a.B && a.lens[b + n] == a.lens[b] + n && parts_of(b + n) == parts_of(b) &&
+    while (n < kRunMax && b + n < a.B && a.lens[b + n] == a.lens[b] + n && parts_of(b + n) == parts_of(b) &&
            std::memcmp(table, a.tables + (b + n) * a.max_blocks, a.max_blocks * sizeof(int64_t)) == 0)
       ++n;
-    for (int64_t r = b; r < b + n; ++r) first_part[r + 1] = first_part[r] + parts_of(r);
-    for (int64_t p = 0; p < parts_of(b); ++p) items.push_back({b, n, p});
+    // a prompt's run past a part: one item walks its parts and combines them (kWhole), so the
+    // prompt's parts need no shared buffer (42 MB for 2,048 tokens at Llama-3.2-1B's heads)
+    const bool whole = n > kRowsMax && parts_of(b) > 1;
+    for (int64_t r = b; r < b + n; ++r) first_part[r + 1] = first_part[r] + (whole ? 1 : parts_of(r));
+    if (whole) items.push_back({b, n, kWhole});
+    for (int64_t p = 0; p < parts_of(b) && !whole; ++p) items.push_back({b, n, p});
     b += n;
   }
   const int64_t total_parts = first_part[a.B];
@@ -239,31 +238,75 @@ static void decode_vec(const DecodeArgs<T>& a) {
   const bool split = total_parts > a.B;
   std::vector<float> part_acc(split ? total_parts * a.Hq * kD : 0), part_max(split ? total_parts * a.Hq : 0),
       part_sum(split ? total_parts * a.Hq : 0);
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, num_items * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_work = static_cast<int64_t>(items.size()) * items_per_seq;
+  std::vector<int64_t> order(num_work);  // work (item, kv heads), the costliest first
+  std::iota(order.begin(), order.end(), 0);
+  auto cost = [&](int64_t w) {
+    const Item& item = items[w / items_per_seq];
+    const int64_t last = a.lens[item.row + item.count - 1];
+    return item.count * (item.part == kWhole ? last : std::min(last, (item.part + 1) * kPart) - item.part * kPart);
+  };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {  // a part's items together: its K/V stay in cache
+    const int64_t cx = cost(x), cy = cost(y);
+    return cx != cy ? cx > cy : items[x / items_per_seq].part < items[y / items_per_seq].part;
+  });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(num_work, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     // per row of the item: [rows, kD], [rows, part blocks * kBS], [rows, kD], [rows] x 2
-    std::vector<float> qf, scores, acc, mx, sums;
-    for (int64_t w = begin; w < end; ++w) {
+    std::vector<float> qf, scores, acc, mx, sums, combined;
+    for (int64_t taken = next++; taken < num_work; taken = next++) {
+      const int64_t w = order[taken];
       const Item item = items[w / items_per_seq];
       const int64_t h0 = w % items_per_seq * heads, part = item.part;
-      const int64_t j0 = part * kPartBlocks, t_begin = j0 * kBS;  // this part's first block and token
-      int64_t n_tokens[kRowsMax], nblocks = 0;
-      for (int64_t r = 0; r < item.count; ++r) {
-        n_tokens[r] = std::min(a.lens[item.row + r], t_begin + kPart) - t_begin;
-        nblocks = std::max(nblocks, (n_tokens[r] + kBS - 1) / kBS);
-      }
-      const int64_t stride = nblocks * kBS, span = rows * stride;
-      const int64_t* table = a.tables + item.row * a.max_blocks + j0;
+      auto part_tokens = [&](int64_t r, int64_t p) { return std::min(a.lens[item.row + r], (p + 1) * kPart) - p * kPart; };
       qf.resize(item.count * rows * kD);
-      scores.resize(item.count * span);  // whole blocks, so every store is a whole vector
-      acc.assign(item.count * rows * kD, 0.f);
-      mx.resize(item.count * rows);
-      sums.resize(item.count * rows);
-      float* __restrict__ sc = scores.data();
       for (int64_t r = 0; r < item.count; ++r) {
         const T* q = a.q + (item.row + r) * a.q_row + h0 * kG * kD;  // this item's query heads are adjacent
         for (int64_t i = 0; i < rows * kD; ++i) qf[r * rows * kD + i] = to_float(q, i) * a.scale;
       }
+      // a run's part p, every kv head of the item, into acc_p [count, rows, kD], mx_p and sums_p [count, rows]
+      auto attend_part = [&](int64_t p, float* acc_p, float* mx_p, float* sums_p) {
+        int64_t slot[kRunMax * kG], len[kRunMax * kG], longest = 0;  // one kv head's rows, token-major
+        for (int64_t r = 0; r < item.count; ++r) longest = std::max(longest, part_tokens(r, p));
+        const int64_t* table_p = a.tables + item.row * a.max_blocks + p * kPartBlocks;
+        for (int64_t hh = 0; hh < heads; ++hh) {
+          for (int64_t r = 0; r < item.count; ++r)
+            for (int64_t g = 0; g < kG; ++g) {
+              slot[r * kG + g] = r * rows + hh * kG + g;
+              len[r * kG + g] = part_tokens(r, p);
+            }
+          const int64_t offset = (h0 + hh) * kSpan;
+          kervan::attend_run<T, kD, kBS, kChains>(
+              item.count * kG, slot, len, (longest + kBS - 1) / kBS, qf.data(), acc_p, mx_p, sums_p,
+              [&](int64_t j) { return a.k + table_p[j] * a.block_stride + offset; },
+              [&](int64_t j) { return a.v + table_p[j] * a.block_stride + offset; }, scores);
+        }
+      };
+      if (part == kWhole) {
+        const int64_t parts = parts_of(item.row), step = item.count * rows;
+        acc.assign(parts * step * kD, 0.f);
+        mx.resize(parts * step);
+        sums.resize(parts * step);
+        for (int64_t p = 0; p < parts; ++p)
+          attend_part(p, acc.data() + p * step * kD, mx.data() + p * step, sums.data() + p * step);
+        for (int64_t i = 0; i < step; ++i)
+          combine_row(kD, parts, step, acc.data() + i * kD, mx.data() + i, sums.data() + i, combined,
+                      a.out + (item.row * a.Hq + h0 * kG) * kD + (i / rows * a.Hq + i % rows) * kD);
+        continue;
+      }
+      const int64_t j0 = part * kPartBlocks;  // this part's first block
+      int64_t n_tokens[kRunMax], nblocks = 0;
+      for (int64_t r = 0; r < item.count; ++r) {
+        n_tokens[r] = part_tokens(r, part);
+        nblocks = std::max(nblocks, (n_tokens[r] + kBS - 1) / kBS);
+      }
+      const int64_t stride = nblocks * kBS, span = rows * stride;
+      const int64_t* table = a.tables + item.row * a.max_blocks + j0;
+      if (item.count <= kRowsMax) scores.resize(item.count * span);  // whole blocks: every store a whole vector
+      acc.assign(item.count * rows * kD, 0.f);
+      mx.resize(item.count * rows);
+      sums.resize(item.count * rows);
+      float* __restrict__ sc = scores.data();
       auto k_at = [&](int64_t j) { return a.k + table[j] * a.block_stride + h0 * kSpan; };
       auto v_at = [&](int64_t j) { return a.v + table[j] * a.block_stride + h0 * kSpan; };
       for (int64_t j = 0; j < std::min(nblocks, kAhead); ++j) {
@@ -351,7 +394,9 @@ static void decode_vec(const DecodeArgs<T>& a) {
           }
         }
       };
-      switch (item.count) {  // rows of a run come in length order: the last is the longest
+      if (item.count > kRowsMax) {
+        attend_part(part, acc.data(), mx.data(), sums.data());
+      } else switch (item.count) {  // rows of a run come in length order: the last is the longest
         case 4: if constexpr (kRowsMax >= 4) { score_rows.template operator()<4>(); break; } [[fallthrough]];
         case 3: if constexpr (kRowsMax >= 3) { score_rows.template operator()<3>(); break; } [[fallthrough]];
         case 2: if constexpr (kRowsMax >= 2) { score_rows.template operator()<2>(); break; } [[fallthrough]];
