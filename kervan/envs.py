@@ -99,6 +99,18 @@ def decode_stack() -> str:
         raise ValueError(f"{KERVAN_DECODE_STACK}={value!r}; expected auto or off")
     return value
 
+# the C heap of a process serving on the CPU: "keep" (freed memory reused by the next step, as
+# tcmalloc does; worker/kv/memory.py) or "system" (glibc's defaults)
+KERVAN_HEAP = "KERVAN_HEAP"
+
+
+def heap() -> str:
+    value = os.environ.get(KERVAN_HEAP, "keep")
+    if value not in ("keep", "system"):
+        raise ValueError(f"{KERVAN_HEAP}={value!r}; expected keep or system")
+    return value
+
+
 # standard variables Kervan honours: oneDNN's ISA cap (PyTorch's own,
 # ATEN_CPU_CAPABILITY, is read back through torch.backends.cpu.get_cpu_capability())
 # and the C++ compiler the native kernels are built with

@@ -20,7 +20,7 @@ from kervan.sampling import SamplingParams
 from worker.batch import KVWrite, ScheduledBatch, ScheduledSequence
 from worker.config import ConfigError, EngineConfig
 from worker.kernels import has_native_kernels
-from worker.kv.memory import zeros_on_huge_pages
+from worker.kv.memory import keep_freed_heap, zeros_on_huge_pages
 from worker.layers.paged_attention import AttentionMetadata
 from worker.models.decode_stack import build_decode_stack
 from worker.models.decoder import DecoderModel
@@ -57,6 +57,8 @@ class ModelRunner:
         self.group = group
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_heap()  # each step's activations on pages the last step freed
         cfg = model.cfg
         # a pipeline stage holds the KV of its layers only; one block past the pool's pads CUDA graphs' batches
         self.pad_block = config.num_kv_blocks
