@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from kervan import envs
 from worker.platform import DTYPE_CHOICES, current_platform, dtype_name
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout a report stamps
@@ -49,10 +50,18 @@ def commit(root: Path = ROOT) -> str:
     return head + ("-dirty" if dirty else "")
 
 
+# the environment variables that change what the engine computes or how (never a key or secret)
+ENGINE_SWITCHES = (envs.KERVAN_ATTENTION_BACKEND, envs.KERVAN_DECODE_STACK, envs.KERVAN_HEAP,
+                   envs.KERVAN_QUANT_ACTIVATIONS, envs.KERVAN_WEIGHT_PACKING)
+
+
 def write_report(report: dict, path: str | None, args: argparse.Namespace | None = None) -> None:
     """Print the report; with ``path``, also write it there with the commit it measured
     (and, with ``args``, the arguments it ran with)."""
     report = {**report, "commit": commit()}
+    settings = {k: os.environ[k] for k in ENGINE_SWITCHES if k in os.environ}
+    if settings:  # the engine's own switches this run was measured under
+        report.setdefault("environment", settings)
     if args is not None:
         report.setdefault("arguments", vars(args))
     text = json.dumps(report, indent=2)
