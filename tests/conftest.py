@@ -95,6 +95,16 @@ _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "M
          "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
+@pytest.fixture
+def two_threads():
+    """Two threads, whatever the machine: the native kernels split work by sequence only when
+    there are twice as many sequences as threads, and a test names which split it exercises."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory):
     """kind -> (transformers model, directory it was saved to), built lazily."""

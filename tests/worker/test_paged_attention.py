@@ -7,16 +7,8 @@ from worker.kernels import has_native_kernels
 from worker.layers.paged_attention import AttentionMetadata, paged_attention
 from worker.runner.model_runner import allocate_kv_caches
 
-pytestmark = [pytest.mark.isa, pytest.mark.skipif(not has_native_kernels(), reason="native kernels unavailable here")]
-
-
-@pytest.fixture(autouse=True)
-def two_threads():
-    """The kernels split work by sequence only when there are twice as many as threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.isa, pytest.mark.skipif(not has_native_kernels(), reason="native kernels unavailable here"),
+              pytest.mark.usefixtures("two_threads")]
 
 
 def run(native, dtype, heads, kv_heads, head_dim, block_size, decode_lens, prefill, seed=0, num_blocks=64):

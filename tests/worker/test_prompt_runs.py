@@ -7,15 +7,8 @@ import torch
 from worker.kernels import has_native_kernels
 from worker.runner.model_runner import allocate_kv_caches
 
-pytestmark = [pytest.mark.isa, pytest.mark.skipif(not has_native_kernels(), reason="native kernels unavailable here")]
-
-
-@pytest.fixture(autouse=True)
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.isa, pytest.mark.skipif(not has_native_kernels(), reason="native kernels unavailable here"),
+              pytest.mark.usefixtures("two_threads")]
 
 
 def prompt_rows(dtype, heads, kv_heads, head_dim, block_size, runs, seed=0):
