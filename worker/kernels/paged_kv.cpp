@@ -132,10 +132,10 @@ using kervan::load_floats;
 using kervan::softmax_in_place;
 using kervan::Vec;
 
-// A split sequence's rows: its parts' outputs weighed by exp(part max - max), in part order,
-// over the parts' sums weighed alike.
-// One row of one head: part p's output at acc + p * step * D, its maximum and sum at mx[p * step]
-// and sums[p * step]. The same code for the parts of a decode row and of a prompt's run.
+// A split row of one head: its parts' outputs weighed by exp(part max - max), in part order,
+// over the parts' sums weighed alike. Part p's output is at acc + p * step * D, its maximum and
+// sum at mx[p * step] and sums[p * step]. The same code for a decode row's parts (combine_parts)
+// and a prompt run's (decode_vec's whole-run items), so the two give the same bits.
 template <typename T>
 static void combine_row(int64_t D, int64_t parts, int64_t step, const float* acc, const float* mx, const float* sums,
                         std::vector<float>& out, T* dst) {

@@ -9,7 +9,8 @@ A step's activations come from the C heap, and glibc's malloc serves every block
 mmap threshold (at most 32 MiB; a 2,048-token step at Llama-3.2-1B's shape allocates 64 MiB
 for gate/up alone) with a fresh ``mmap`` and unmaps it when freed, so every step the kernel
 zeroes and maps those pages again on first touch, inside the matmul and activation kernels
-that write them: 5-12% of a 1B prompt step on the AMX Xeon. tcmalloc and jemalloc keep freed
+that write them: a 2,048-token prompt step at 1B took 1.26-1.31x as long on the AMX Xeon
+(``benchmarks/pages/engine_throughput.md``). tcmalloc and jemalloc keep freed
 memory, which is why vLLM's and SGLang's CPU backends ask for them with ``LD_PRELOAD``; a
 library cannot preload, but glibc takes the same policy from ``mallopt``
 (``keep_freed_heap``)."""
