@@ -34,7 +34,9 @@ def test_a_freed_block_comes_back_without_page_faults():
     kept, kept_faults = faults("keep")
     system, system_faults = faults("system")
     assert (kept, system) == ("True", "False")
-    assert system_faults > 5 * 16384 * 0.9  # glibc's default: 16,384 pages mapped again every time
+    # glibc's default maps the block anew every time: 16,384 faults each on 4 KiB pages (32 where
+    # transparent huge pages are always on); kept, the heap's pages are reused
+    assert kept_faults * 10 < system_faults
     assert kept_faults < 1000
 
 
