@@ -25,6 +25,7 @@ import torch
 from kervan import envs
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's <malloc.h>
+_heap_kept: bool | None = None  # keep_freed_heap's outcome, once a process asked
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -68,6 +69,3 @@ def keep_freed_heap() -> bool:
                 return False
             _heap_kept = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
     return _heap_kept
-
-
-_heap_kept: bool | None = None
