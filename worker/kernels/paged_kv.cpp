@@ -216,7 +216,7 @@ static void decode_vec(const DecodeArgs<T>& a) {
   struct Item {
     int64_t row, count, part;
   };
-  constexpr int64_t kWhole = -1;  // an item's part: all of them
+  constexpr int64_t kWhole = -1;  // a run's item: all its parts, combined in the item
   std::vector<Item> items;
   auto parts_of = [&](int64_t b) { return std::max<int64_t>(1, (a.lens[b] + kPart - 1) / kPart); };
   for (int64_t b = 0; b < a.B;) {
@@ -225,9 +225,9 @@ static void decode_vec(const DecodeArgs<T>& a) {
     while (n < kRunMax && b + n < a.B && a.lens[b + n] == a.lens[b] + n && parts_of(b + n) == parts_of(b) &&
            std::memcmp(table, a.tables + (b + n) * a.max_blocks, a.max_blocks * sizeof(int64_t)) == 0)
       ++n;
-    // a prompt's run past a part: one item walks its parts and combines them (kWhole), so the
-    // prompt's parts need no shared buffer (42 MB for 2,048 tokens at Llama-3.2-1B's heads)
-    const bool whole = n > kRowsMax && parts_of(b) > 1;
+    // a prompt's run: one item walks its parts and combines them (kWhole), so the prompt's parts
+    // need no shared buffer (42 MB for 2,048 tokens at Llama-3.2-1B's heads)
+    const bool whole = n > kRowsMax;
     for (int64_t r = b; r < b + n; ++r) first_part[r + 1] = first_part[r] + (whole ? 1 : parts_of(r));
     if (whole) items.push_back({b, n, kWhole});
     for (int64_t p = 0; p < parts_of(b) && !whole; ++p) items.push_back({b, n, p});
@@ -239,12 +239,12 @@ static void decode_vec(const DecodeArgs<T>& a) {
   std::vector<float> part_acc(split ? total_parts * a.Hq * kD : 0), part_max(split ? total_parts * a.Hq : 0),
       part_sum(split ? total_parts * a.Hq : 0);
   const int64_t num_work = static_cast<int64_t>(items.size()) * items_per_seq;
-  std::vector<int64_t> order(num_work);  // work (item, kv heads)
+  // with prompt runs, work (item, kv heads) goes costliest first from a shared counter; decode rows
+  // alone keep the even split, whose contiguous items walk a block's heads front to back (one long
+  // row's parts and heads taken alternately by two threads decoded 15% slower)
+  const bool has_runs = std::any_of(items.begin(), items.end(), [](const Item& i) { return i.part == kWhole; });
+  std::vector<int64_t> order(has_runs ? num_work : 0);
   std::iota(order.begin(), order.end(), 0);
-  // with prompt runs, the costliest first from a shared counter; decode rows alone keep the even
-  // split, whose contiguous items walk a block's heads front to back (one long row's parts and
-  // heads taken alternately by two threads decoded 15% slower)
-  const bool has_runs = std::any_of(items.begin(), items.end(), [](const Item& i) { return i.count > kRowsMax; });
   auto cost = [&](int64_t w) {
     const Item& item = items[w / items_per_seq];
     const int64_t last = a.lens[item.row + item.count - 1];
@@ -262,7 +262,7 @@ static void decode_vec(const DecodeArgs<T>& a) {
     std::vector<float> qf, scores, acc, mx, sums, combined;
     auto take = [&, i = begin]() mutable { return has_runs ? next++ : i < end ? i++ : num_work; };
     for (int64_t taken = take(); taken < num_work; taken = take()) {
-      const int64_t w = order[taken];
+      const int64_t w = has_runs ? order[taken] : taken;
       const Item item = items[w / items_per_seq];
       const int64_t h0 = w % items_per_seq * heads, part = item.part;
       auto part_tokens = [&](int64_t r, int64_t p) { return std::min(a.lens[item.row + r], (p + 1) * kPart) - p * kPart; };
@@ -309,7 +309,7 @@ static void decode_vec(const DecodeArgs<T>& a) {
       }
       const int64_t stride = nblocks * kBS, span = rows * stride;
       const int64_t* table = a.tables + item.row * a.max_blocks + j0;
-      if (item.count <= kRowsMax) scores.resize(item.count * span);  // whole blocks: every store a whole vector
+      scores.resize(item.count * span);  // whole blocks, so every store is a whole vector
       acc.assign(item.count * rows * kD, 0.f);
       mx.resize(item.count * rows);
       sums.resize(item.count * rows);
@@ -401,9 +401,7 @@ static void decode_vec(const DecodeArgs<T>& a) {
           }
         }
       };
-      if (item.count > kRowsMax) {
-        attend_part(part, acc.data(), mx.data(), sums.data());
-      } else switch (item.count) {  // rows of a run come in length order: the last is the longest
+      switch (item.count) {  // rows of a run come in length order: the last is the longest
         case 4: if constexpr (kRowsMax >= 4) { score_rows.template operator()<4>(); break; } [[fallthrough]];
         case 3: if constexpr (kRowsMax >= 3) { score_rows.template operator()<3>(); break; } [[fallthrough]];
         case 2: if constexpr (kRowsMax >= 2) { score_rows.template operator()<2>(); break; } [[fallthrough]];
