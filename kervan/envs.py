@@ -10,6 +10,14 @@ import json
 import os
 from pathlib import Path
 
+def _one_of(name: str, choices: tuple[str, ...]) -> str:
+    """The variable's value, one of ``choices`` (unset: the first)."""
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}; expected {', '.join(choices[:-1])} or {choices[-1]}")
+    return value
+
+
 # where the embedded default model (and later other artefacts) are written
 KERVAN_CACHE_DIR = "KERVAN_CACHE_DIR"
 
@@ -23,10 +31,7 @@ KERVAN_ATTENTION_BACKEND = "KERVAN_ATTENTION_BACKEND"
 
 
 def attention_backend() -> str:
-    value = os.environ.get(KERVAN_ATTENTION_BACKEND, "auto")
-    if value not in ("auto", "native", "torch"):
-        raise ValueError(f"{KERVAN_ATTENTION_BACKEND}={value!r}; expected auto, native or torch")
-    return value
+    return _one_of(KERVAN_ATTENTION_BACKEND, ("auto", "native", "torch"))
 
 # seconds a start waits for another process building the native kernels before it
 # uses the PyTorch path instead
@@ -69,10 +74,7 @@ KERVAN_WEIGHT_PACKING = "KERVAN_WEIGHT_PACKING"
 
 
 def weight_packing() -> str:
-    value = os.environ.get(KERVAN_WEIGHT_PACKING, "auto")
-    if value not in ("auto", "onednn", "off"):
-        raise ValueError(f"{KERVAN_WEIGHT_PACKING}={value!r}; expected auto, onednn or off")
-    return value
+    return _one_of(KERVAN_WEIGHT_PACKING, ("auto", "onednn", "off"))
 
 
 # the kernel of quantized matmuls with integer codes, for every call: "float" (x as it comes, codes decoded
@@ -83,10 +85,7 @@ QUANT_ACTIVATIONS = ("auto", "float", "int8", "int8x2")
 
 
 def quant_activations() -> str:
-    value = os.environ.get(KERVAN_QUANT_ACTIVATIONS, "auto")
-    if value not in QUANT_ACTIVATIONS:
-        raise ValueError(f"{KERVAN_QUANT_ACTIVATIONS}={value!r}; expected one of {', '.join(QUANT_ACTIVATIONS)}")
-    return value
+    return _one_of(KERVAN_QUANT_ACTIVATIONS, QUANT_ACTIVATIONS)
 
 # decode steps through the native decode stack ("auto": wherever it applies, worker/models/decode_stack.py)
 # or the model's Python modules ("off": the reference path, and the baseline its benchmark compares with)
@@ -94,10 +93,7 @@ KERVAN_DECODE_STACK = "KERVAN_DECODE_STACK"
 
 
 def decode_stack() -> str:
-    value = os.environ.get(KERVAN_DECODE_STACK, "auto")
-    if value not in ("auto", "off"):
-        raise ValueError(f"{KERVAN_DECODE_STACK}={value!r}; expected auto or off")
-    return value
+    return _one_of(KERVAN_DECODE_STACK, ("auto", "off"))
 
 # the C heap of a process serving on the CPU: "keep" (freed memory reused by the next step, as
 # tcmalloc does; worker/kv/memory.py) or "system" (glibc's defaults)
@@ -105,10 +101,7 @@ KERVAN_HEAP = "KERVAN_HEAP"
 
 
 def heap() -> str:
-    value = os.environ.get(KERVAN_HEAP, "keep")
-    if value not in ("keep", "system"):
-        raise ValueError(f"{KERVAN_HEAP}={value!r}; expected keep or system")
-    return value
+    return _one_of(KERVAN_HEAP, ("keep", "system"))
 
 
 # standard variables Kervan honours: oneDNN's ISA cap (PyTorch's own,
