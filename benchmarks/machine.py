@@ -50,15 +50,25 @@ def commit(root: Path = ROOT) -> str:
     return head + ("-dirty" if dirty else "")
 
 
+def uncommitted(root: Path = ROOT) -> str:
+    """What a ``-dirty`` checkout changed against its commit, as ``git diff`` prints it (the
+    reports under ``benchmarks/results/`` aside): stored in its report, so a reader can tell what
+    code was measured."""
+    return subprocess.run(["git", "diff", "HEAD", "--", ".", ":(exclude)benchmarks/results"], cwd=root,
+                          capture_output=True, text=True, check=True).stdout
+
+
 # the environment variables that change what the engine computes or how (never a key or secret)
 ENGINE_SWITCHES = (envs.KERVAN_ATTENTION_BACKEND, envs.KERVAN_DECODE_STACK, envs.KERVAN_HEAP,
                    envs.KERVAN_QUANT_ACTIVATIONS, envs.KERVAN_WEIGHT_PACKING)
 
 
-def write_report(report: dict, path: str | None, args: argparse.Namespace | None = None) -> None:
-    """Print the report; with ``path``, also write it there with the commit it measured
-    (and, with ``args``, the arguments it ran with)."""
-    report = {**report, "commit": commit()}
+def write_report(report: dict, path: str | None, args: argparse.Namespace | None = None, root: Path = ROOT) -> None:
+    """Print the report; with ``path``, also write it there with the commit it measured (and the
+    diff of a dirty checkout, and, with ``args``, the arguments it ran with)."""
+    report = {**report, "commit": commit(root)}
+    if report["commit"].endswith("-dirty"):
+        report["diff"] = uncommitted(root)
     settings = {k: os.environ[k] for k in ENGINE_SWITCHES if k in os.environ}
     if settings:  # the engine's own switches this run was measured under
         report.setdefault("environment", settings)

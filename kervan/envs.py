@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+
 def _one_of(name: str, choices: tuple[str, ...]) -> str:
     """The variable's value, one of ``choices`` (unset: the first)."""
     value = os.environ.get(name, choices[0])

@@ -1,10 +1,13 @@
 """What a benchmark report stamps: its commit, ``-dirty`` when the code differs from it (not
-when an earlier report of the same series was just written under ``benchmarks/results/``),
-and MKL's cap beside the ISA level PyTorch's and oneDNN's caps give."""
+when an earlier report of the same series was just written under ``benchmarks/results/``) with
+the diff that made it so, the engine's switches it ran under, and MKL's cap beside the ISA level
+PyTorch's and oneDNN's caps give."""
 
+import json
 import subprocess
 
-from benchmarks.machine import commit, machine
+from benchmarks.machine import commit, machine, write_report
+from kervan import envs
 
 
 def git(root, *args):
@@ -33,3 +36,20 @@ def test_the_machine_records_mkls_cap_when_one_is_set(monkeypatch):
     assert "mkl_cap" not in machine()
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
     assert machine()["mkl_cap"] == "AVX2"
+
+
+def test_a_dirty_report_carries_its_diff_and_the_engines_switches(tmp_path, monkeypatch):
+    code = tmp_path / "engine.py"
+    code.write_text("x = 1\n")
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-q", "-m", "start")
+    monkeypatch.setenv(envs.KERVAN_HEAP, "system")
+    monkeypatch.setenv(envs.KERVAN_API_KEY, "secret")
+    write_report({"rounds": 1}, str(tmp_path / "clean.json"), root=tmp_path)
+    clean = json.loads((tmp_path / "clean.json").read_text())
+    assert "diff" not in clean and clean["environment"] == {envs.KERVAN_HEAP: "system"}  # never a key
+    code.write_text("x = 2\n")
+    write_report({"rounds": 1}, str(tmp_path / "dirty.json"), root=tmp_path)
+    dirty = json.loads((tmp_path / "dirty.json").read_text())
+    assert dirty["commit"].endswith("-dirty") and "-x = 1" in dirty["diff"] and "+x = 2" in dirty["diff"]
